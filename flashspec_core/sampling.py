@@ -1,0 +1,69 @@
+"""The one function that turns logits into the distribution a token is drawn from.
+
+The target and every draft go through `logprobs_from_logits`, so the p the verifier tests against
+and the q a draft claims are processed identically: temperature on the logits before the softmax,
+then top-k, then top-p (nucleus) on what remains. Temperature 0 means greedy: a one-hot
+distribution at the argmax (first index on ties, as `torch.argmax` and HF `generate` pick).
+"""
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    """How to sample. Validation errors are `ValueError`s naming the field."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(0.0, ge=0.0, description="0 means greedy; must be >= 0")
+    top_k: int = Field(0, ge=0, description="0 disables; otherwise keep the k most likely tokens")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]; 1 disables")
+    seed: int | None = Field(None, description="seeds every random draw of a request")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logprobs_from_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Log-probabilities of the processed distribution, -inf outside its support.
+
+    logits: [..., V] any float dtype. Returns [..., V] float32.
+    """
+    logits = logits.float()
+    if sampling.greedy:
+        out = torch.full_like(logits, float("-inf"))
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
+    logits = logits / sampling.temperature
+    vocab = logits.shape[-1]
+    if 0 < sampling.top_k < vocab:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
+        drop_sorted = mass_before >= sampling.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.log_softmax(-1)
+
+
+def probs_from_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Probabilities of the processed distribution. logits: [..., V] -> [..., V] float32."""
+    return logprobs_from_logits(logits, sampling).exp()
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling with given uniforms, so two backends can share the randomness.
+
+    probs: [N, V] non-negative, need not be normalised (a residual max(0, p - q) is not);
+    uniforms: [N] in [0, 1). Returns [N] int64. Never picks a zero-probability token.
+    """
+    cdf = probs.cumsum(-1)
+    target = uniforms.to(cdf.dtype) * cdf[:, -1]
+    idx = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)

@@ -1,0 +1,74 @@
+"""Small dataclasses that cross module boundaries: arms, proposals, per-step records.
+
+They live apart from the engine so that drafts, routers and adapters can import them without
+pulling in the decode loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+NO_DRAFT = "none"
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One routing choice: which draft source proposes, and how many tokens (γ) it may propose.
+
+    `Arm(NO_DRAFT, 0)` is plain decoding, so speculation can switch itself off.
+    """
+
+    draft: str
+    gamma: int
+
+    def __str__(self) -> str:
+        return self.draft if self.gamma == 0 else f"{self.draft}@{self.gamma}"
+
+
+@dataclass
+class Proposal:
+    """What a draft source offers for one step.
+
+    tokens: one list per row, at most γ long (deterministic drafts may find nothing to copy).
+    probs:  [B, k, V] the distribution q each token was drawn from (k = len of every row), or
+            None for deterministic drafts, whose q is one-hot at the proposed token.
+    """
+
+    tokens: list[list[int]]
+    probs: torch.Tensor | None = None
+
+
+@dataclass
+class StepRecord:
+    """What one decode step did, for stats and for the router's reward.
+
+    `sequence` is row 0's full token list after the step (prompt + output so far, not a copy);
+    `sequence[:context_len]` is what the draft saw, so a router can score other drafts after the
+    fact against `sequence[context_len:]`, the verified tokens of this step.
+    """
+
+    domain: str
+    arm: Arm
+    drafted: int
+    accepted: int
+    emitted: int
+    draft_seconds: float
+    verify_seconds: float
+    context_len: int = 0
+    sequence: Sequence[int] = field(default_factory=list, repr=False)
+
+    @property
+    def seconds(self) -> float:
+        return self.draft_seconds + self.verify_seconds
+
+
+class Router(Protocol):
+    """Chooses an arm per step from past steps only (never the current draft or target values)."""
+
+    arms: Sequence[Arm]
+
+    def select(self, domain: str) -> Arm: ...
+
+    def update(self, record: StepRecord) -> None: ...
