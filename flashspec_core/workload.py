@@ -145,6 +145,8 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 22) -> Iterator[Any]:
             if end >= len(buf) and not eof:
                 refill()  # a bare number or literal may continue in the next chunk
                 continue
+            if end >= len(buf) and isinstance(item, (int, float)) and not isinstance(item, bool):
+                return  # a number cut by the truncation looks complete; drop it
             pos = end
             yield item
 
