@@ -1,0 +1,58 @@
+"""A draft that is itself a causal LM sharing the target's tokenizer (smaller, NF4, or distilled).
+
+It samples γ tokens autoregressively through the shared sampling function and returns the exact
+distributions it drew them from, so the verifier's min(1, p/q) test keeps the output exact. Its KV
+cache follows the verified sequence: whatever the verifier rejected is rolled back on the next call.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from flashspec_core.kv import CachedModel
+from flashspec_core.sampling import SamplingParams, probs_from_logits
+from flashspec_core.types import Proposal
+
+
+class ModelDraft:
+    """Autoregressive draft from an HF causal LM."""
+
+    deterministic = False
+
+    def __init__(self, model: PreTrainedModel, name: str = "model", pad_token_id: int = 0):
+        self.name = name
+        self.model = model
+        self._runner = CachedModel(model, pad_token_id)
+
+    def propose(
+        self,
+        contexts: Sequence[Sequence[int]],
+        gamma: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        if gamma <= 0:
+            return Proposal([[] for _ in contexts])
+        rows = [list(c) for c in contexts]
+        tokens, probs = [], []
+        for _ in range(gamma):
+            logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, V]
+            q = probs_from_logits(logits, sampling)  # [B, V]
+            if sampling.greedy:
+                token = q.argmax(-1)
+            else:
+                token = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            tokens.append(token)
+            probs.append(q)
+            for row, t in zip(rows, token.tolist()):
+                row.append(t)
+        drafted = torch.stack(tokens, dim=1).tolist()  # [B, γ]
+        return Proposal(drafted, torch.stack(probs, dim=1))  # probs: [B, γ, V]
+
+    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
+        self._runner.reset(len(prompts))
+
+    def end(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
+        """The cache is rebuilt per request; nothing to keep."""

@@ -1,0 +1,294 @@
+"""The decode loop: draft, verify, roll back, stream, stop.
+
+Each step the router picks an arm (a draft source and γ) from past steps only; the draft proposes,
+the target scores the proposal in one forward pass, `verify` accepts a prefix and appends the
+recovered or bonus token, and the target's cache rolls back to what was verified. The output is
+exactly the target's distribution whatever the arm; the arm only changes how fast it arrives.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from flashspec_core.drafts import DraftSource
+from flashspec_core.kv import CachedModel
+from flashspec_core.models import LoadedModel, vocab_size
+from flashspec_core.prompts import PromptLike, encode_prompt, is_batch, prompt_text
+from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
+from flashspec_core.routing.domains import resolve_domain
+from flashspec_core.sampling import SamplingParams
+from flashspec_core.stopping import RowOutput
+from flashspec_core.types import NO_DRAFT, Arm, Router, StepRecord
+from flashspec_core.verify import BACKENDS, verify
+
+DEFAULT_GAMMAS = (2, 4, 8)
+
+
+def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids = loaded.model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class SpecEngine:
+    """Exact speculative decoding over a pool of draft sources chosen per step by a router."""
+
+    _default: "SpecEngine | None" = None
+    _default_lock = threading.Lock()
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafts: Sequence[DraftSource] = (),
+        router: Router | str = "thompson",
+        gammas: Sequence[int] = DEFAULT_GAMMAS,
+        verify_backend: str = "auto",
+    ):
+        if verify_backend not in BACKENDS:
+            raise ValueError(f"verify_backend must be one of {BACKENDS}; got {verify_backend!r}")
+        if not gammas or any(not isinstance(g, int) or not 1 <= g <= 16 for g in gammas):
+            raise ValueError(f"gammas must be a non-empty list of ints in [1, 16]; got {list(gammas)!r}")
+        names = [d.name for d in drafts]
+        if len(set(names)) != len(names) or NO_DRAFT in names:
+            raise ValueError(f"drafts must have distinct names other than {NO_DRAFT!r}; got {names}")
+        self._target = target
+        self.drafts: dict[str, DraftSource] = {d.name: d for d in drafts}
+        self.arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in gammas]
+        if isinstance(router, str):
+            from flashspec_core.pool import make_router
+
+            router = make_router(router, self.arms, self.drafts)
+        self.router: Router = router
+        self.verify_backend = verify_backend
+        self.eos_ids = _eos_ids(target)
+        self.context_window = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    @classmethod
+    def from_default(cls) -> "SpecEngine":
+        """The embedded default target with the default draft pool and router, once per process."""
+        with cls._default_lock:
+            if cls._default is None:
+                from flashspec_core.pool import default_engine
+
+                cls._default = default_engine()
+            return cls._default
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | None = None,
+        drafts: Sequence[str | DraftSource] | None = None,
+        router: Router | str = "thompson",
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        load_in_4bit: bool = False,
+        gammas: Sequence[int] = DEFAULT_GAMMAS,
+        verify_backend: str = "auto",
+    ) -> "SpecEngine":
+        """target: None (embedded default), a .gguf file, a local folder or a cached HF id.
+
+        drafts: names from `flashspec_core.pool.DRAFT_NAMES`, paths or HF ids of model drafts, or
+        DraftSource objects; None gives the default pool.
+        """
+        from flashspec_core.pool import build_drafts, load_target
+
+        loaded = load_target(target, device=device, dtype=dtype, load_in_4bit=load_in_4bit)
+        pool = build_drafts(drafts, loaded, target, device=device, dtype=dtype)
+        return cls(loaded, pool, router=router, gammas=gammas, verify_backend=verify_backend)
+
+    @property
+    def tokenizer(self):
+        return self._target.tokenizer
+
+    @property
+    def target_model(self):
+        return self._target.model
+
+    @property
+    def model_name(self) -> str:
+        return self._target.name
+
+    def router_summary(self) -> dict:
+        """Per-domain arm choices and goodput, as the router reports them."""
+        summary = getattr(self.router, "summary", None)
+        return summary() if callable(summary) else {}
+
+    # ----------------------------------------------------------------------------------- API
+
+    def generate(
+        self,
+        prompt: PromptLike | Sequence[PromptLike],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        stop: str | Sequence[str] | None = None,
+        domain: str | None = None,
+        hint: str | None = None,
+    ) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (str, chat messages or token ids) or a list of them as a batch."""
+        batch = is_batch(prompt)
+        prompts = list(prompt) if batch else [prompt]
+        if not prompts:
+            raise ValueError("prompt: the batch is empty; pass at least one prompt")
+        rows, stats = None, None
+        for rows, _, stats in self._run(prompts, max_new_tokens, sampling, stop, domain, hint):
+            pass
+        results = [
+            GenerationResult(r.text, list(r.token_ids), r.finish_reason or "length", s, prompt_tokens=s.prompt_tokens)
+            for r, s in zip(rows, stats)
+        ]
+        return results if batch else results[0]
+
+    def stream(
+        self,
+        prompt: PromptLike,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        stop: str | Sequence[str] | None = None,
+        domain: str | None = None,
+        hint: str | None = None,
+    ) -> Iterator[StreamChunk]:
+        """Yield text as it is verified; the last chunk carries finish_reason and stats."""
+        if is_batch(prompt):
+            raise ValueError("prompt: stream takes one prompt; use generate for a batch")
+        for rows, new, stats in self._run([prompt], max_new_tokens, sampling, stop, domain, hint):
+            row = rows[0]
+            delta = row.take_delta()
+            if row.finished:
+                yield StreamChunk(delta, new[0], row.finish_reason, stats[0])
+            elif delta or new[0]:
+                yield StreamChunk(delta, new[0])
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def _validate(self, max_new_tokens: int, sampling, stop) -> tuple[SamplingParams, tuple[str, ...]]:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
+        if sampling is None:
+            sampling = SamplingParams()
+        elif isinstance(sampling, dict):
+            sampling = SamplingParams(**sampling)
+        elif not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams or a dict of its fields; got {type(sampling).__name__}")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of them; got {stop!r}")
+        return sampling, stops
+
+    def _encode_all(self, prompts: Sequence[PromptLike], max_new_tokens: int) -> list[list[int]]:
+        vocab = vocab_size(self.target_model)
+        encoded = [encode_prompt(self.tokenizer, p, vocab) for p in prompts]
+        for ids in encoded:
+            if len(ids) >= self.context_window:
+                raise ValueError(
+                    f"prompt: {len(ids)} tokens do not fit the model's context window of "
+                    f"{self.context_window}; shorten the prompt"
+                )
+            if len(ids) + max_new_tokens > self.context_window:
+                raise ValueError(
+                    f"max_new_tokens: the prompt has {len(ids)} tokens, so at most "
+                    f"{self.context_window - len(ids)} new tokens fit the context window of {self.context_window}"
+                )
+        return encoded
+
+    def _acquire(self) -> None:
+        if self._owner == threading.get_ident():
+            raise RuntimeError(
+                "this engine is still inside an unfinished stream in this thread; "
+                "exhaust or close() that stream before starting another request"
+            )
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+
+    def _release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def _run(self, prompts, max_new_tokens, sampling, stop, domain, hint):
+        sampling, stops = self._validate(max_new_tokens, sampling, stop)
+        encoded = self._encode_all(prompts, max_new_tokens)
+        step_domain = resolve_domain(domain, hint, prompt_text(self.tokenizer, prompts[0]))
+        self._acquire()
+        try:
+            yield from self._decode(encoded, max_new_tokens, sampling, stops, step_domain)
+        finally:
+            self._release()
+
+    def _generator(self, sampling: SamplingParams) -> torch.Generator:
+        gen = torch.Generator(device=self.target_model.get_output_embeddings().weight.device)
+        if sampling.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(sampling.seed)
+        return gen
+
+    def _propose(self, arm: Arm, seqs, active, gamma: int, sampling, gen):
+        """Returns draft tokens [B, g] (g = shortest active proposal) and q [B, g, V] or None."""
+        device = self.target_model.get_output_embeddings().weight.device
+        if arm.draft == NO_DRAFT or gamma <= 0:
+            return torch.empty((len(seqs), 0), dtype=torch.long, device=device), None
+        proposal = self.drafts[arm.draft].propose(seqs, gamma, sampling, gen)
+        g = min(len(t) for t, a in zip(proposal.tokens, active) if a)
+        tokens = torch.tensor([(t[:g] + [0] * g)[:g] for t in proposal.tokens], dtype=torch.long, device=device)
+        probs = None if proposal.probs is None else proposal.probs[:, :g].to(device)
+        return tokens.view(len(seqs), g), probs
+
+    def _decode(self, prompts, max_new_tokens, sampling, stops, domain):
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        target = CachedModel(self.target_model, pad)
+        target.reset(len(prompts))
+        for d in self.drafts.values():
+            d.begin(prompts)
+        rows = [RowOutput(self.tokenizer, self.eos_ids, stops, max_new_tokens) for _ in prompts]
+        seqs = [list(p) for p in prompts]
+        stats = [GenerationStats(domain, prompt_tokens=len(p)) for p in prompts]
+        gen = self._generator(sampling)
+        try:
+            while True:
+                active = [not r.finished for r in rows]
+                if not any(active):
+                    break
+                arm = self.router.select(domain)
+                remaining = min(r.max_new_tokens - len(r.token_ids) for r, a in zip(rows, active) if a)
+                t0 = time.perf_counter()
+                draft_tokens, draft_probs = self._propose(arm, seqs, active, min(arm.gamma, remaining - 1), sampling, gen)
+                g = draft_tokens.shape[1]
+                t1 = time.perf_counter()
+                dl = draft_tokens.tolist()
+                logits = target.forward_to([s + d for s, d in zip(seqs, dl)], active, keep_logits=g + 1)
+                n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=self.verify_backend, generator=gen)
+                n_acc, out = n_acc.tolist(), out.tolist()
+                t2 = time.perf_counter()
+                context_row = active.index(True)
+                context_len = len(seqs[context_row])
+                new = [[] for _ in rows]
+                for b in (b for b, a in enumerate(active) if a):
+                    new[b] = rows[b].append(out[b][: n_acc[b] + 1])
+                    seqs[b].extend(new[b])
+                record = StepRecord(
+                    domain=domain,
+                    arm=arm,
+                    drafted=g * sum(active),
+                    accepted=sum(n for n, a in zip(n_acc, active) if a),
+                    emitted=sum(len(n) for n in new),
+                    draft_seconds=t1 - t0,
+                    verify_seconds=t2 - t1,
+                    context_len=context_len,
+                    sequence=seqs[context_row],
+                )
+                self.router.update(record)
+                for b in (b for b, a in enumerate(active) if a):
+                    stats[b].drafted += g
+                    stats[b].accepted += n_acc[b]
+                    stats[b].seconds += record.seconds
+                    stats[b].records.append(record)
+                yield rows, new, stats
+        finally:
+            for d in self.drafts.values():
+                d.end(prompts, [r.token_ids for r in rows])

@@ -1,0 +1,106 @@
+"""A causal LM with its KV cache, kept in step with per-row token sequences.
+
+The engine and model drafts say which tokens each row should hold (`forward_to`); this class
+works out what the cache already holds, rolls back what was rejected and feeds the rest. Rows of
+a batch advance by different amounts, so a rejected slot in one row may sit below a slot another
+row still needs: such slots are masked out (attention mask 0) instead of cropped, and positions
+come from the count of valid slots, so each row sees exactly its own sequence. The cache itself is
+transformers' `DynamicCache`; only its tail, past every row's last valid slot, is cropped.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class CachedModel:
+    """One HF causal LM plus the cache and slot mask of a batch of rows."""
+
+    def __init__(self, model: PreTrainedModel, pad_token_id: int):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.device = model.get_output_embeddings().weight.device
+        # transformers renamed `past_key_values` to `cache` (5.2x); accept either release.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.reset(1)
+
+    def reset(self, batch_size: int) -> None:
+        self.cache = DynamicCache()
+        self.held: list[list[int]] = [[] for _ in range(batch_size)]
+        self.slot_mask = torch.zeros((batch_size, 0), dtype=torch.long, device=self.device)  # [B, S]
+
+    def _rollback(self, keep: list[int]) -> None:
+        """Keep the first keep[b] valid slots of each row; mask the rest, crop the common tail."""
+        ends = []
+        for b, k in enumerate(keep):
+            valid = self.slot_mask[b].nonzero().squeeze(-1)
+            if k < len(valid):
+                self.slot_mask[b, valid[k:]] = 0
+            ends.append(int(valid[k - 1]) + 1 if k > 0 else 0)
+            del self.held[b][k:]
+        new_len = max(ends)
+        drop = self.slot_mask.shape[1] - new_len
+        if drop > 0:
+            self.cache.crop(-drop)
+            self.slot_mask = self.slot_mask[:, :new_len]
+
+    @torch.inference_mode()
+    def forward_to(
+        self, sequences: Sequence[Sequence[int]], active: Sequence[bool] | None = None, keep_logits: int = 1
+    ) -> torch.Tensor:
+        """Make each active row hold `sequences[b]` and return the logits of its last positions.
+
+        Returns [B, keep_logits, V]: the logits after each of the last `keep_logits` tokens of each
+        active row (rows are right-aligned, so index -1 is every row's last token). Each active row
+        must feed at least `keep_logits` tokens; a row already holding its whole sequence re-feeds
+        its tail. Inactive rows feed nothing and their logits are meaningless.
+        """
+        bsz = len(sequences)
+        active = [True] * bsz if active is None else list(active)
+        keep = []
+        for b, seq in enumerate(sequences):
+            if not active[b]:
+                keep.append(len(self.held[b]))
+                continue
+            lcp = _common_prefix(self.held[b], seq)
+            keep.append(min(lcp, len(seq) - keep_logits))
+        if any(k < 0 for k in keep):
+            raise ValueError("sequences: each active row needs at least keep_logits tokens")
+        self._rollback(keep)
+
+        chunks = [list(seq[keep[b]:]) if active[b] else [] for b, seq in enumerate(sequences)]
+        width = max(len(c) for c in chunks)
+        ids = torch.full((bsz, width), self.pad_token_id, dtype=torch.long)
+        chunk_mask = torch.zeros((bsz, width), dtype=torch.long)
+        positions = torch.zeros((bsz, width), dtype=torch.long)
+        for b, chunk in enumerate(chunks):
+            if chunk:
+                ids[b, width - len(chunk):] = torch.tensor(chunk)
+                chunk_mask[b, width - len(chunk):] = 1
+                positions[b, width - len(chunk):] = torch.arange(keep[b], keep[b] + len(chunk))
+        ids, chunk_mask, positions = (t.to(self.device) for t in (ids, chunk_mask, positions))
+        attention = torch.cat([self.slot_mask, chunk_mask], dim=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=keep_logits,
+            **{self._cache_kwarg: self.cache},
+        )
+        self.slot_mask = attention
+        for b, chunk in enumerate(chunks):
+            self.held[b].extend(chunk)
+        return out.logits

@@ -1,0 +1,70 @@
+"""Prompts in the three forms the engine takes: raw text, chat messages, or token ids.
+
+Chat messages go through the target's own chat template (with the generation prompt added), so
+the model sees exactly the format it was trained on.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence, Union
+
+from transformers import PreTrainedTokenizerBase
+
+PromptLike = Union[str, Sequence[dict], Sequence[int]]
+
+
+def _is_messages(obj: Any) -> bool:
+    return isinstance(obj, (list, tuple)) and len(obj) > 0 and all(isinstance(m, dict) for m in obj)
+
+
+def _is_ids(obj: Any) -> bool:
+    return isinstance(obj, (list, tuple)) and len(obj) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in obj)
+
+
+def is_batch(prompt: Any) -> bool:
+    """A list of prompts (strings, message lists or id lists), as opposed to one prompt."""
+    return isinstance(prompt, (list, tuple)) and not _is_messages(prompt) and not _is_ids(prompt) and (
+        len(prompt) == 0 or all(isinstance(p, (str, list, tuple)) for p in prompt)
+    )
+
+
+def render_messages(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], **template_kwargs: Any) -> str:
+    for i, m in enumerate(messages):
+        if "role" not in m:
+            raise ValueError(f"prompt: message {i} has no 'role'; chat messages are dicts with 'role' and 'content'")
+    if tokenizer.chat_template is None:
+        raise ValueError("prompt: chat messages need a tokenizer with a chat template; pass a string instead")
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **template_kwargs)
+
+
+def prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: PromptLike) -> str:
+    """The prompt as text, for domain detection."""
+    if isinstance(prompt, str):
+        return prompt
+    if _is_messages(prompt):
+        return "\n".join(str(m.get("content") or "") for m in prompt)
+    if _is_ids(prompt):
+        return tokenizer.decode(list(prompt))
+    return ""
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptLike, vocab_size: int) -> list[int]:
+    """Token ids of one prompt; ValueError naming `prompt` for anything empty or malformed."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt: empty string; pass some text, chat messages or token ids")
+        ids = tokenizer(prompt).input_ids
+    elif _is_messages(prompt):
+        ids = tokenizer(render_messages(tokenizer, prompt), add_special_tokens=False).input_ids
+    elif _is_ids(prompt):
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab_size}); got {bad[:5]}")
+    else:
+        raise ValueError(
+            "prompt: expected a non-empty string, a list of chat messages ({'role', 'content'} dicts) "
+            f"or a list of token ids; got {type(prompt).__name__} {str(prompt)[:60]!r}"
+        )
+    if not ids:
+        raise ValueError("prompt: it encodes to no tokens; pass some text")
+    return ids

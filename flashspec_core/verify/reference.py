@@ -1,0 +1,77 @@
+"""The PyTorch reference for one verification step (speculative rejection sampling).
+
+For each row, draft token x_j (drawn from q_j) is accepted while log u_j < log p_j(x_j) - log q_j(x_j),
+i.e. with probability min(1, p/q). At the first rejection the recovered token is drawn from the
+residual max(0, p_j - q_j); if all γ are accepted the bonus token is drawn from p_γ. This keeps the
+output distributed exactly as the target's (Leviathan et al. 2023, Chen et al. 2023).
+
+A draft token with q = 0 is rejected: it could not have been drawn from q, so accepting it would
+break exactness. Greedy sampling degenerates to exact argmax matching.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashspec_core.sampling import SamplingParams, logprobs_from_logits, sample_from_probs
+
+PAD = -1  # fills `tokens` after the recovered or bonus token
+
+
+def verify_torch(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: SamplingParams,
+    uniforms: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One verification step.
+
+    target_logits: [B, γ+1, V] target logits at the positions predicting each draft token and the bonus.
+    draft_tokens:  [B, γ] int64.
+    draft_probs:   [B, γ, V] the q each draft token was drawn from, or None for one-hot drafts.
+    uniforms:      [B, γ+1] in [0, 1): γ acceptance tests, then the recovered or bonus draw.
+    Returns n_accepted [B] int64 and tokens [B, γ+1] int64: the accepted draft tokens, then the
+    recovered or bonus token, then PAD.
+    """
+    bsz, gamma_plus_1, _ = target_logits.shape
+    gamma = gamma_plus_1 - 1
+    positions = torch.arange(gamma_plus_1, device=target_logits.device)
+    if sampling.greedy:
+        target_tokens = target_logits.argmax(-1)
+        matches = (draft_tokens == target_tokens[:, :gamma]).long()
+        n_accepted = matches.cumprod(-1).sum(-1)
+        return n_accepted, target_tokens.masked_fill(positions > n_accepted[:, None], PAD)
+
+    if uniforms is None:
+        uniforms = torch.rand(
+            (bsz, gamma_plus_1), generator=generator, device=target_logits.device
+        )
+    logp = logprobs_from_logits(target_logits, sampling)  # [B, γ+1, V]
+    logp_draft = logp[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, γ]
+    if draft_probs is None:
+        logq_draft = torch.zeros_like(logp_draft)
+    else:
+        logq_draft = draft_probs.float().gather(-1, draft_tokens[..., None]).squeeze(-1).log()
+    accept = (uniforms[:, :gamma].log() < logp_draft - logq_draft) & (logq_draft > float("-inf"))
+    n_accepted = accept.long().cumprod(-1).sum(-1)  # [B]
+
+    # The row at the stopping position: residual max(0, p - q) there, or p at the bonus position.
+    rows = torch.arange(bsz, device=target_logits.device)
+    p_stop = logp[rows, n_accepted].exp()  # [B, V]
+    rejected = n_accepted < gamma
+    if gamma > 0:
+        stop_idx = n_accepted.clamp(max=gamma - 1)
+        if draft_probs is None:
+            q_stop = torch.zeros_like(p_stop).scatter_(-1, draft_tokens[rows, stop_idx][:, None], 1.0)
+        else:
+            q_stop = draft_probs[rows, stop_idx].float()
+        residual = (p_stop - q_stop).clamp_(min=0.0)
+        # p == q up to rounding leaves no residual mass; p itself is then the right law.
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)
+        p_stop = torch.where(rejected[:, None], residual, p_stop)
+    last = sample_from_probs(p_stop, uniforms[:, gamma])  # [B]
+
+    tokens = torch.cat([draft_tokens, draft_tokens.new_full((bsz, 1), PAD)], dim=1)
+    tokens = tokens.scatter(1, n_accepted[:, None], last[:, None])
+    return n_accepted, tokens.masked_fill(positions > n_accepted[:, None], PAD)
