@@ -54,18 +54,29 @@ _JSON_SCHEMA = re.compile(r'"\$schema"|"properties"\s*:\s*\{|"required"\s*:\s*\[
 
 _CODE_LINE_START = re.compile(
     r"\n[ \t]*(?:def |class \w|async def |import \w|from [\w.]+ import |#include|package \w"
-    r"|using namespace|public class|fn \w|func \w|select .{1,80} from )"
+    r"|using namespace|public class|fn \w|func \w|select .{1,80} from |for \w+ in |while .{1,60}:$"
+    r"|print\()"
 )
+# Two or more assignment-looking lines ("n = 0", "total += x") read as code, not prose.
+_ASSIGNMENT = re.compile(r"\n[ \t]*[a-z_][\w.\[\]'\"]{0,40} ?[-+*/|&]?= ?[^=\s]")
 _CODE_KEYWORDS = {"def", "elif", "lambda", "const", "let", "var", "fn", "func", "void", "struct",
                   "impl", "printf", "println", "console", "return", "self", "null", "nullptr",
                   "async", "await", "namespace", "typedef", "pub", "int", "bool", "str", "args",
                   "kwargs", "init", "main", "true", "false", "none"}
 _CODE_OPERATORS = ("=>", "->", "::", "!==", "===", "&&", "||", "+=", "++", "!=", "==", "</")
-_CODE_LANGUAGES = {"python", "javascript", "typescript", "java", "rust", "golang", "sql", "bash",
-                   "regex", "html", "css", "kotlin", "swift", "haskell", "ruby", "php", "numpy",
-                   "pandas", "pytorch", "react", "django", "json", "yaml", "cpp"}
+# Names that almost only ever mean programming; "python", "java", "rust", "swift", "ruby",
+# "react" and "go" also mean other things, so they count as weaker evidence.
+_CODE_NAMES_STRONG = {"javascript", "typescript", "golang", "sql", "mysql", "postgresql", "sqlite",
+                      "html", "css", "kotlin", "haskell", "php", "numpy", "pandas", "pytorch",
+                      "django", "flask", "csharp", "powershell", "dockerfile", "regex", "nodejs",
+                      "jquery", "matplotlib", "tensorflow", "vba", "perl", "scala", "fortran"}
+_CODE_NAMES_WEAK = {"python", "java", "rust", "swift", "ruby", "react", "bash", "yaml",
+                    "cpp", "android", "docker", "git", "github", "npm", "linux", "api", "sdk"}
 _CODE_TASKS = {"function", "method", "class", "script", "program", "bug", "compile", "refactor",
-               "debug", "implement", "snippet", "code", "variable", "loop", "recursion", "api"}
+               "debug", "implement", "snippet", "code", "variable", "loop", "recursion", "api",
+               "query", "syntax", "compiler", "crashes", "segfault", "stacktrace", "iterator",
+               "app", "crud", "microservice", "microservices", "endpoint", "database", "deploy",
+               "implementation", "object", "library", "framework", "install", "field"}
 _TRACEBACK = ("traceback (most recent call last)", "error: ", "exception: ", "segmentation fault",
               "stack trace", "undefined reference")
 
@@ -95,13 +106,20 @@ _ARITHMETIC = re.compile(r"\d\s*[-+*/^=<>]\s*\(?-?\d|\d[a-z]\s*[-+=]|\b[a-z]\s*=
 
 def _code_kinds(low: str, words: set[str]) -> int:
     kinds = 0
-    kinds += "```" in low
+    kinds += 2 * ("```" in low)  # a fenced block is rarely anything but code
     kinds += _CODE_LINE_START.search(low) is not None
     kinds += len(words & _CODE_KEYWORDS) >= 2
     kinds += sum(op in low for op in _CODE_OPERATORS) >= 2
     kinds += (low.count(";\n") + low.count("{\n") + low.count("}\n") + low.count("):\n")) >= 2
-    kinds += bool(words & _CODE_LANGUAGES) or "c++" in low or "c#" in low
-    kinds += bool(words & _CODE_TASKS)
+    kinds += (low.count("\n    ") + low.count("\n\t")) >= 2  # indented block
+    kinds += len(_ASSIGNMENT.findall(low, 0, 4000)) >= 2
+    if words & _CODE_NAMES_STRONG or "c++" in low:
+        kinds += 3
+    language = bool(words & _CODE_NAMES_WEAK)
+    task = bool(words & _CODE_TASKS)
+    # A language named next to a programming task ("implement a Rust function") is a code
+    # request even when it contains no code yet, so the pair counts as a third kind.
+    kinds += language + task + (language and task)
     kinds += any(t in low for t in _TRACEBACK)
     return kinds
 
@@ -136,14 +154,14 @@ def classify_prompt(prompt_text: str) -> str:
     if rag_kinds and n >= _LONG_CONTEXT_CHARS:
         return RAG
 
+    if rag_kinds >= 2:  # a short prompt that both holds documents and asks about them
+        return RAG
     code = _code_kinds(low, words)
     json_requested = "json" in words and bool(words & _JSON_WORDS)
     if _JSON_SCHEMA.search(low) or (json_requested and code < 4):
         return JSON
     if code >= 3 or "traceback (most recent call last)" in low:
         return CODE
-    if rag_kinds >= 2:
-        return RAG
     if _math_kinds(low, words) >= 2:
         return MATH
     return CHAT
