@@ -1,0 +1,202 @@
+"""Triton backend for `verify`: the whole verification step in one kernel launch.
+
+The kernel (triton_kernel.py) reads every target row once with an online log-sum-exp, tests the
+draft tokens in log space, and draws the recovered or bonus token by inverse CDF over the one
+stopping row. With shared `uniforms` it returns what `verify_torch` returns: the same acceptance
+rule, the same residual max(0, p - q) with the same fall-back to p when it has no mass, the same
+"first index whose cumulative mass exceeds u * total" rule, the same temperature rounding. The
+only differences are float32 summation orders (block sums against torch's), which can flip a
+decision only when a uniform lands within a few ulps of a boundary.
+
+Not handled in the kernel, and sent to `verify_torch` instead (exact, slower): top-k and top-p.
+`supports` says False for dtypes, shapes and devices the kernel does not take, so `verify(...,
+backend="auto")` uses torch for those.
+
+NaN and +inf logits, rows that are all -inf and draft tokens outside [0, V) are detected inside
+the kernel, which then writes n_accepted = -1 and PAD tokens for that sequence (never plausible
+output). With `check_finite=True` (the default, and what `verify` uses) the wrapper turns that
+into a ValueError, which costs one host sync; during CUDA-graph capture the check is skipped (no
+sync is allowed there) and the poisoned outputs remain for the caller to see. -inf logits are
+legal: they mark masked tokens (grammar constraints), exactly as in the reference.
+
+Randomness without `uniforms`: Philox (tl.rand) keyed by a seed drawn from `generator` (on the
+device for a CUDA generator, so no sync) or from torch's default CPU generator, with a per-sequence
+step counter kept on the device, so graph replays draw fresh numbers.
+
+The counters live in one small workspace per device that the kernel resets itself: do not run two
+verify steps on one device concurrently on different streams, and call `verify_triton` once before
+capturing it in a CUDA graph (that allocates the workspace and compiles the kernel).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from flashspec_core.sampling import SamplingParams
+from flashspec_core.verify.reference import PAD, verify_torch
+from flashspec_core.verify.triton_kernel import PAD_TOKEN, WS_SLOTS, verify_kernel
+
+assert PAD == PAD_TOKEN.value, "the kernel's PAD must be the reference's"
+
+MAX_VOCAB = 1 << 20
+MAX_ROWS = 32  # γ + 1; the issue asks for γ <= 16
+MAX_BATCH = 1 << 16  # the Philox offset packs the sequence index into 16 bits
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_WORKSPACES: dict[int, torch.Tensor] = {}
+
+# Resident programs on an H200 (132 SMs x 8 programs of 8 warps), the scale for the launch plan.
+_RESIDENT = 1056
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def supports(target_logits: torch.Tensor) -> bool:
+    """Whether the kernel takes these logits (target_logits: [B, γ+1, V]); otherwise use torch."""
+    if target_logits.dim() != 3 or target_logits.dtype not in _DTYPES:
+        return False
+    bsz, rows, vocab = target_logits.shape
+    if not (1 <= rows <= MAX_ROWS and 1 <= vocab <= MAX_VOCAB and bsz <= MAX_BATCH):
+        return False
+    return target_logits.is_cuda or (_interpreting() and target_logits.device.type == "cpu")
+
+
+def _workspace(device: torch.device, bsz: int) -> torch.Tensor:
+    """The self-resetting int32 counters: [ticket, then per sequence WS_SLOTS ints]."""
+    need = 1 + WS_SLOTS * bsz
+    if device.type != "cuda":
+        return torch.zeros(need, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ws = _WORKSPACES.get(index)
+    if ws is None or ws.numel() < need:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "verify_triton: call it once with this batch size before CUDA-graph capture "
+                "(that allocates its workspace and compiles the kernel)"
+            )
+        ws = torch.zeros(1 + WS_SLOTS * max(bsz, 256), dtype=torch.int32, device=device)
+        _WORKSPACES[index] = ws
+    return ws
+
+
+def _plan(bsz: int, rows: int, vocab: int, block: int | None, tiles: int | None) -> tuple[int, int]:
+    """BLOCK (elements per tile) and TILES (tiles per phase-1 program).
+
+    Small problems get one tile per program, so that even B = 1 spreads over many SMs; large ones
+    give each program several tiles, so that the partials and atomics stay few.
+    """
+    if block is None:
+        block = 4096 if vocab >= 4096 else max(128, triton.next_power_of_2(vocab))
+    if tiles is None:
+        total = bsz * rows * triton.cdiv(vocab, block)
+        tiles = max(1, min(16, total // (4 * _RESIDENT)))
+    return block, tiles
+
+
+def verify_triton(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: SamplingParams,
+    uniforms: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    check_finite: bool = True,
+    block: int | None = None,
+    tiles: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One verification step in one kernel launch; same contract as `verify_torch`.
+
+    target_logits: [B, γ+1, V] bf16/fp16/fp32; draft_tokens: [B, γ] int;
+    draft_probs: [B, γ, V] float or None (one-hot drafts); uniforms: [B, γ+1] in [0, 1) or None.
+    check_finite: raise ValueError on NaN/+inf logits (one host sync; skipped under graph capture).
+    block, tiles: launch-plan overrides for tuning and tests; None picks them from the shape.
+    Returns n_accepted [B] int64 and tokens [B, γ+1] int64 (PAD after the recovered/bonus token).
+    """
+    vocab = target_logits.shape[-1]
+    if not sampling.greedy and (0 < sampling.top_k < vocab or sampling.top_p < 1.0):
+        # Documented fall-back: top-k / top-p need a sort or a threshold search per row.
+        return verify_torch(target_logits, draft_tokens, draft_probs, sampling, uniforms, generator)
+    if not supports(target_logits):
+        raise ValueError(
+            "verify_triton takes [B, γ+1, V] bf16/fp16/fp32 logits on CUDA (or on the CPU under "
+            f"TRITON_INTERPRET=1) with γ+1 <= {MAX_ROWS}, V <= {MAX_VOCAB}, B <= {MAX_BATCH}; got "
+            f"{tuple(target_logits.shape)} {target_logits.dtype} on {target_logits.device}"
+        )
+    bsz, rows, _ = target_logits.shape
+    gamma = rows - 1
+    device = target_logits.device
+    n_acc = torch.empty(bsz, dtype=torch.int64, device=device)
+    tokens = torch.empty(bsz, rows, dtype=torch.int64, device=device)
+    if bsz == 0:
+        return n_acc, tokens
+
+    logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
+    drafts = draft_tokens.to(torch.int64)
+    if gamma == 0:
+        drafts = n_acc.view(bsz, 1)  # never read; avoids passing a pointer to an empty tensor
+    elif drafts.stride(-1) != 1:
+        drafts = drafts.contiguous()
+    one_hot = draft_probs is None or gamma == 0
+    q = logits if one_hot else draft_probs
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    has_u = uniforms is not None and not sampling.greedy
+    u = uniforms.to(torch.float32) if has_u else n_acc.view(bsz, 1)
+    if u.stride(-1) != 1:
+        u = u.contiguous()
+    seed_from_ptr = False
+    seed_t = n_acc
+    seed = 1
+    if not has_u and not sampling.greedy:
+        if generator is not None and generator.device.type == "cuda":
+            seed_t = torch.randint(0, 2**62, (1,), device=generator.device, generator=generator)
+            seed_from_ptr = True
+        else:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+
+    block, tiles = _plan(bsz, rows, vocab, block, tiles)
+    n_tiles = triton.cdiv(vocab, block)
+    n_chunks = triton.cdiv(n_tiles, tiles)
+    per_seq1 = rows * n_chunks
+    per_seq2 = 0 if sampling.greedy else n_tiles
+    lag = max(1, min(bsz, triton.cdiv(2 * _RESIDENT, per_seq1)))
+    ws = _workspace(device, bsz)
+    fs = torch.empty(2 * bsz * per_seq1 + 3 * bsz + 2 * bsz * n_tiles, dtype=torch.float32, device=device)
+    is_ = torch.empty(2 * bsz * per_seq1 + 2 * bsz, dtype=torch.int32, device=device)
+    temperature = sampling.temperature if not sampling.greedy else 1.0
+    inv_t = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32))
+
+    verify_kernel[(bsz * (per_seq1 + per_seq2),)](
+        logits, logits.stride(0), logits.stride(1),
+        drafts, drafts.stride(0),
+        q, q.stride(0), q.stride(1),
+        u, u.stride(0),
+        seed_t, seed,
+        ws, fs, is_, n_acc, tokens,
+        temperature, inv_t,
+        bsz, gamma, vocab, n_chunks, tiles, n_tiles, lag,
+        BLOCK=block,
+        GP=triton.next_power_of_2(rows),
+        NCP=triton.next_power_of_2(n_chunks),
+        NTP=triton.next_power_of_2(n_tiles),
+        GREEDY=sampling.greedy,
+        ONE_HOT=one_hot,
+        HAS_U=has_u,
+        SEED_FROM_PTR=seed_from_ptr,
+        RECIP=device.type == "cuda",
+        num_warps=8 if block >= 2048 else 4,
+    )
+    if check_finite and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if bool((n_acc < 0).any()):
+            raise ValueError(
+                "verify_triton: target_logits hold NaN or +inf (or a row that is all -inf), or a "
+                "draft token is outside [0, V)"
+            )
+    return n_acc, tokens
+
+
+__all__ = ["supports", "verify_triton", "MAX_VOCAB", "MAX_ROWS", "MAX_BATCH"]

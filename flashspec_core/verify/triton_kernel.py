@@ -1,0 +1,300 @@
+"""The fused verification kernel: one launch, two phases, no host sync.
+
+Why two phases in one launch: the acceptance test at row j needs log Z_j over the whole vocabulary,
+and the recovered / bonus draw needs the residual mass of one row that is known only after the
+acceptance tests. Splitting V across many programs keeps HBM busy at small B; the programs then
+meet through per-sequence counters instead of a second launch:
+
+* phase 1, one program per (sequence b, row j, chunk c of V): online max / sum-exp of logits / T
+  (or the running argmax when greedy) over its chunk, written as a partial. The last program of
+  sequence b to finish (an atomic counter says which) combines the partials, gathers log p and
+  log q at the draft tokens, runs the acceptance tests, and publishes the stopping row.
+* phase 2, one program per (sequence b, tile t of V): waits for that row, computes the mass of the
+  residual max(0, p - q) (and of p) on its tile. The last one to finish runs the inverse CDF over
+  the tile masses, scans the one tile that holds the crossing, and writes the outputs.
+
+Programs take a ticket (an atomic counter) on entry and map the ticket, not their program id, to
+work: a phase-2 program only waits on work with lower tickets, and those programs are already
+running, so the wait cannot deadlock (the decoupled look-back argument). Under TRITON_INTERPRET the
+programs run one after another in ticket order, so the wait never spins.
+
+All counters are reset by the program that last uses them, so the workspace is ready for the next
+launch without a memset; that keeps the step one launch and graph-replayable.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+PAD_TOKEN = tl.constexpr(-1)
+
+# Workspace layout (int32): [ticket, then per sequence: phase-1 count, phase-2 count, ready, step].
+WS_SLOTS = 4
+
+
+@triton.jit
+def _scaled(x, inv_t, temperature, RECIP: tl.constexpr):
+    """logits / T, rounded the way torch rounds it (CUDA: x * (1/T); CPU: a true division)."""
+    if RECIP:
+        return x * inv_t
+    return tl.math.div_rn(x, temperature)
+
+
+@triton.jit
+def _stop_row_masses(logits_row, q_row, draft_tok, offs, V, m_row, log_z, inv_t, temperature,
+                     rejected, ONE_HOT: tl.constexpr, RECIP: tl.constexpr):
+    """p and the residual max(0, p - q) (p itself at the bonus row) on one tile of the stopping row."""
+    inb = offs < V
+    x = tl.load(logits_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
+    p = tl.exp((_scaled(x, inv_t, temperature, RECIP) - m_row) - log_z)
+    p = tl.where(inb, p, 0.0)
+    if ONE_HOT:
+        q = tl.where(offs == draft_tok, 1.0, 0.0)
+    else:
+        q = tl.load(q_row + offs, mask=offs < tl.where(rejected, V, 0), other=0.0).to(tl.float32)
+    r = tl.where(rejected, tl.maximum(p - q, 0.0), p)
+    return p, r
+
+
+@triton.jit(do_not_specialize=["seed", "B", "G", "NC", "TILES", "NT", "LAG"])
+def verify_kernel(
+    logits_ptr, stride_lb, stride_lg,  # [B, G+1, V] bf16/fp16/fp32, last dim contiguous
+    draft_ptr, stride_db,  # [B, G] int64
+    q_ptr, stride_qb, stride_qg,  # [B, G, V] draft probs (any float), unused when ONE_HOT
+    u_ptr, stride_ub,  # [B, G+1] float32 uniforms, unused unless HAS_U
+    seed_ptr,  # [1] int64 seed on the device, used when SEED_FROM_PTR
+    seed,  # host seed, used otherwise
+    ws_ptr,  # [1 + WS_SLOTS * B] int32 persistent, self-resetting counters
+    fs_ptr,  # float32 scratch: partial max [B, G+1, NC], partial sum [B, G+1, NC], stop [B, 3], masses [B, NT, 2]
+    is_ptr,  # int32 scratch: partial argmax [B, G+1, NC], partial bad flag [B, G+1, NC], stop [B, 2]
+    n_acc_ptr,  # [B] int64 out
+    tokens_ptr,  # [B, G+1] int64 out
+    temperature, inv_t,  # float32 T and 1/T (only one is used, see _scaled)
+    B, G, V, NC, TILES, NT, LAG,
+    BLOCK: tl.constexpr, GP: tl.constexpr, NCP: tl.constexpr, NTP: tl.constexpr,
+    GREEDY: tl.constexpr, ONE_HOT: tl.constexpr, HAS_U: tl.constexpr,
+    SEED_FROM_PTR: tl.constexpr, RECIP: tl.constexpr,
+):
+    rows = G + 1
+    r1 = rows * NC  # phase-1 programs per sequence
+    r2 = NT  # phase-2 programs per sequence (0 when greedy)
+    if GREEDY:
+        r2 = 0
+    n_prog = B * (r1 + r2)
+
+    ticket = tl.atomic_add(ws_ptr, 1, sem="relaxed")
+    if ticket == n_prog - 1:
+        tl.atomic_xchg(ws_ptr, 0, sem="relaxed")
+
+    # Ticket -> work. Phase-2 work of sequence b is queued after phase-1 work of sequence b + LAG.
+    head = LAG * r1
+    mid = (B - LAG) * (r1 + r2)
+    if ticket < head:
+        phase = 1
+        b = ticket // r1
+        k = ticket % r1
+    elif ticket < head + mid:
+        g = LAG + (ticket - head) // (r1 + r2)
+        k = (ticket - head) % (r1 + r2)
+        if k < r1:
+            phase = 1
+            b = g
+        else:
+            phase = 2
+            b = g - LAG
+            k = k - r1
+    else:
+        phase = 2
+        b = B - LAG + (ticket - head - mid) // r2
+        k = (ticket - head - mid) % r2
+
+    ws_b = ws_ptr + 1 + b * 4
+    part_m = fs_ptr
+    part_s = fs_ptr + B * r1
+    stop_f = fs_ptr + 2 * B * r1 + b * 3
+    masses = fs_ptr + 2 * B * r1 + 3 * B
+    part_idx = is_ptr
+    part_bad = is_ptr + B * r1
+    stop_i = is_ptr + 2 * B * r1 + b * 2
+    seq_logits = logits_ptr + b.to(tl.int64) * stride_lb
+    ar = tl.arange(0, BLOCK)
+
+    if phase == 1:
+        j = k // NC
+        c = k % NC
+        row = seq_logits + j.to(tl.int64) * stride_lg
+        m = float("-inf")
+        s = 0.0
+        bad = 0
+        best_val = float("-inf")
+        best_idx = 0
+        for t in range(TILES):
+            offs = (c * TILES + t) * BLOCK + ar
+            inb = offs < V
+            x = tl.load(row + offs, mask=inb, other=float("-inf")).to(tl.float32)
+            bad = tl.maximum(bad, tl.max(tl.where(inb & ((x != x) | (x == float("inf"))), 1, 0)))
+            if GREEDY:
+                tile_best = tl.max(x)
+                tile_idx = (c * TILES + t) * BLOCK + tl.argmax(x, axis=0, tie_break_left=True)
+                take = (tile_best > best_val) | ((t == 0) & (tile_best == best_val))
+                best_idx = tl.where(take, tile_idx, best_idx)
+                best_val = tl.where(take, tile_best, best_val)
+            else:
+                y = _scaled(x, inv_t, temperature, RECIP)
+                new_m = tl.maximum(m, tl.max(y))
+                safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
+                s = s * tl.exp(m - safe_m) + tl.sum(tl.exp(y - safe_m))
+                m = new_m
+        slot = b * r1 + k
+        if GREEDY:
+            tl.store(part_m + slot, best_val)
+            tl.store(part_idx + slot, best_idx)
+        else:
+            tl.store(part_m + slot, m)
+            tl.store(part_s + slot, s)
+        tl.store(part_bad + slot, bad)
+        tl.debug_barrier()
+        done = tl.atomic_add(ws_b, 1, sem="acq_rel")
+        if done == r1 - 1:
+            tl.debug_barrier()
+            _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, stride_qb,
+                    stride_qg, u_ptr, stride_ub, seed_ptr, seed, ws_b, part_m, part_s, part_idx,
+                    part_bad, stop_f, stop_i, n_acc_ptr, tokens_ptr, temperature, inv_t, r1,
+                    GP, NCP, GREEDY, ONE_HOT, HAS_U, SEED_FROM_PTR, RECIP)
+    else:
+        ready = tl.atomic_add(ws_b + 2, 0, sem="acquire")
+        while ready == 0:
+            ready = tl.atomic_add(ws_b + 2, 0, sem="acquire")
+        tl.debug_barrier()
+        s_row = tl.load(stop_i, cache_modifier=".cg")
+        m_row = tl.load(stop_f, cache_modifier=".cg")
+        log_z = tl.load(stop_f + 1, cache_modifier=".cg")
+        rejected = s_row < G
+        q_j = tl.minimum(s_row, tl.maximum(G - 1, 0))
+        draft_tok = tl.load(draft_ptr + b * stride_db + q_j, mask=rejected, other=-1)
+        q_row = q_ptr + b.to(tl.int64) * stride_qb + q_j.to(tl.int64) * stride_qg
+        logits_row = seq_logits + s_row.to(tl.int64) * stride_lg
+        p, r = _stop_row_masses(logits_row, q_row, draft_tok, k * BLOCK + ar, V, m_row, log_z,
+                                inv_t, temperature, rejected, ONE_HOT, RECIP)
+        tl.store(masses + (b * NT + k) * 2, tl.sum(r))
+        tl.store(masses + (b * NT + k) * 2 + 1, tl.sum(p))
+        tl.debug_barrier()
+        done = tl.atomic_add(ws_b + 1, 1, sem="acq_rel")
+        if done == NT - 1:
+            tl.debug_barrier()
+            _sample(b, G, V, NT, masses, logits_row, q_row, draft_tok, draft_ptr, stride_db,
+                    m_row, log_z, s_row, rejected, stop_f, stop_i, ws_b, n_acc_ptr, tokens_ptr,
+                    temperature, inv_t, BLOCK, GP, NTP, ONE_HOT, RECIP)
+
+
+@triton.jit
+def _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, stride_qb, stride_qg,
+            u_ptr, stride_ub, seed_ptr, seed, ws_b, part_m, part_s, part_idx, part_bad, stop_f,
+            stop_i, n_acc_ptr, tokens_ptr, temperature, inv_t, r1,
+            GP: tl.constexpr, NCP: tl.constexpr, GREEDY: tl.constexpr, ONE_HOT: tl.constexpr,
+            HAS_U: tl.constexpr, SEED_FROM_PTR: tl.constexpr, RECIP: tl.constexpr):
+    """Last phase-1 program of sequence b: combine partials, run the acceptance tests."""
+    jj = tl.arange(0, GP)
+    cc = tl.arange(0, NCP)
+    tile_mask = (jj[:, None] <= G) & (cc[None, :] < NC)
+    slots = b * r1 + jj[:, None] * NC + cc[None, :]
+    bad = tl.max(tl.max(tl.load(part_bad + slots, mask=tile_mask, other=0, cache_modifier=".cg"), 1))
+    pm = tl.load(part_m + slots, mask=tile_mask, other=float("-inf"), cache_modifier=".cg")
+    row_max = tl.max(pm, 1)  # [GP]
+    is_row = jj <= G
+    bad = tl.maximum(bad, tl.max(tl.where(is_row & (row_max == float("-inf")), 1, 0)))
+    is_draft = jj < G
+    draft = tl.load(draft_ptr + b * stride_db + jj, mask=is_draft, other=0)
+    bad = tl.maximum(bad, tl.max(tl.where(is_draft & ((draft < 0) | (draft >= V)), 1, 0)))
+    draft = tl.where((draft >= 0) & (draft < V), draft, 0)
+    if GREEDY:
+        best_c = tl.argmax(pm, axis=1, tie_break_left=True)
+        pidx = tl.load(part_idx + slots, mask=tile_mask, other=0, cache_modifier=".cg")
+        target = tl.sum(tl.where(cc[None, :] == best_c[:, None], pidx, 0), 1)
+        reject_at = tl.where(is_draft & (draft != target), jj, G)
+        n_acc = tl.min(reject_at)
+        out = tl.where((jj <= n_acc) & (bad == 0), target.to(tl.int64), PAD_TOKEN)
+        n_out = tl.where(bad == 0, n_acc, -1).to(tl.int64)
+        tl.store(tokens_ptr + b * (G + 1) + jj, out, mask=is_row)
+        tl.store(n_acc_ptr + b, n_out)
+        tl.atomic_xchg(ws_b, 0, sem="relaxed")
+    else:
+        ps = tl.load(part_s + slots, mask=tile_mask, other=0.0, cache_modifier=".cg")
+        safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        z = tl.where(is_row, tl.sum(ps * tl.exp(pm - safe_max[:, None]), 1), 1.0)
+        log_z = tl.log(z)
+        rows = seq_logits + jj.to(tl.int64) * stride_lg
+        x_draft = tl.load(rows + draft, mask=is_draft, other=0.0).to(tl.float32)
+        logp = (_scaled(x_draft, inv_t, temperature, RECIP) - row_max) - log_z
+        if HAS_U:
+            u = tl.load(u_ptr + b * stride_ub + jj, mask=is_row, other=0.5)
+        else:
+            if SEED_FROM_PTR:
+                key = tl.load(seed_ptr)
+            else:
+                key = seed
+            step = tl.atomic_add(ws_b + 3, 0, sem="relaxed").to(tl.int64)
+            u = tl.rand(key, (step * 65536 + b) * 32 + jj.to(tl.int64))
+        if ONE_HOT:
+            accept = tl.log(u) < logp
+        else:
+            qd = tl.load(q_ptr + b.to(tl.int64) * stride_qb + jj.to(tl.int64) * stride_qg + draft,
+                         mask=is_draft, other=0.0).to(tl.float32)
+            accept = (qd > 0.0) & (tl.log(u) < logp - tl.log(qd))
+        n_acc = tl.min(tl.where(is_draft & (accept == 0), jj, G))
+        tl.store(stop_f, tl.sum(tl.where(jj == n_acc, row_max, 0.0)))
+        tl.store(stop_f + 1, tl.sum(tl.where(jj == n_acc, log_z, 0.0)))
+        tl.store(stop_f + 2, tl.sum(tl.where(jj == G, u, 0.0)))
+        tl.store(stop_i, n_acc)
+        tl.store(stop_i + 1, bad)
+        tl.debug_barrier()
+        tl.atomic_xchg(ws_b + 2, 1, sem="release")
+
+
+@triton.jit
+def _sample(b, G, V, NT, masses, logits_row, q_row, draft_tok, draft_ptr, stride_db, m_row, log_z,
+            s_row, rejected, stop_f, stop_i, ws_b, n_acc_ptr, tokens_ptr, temperature, inv_t,
+            BLOCK: tl.constexpr, GP: tl.constexpr, NTP: tl.constexpr, ONE_HOT: tl.constexpr,
+            RECIP: tl.constexpr):
+    """Last phase-2 program of sequence b: inverse CDF over tile masses, then within one tile.
+
+    Mirrors sample_from_probs: the first index whose cumulative mass exceeds u * total. The
+    residual is used when it has mass, p otherwise, like the reference.
+    """
+    tt = tl.arange(0, NTP)
+    in_t = tt < NT
+    mr = tl.load(masses + (b * NT + tt) * 2, mask=in_t, other=0.0, cache_modifier=".cg")
+    mp = tl.load(masses + (b * NT + tt) * 2 + 1, mask=in_t, other=0.0, cache_modifier=".cg")
+    use_r = tl.sum(mr) > 0.0
+    w = tl.where(use_r, mr, mp)
+    u_last = tl.load(stop_f + 2, cache_modifier=".cg")
+    goal = u_last * tl.sum(w)
+    cum = tl.cumsum(w, 0)
+    first = tl.min(tl.where(in_t & (cum > goal), tt, NTP))
+    last_pos = tl.max(tl.where(in_t & (w > 0.0), tt, 0))
+    tile = tl.where(first < NT, first, last_pos)
+    before = tl.sum(tl.where(tt == tile - 1, cum, 0.0))
+
+    ar = tl.arange(0, BLOCK)
+    offs = tile * BLOCK + ar
+    p, r = _stop_row_masses(logits_row, q_row, draft_tok, offs, V, m_row, log_z, inv_t,
+                            temperature, rejected, ONE_HOT, RECIP)
+    wt = tl.where(use_r, r, p)
+    cum_t = before + tl.cumsum(wt, 0)
+    i_first = tl.min(tl.where((offs < V) & (cum_t > goal), ar, BLOCK))
+    i_last = tl.max(tl.where((offs < V) & (wt > 0.0), ar, 0))
+    token = (tile * BLOCK + tl.where(i_first < BLOCK, i_first, i_last)).to(tl.int64)
+    token = tl.minimum(token, V - 1)
+
+    jj = tl.arange(0, GP)
+    draft = tl.load(draft_ptr + b * stride_db + jj, mask=jj < G, other=0)
+    ok = tl.load(stop_i + 1, cache_modifier=".cg") == 0
+    out = tl.where(jj < s_row, draft, tl.where(jj == s_row, token, PAD_TOKEN))
+    out = tl.where(ok, out, PAD_TOKEN)
+    n_out = tl.where(ok, s_row, -1).to(tl.int64)
+    tl.store(tokens_ptr + b * (G + 1) + jj, out, mask=jj <= G)
+    tl.store(n_acc_ptr + b, n_out)
+    tl.atomic_xchg(ws_b, 0, sem="relaxed")
+    tl.atomic_xchg(ws_b + 1, 0, sem="relaxed")
+    tl.atomic_xchg(ws_b + 2, 0, sem="relaxed")
+    tl.atomic_add(ws_b + 3, 1, sem="relaxed")
