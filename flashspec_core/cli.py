@@ -1,0 +1,97 @@
+"""The `flashspec-agents` console script: `demo` and `generate`.
+
+`demo` runs an agent-like stream of steps (chat, code, tool calls, answers over a pasted
+document) through the default engine, then the same steps through plain HF `generate`, and
+reports the speedup measured in that one run. `generate` streams one prompt to the terminal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from flashspec_core.sampling import SamplingParams
+
+
+def _load_prompt(args: argparse.Namespace):
+    if args.chat_file:
+        path = Path(args.chat_file)
+        if not path.is_file():
+            raise SystemExit(f"--chat-file: {path} does not exist")
+        try:
+            messages = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--chat-file: {path} is not valid JSON ({exc})") from exc
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise SystemExit("--chat-file: expected a JSON list of {'role': ..., 'content': ...} messages")
+        return messages
+    if args.prompt is None:
+        raise SystemExit("give a prompt, or --chat-file with a JSON list of chat messages")
+    return [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from flashspec_core.engine import SpecEngine
+
+    engine = SpecEngine.from_default() if args.model is None else SpecEngine.from_pretrained(args.model)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    last = None
+    for chunk in engine.stream(_load_prompt(args), max_new_tokens=args.max_new_tokens, sampling=sampling,
+                               stop=args.stop or None, domain=args.domain):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        last = chunk
+    sys.stdout.write("\n")
+    if args.stats and last is not None and last.stats is not None:
+        print(json.dumps(last.stats.as_dict()), file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from flashspec_core.demo import run_demo
+
+    run_demo(max_new_tokens=args.max_new_tokens, baseline=not args.no_baseline)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashspec-agents", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="agent-like stream on the default model, with the speedup over HF generate")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--no-baseline", action="store_true", help="skip the plain HF generate comparison")
+    demo.set_defaults(func=cmd_demo)
+
+    gen = sub.add_parser("generate", help="stream one prompt to the terminal")
+    gen.add_argument("prompt", nargs="?", help="the prompt text")
+    gen.add_argument("--chat-file", help="a JSON file holding a list of chat messages")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--model", help="target: a .gguf file, a local folder or a cached HF id")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--domain", help="force the step's domain (chat, code, tool, rag, json, ...)")
+    gen.add_argument("--stats", action="store_true", help="print speculation stats to stderr")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
