@@ -1,0 +1,254 @@
+"""BanditRouter and FixedRouter: per-domain learning, shared prior, full-information scoring."""
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+
+from flashspec_core.routing import BanditRouter, FixedRouter, RouterStore
+from flashspec_core.types import NO_DRAFT, Arm, Proposal, StepRecord
+
+NONE = Arm(NO_DRAFT, 0)
+NGRAM = Arm("ngram", 4)
+MODEL = Arm("model", 4)
+
+
+class CopyDraft:
+    """Deterministic fake draft: proposes `script[len(context):]`, i.e. it knows a fixed text.
+
+    Records every context it was asked about, so tests can check what the router showed it.
+    """
+
+    name = "ngram"
+    deterministic = True
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.calls = []
+
+    def propose(self, contexts, gamma, sampling, generator=None):
+        self.calls.append((list(contexts[0]), gamma))
+        n = len(contexts[0])
+        return Proposal([self.script[n:n + gamma]])
+
+    def begin(self, prompts):
+        pass
+
+    def end(self, prompts, outputs):
+        pass
+
+
+def record(domain, arm, emitted, seconds, context_len=0, sequence=()):
+    return StepRecord(domain=domain, arm=arm, drafted=arm.gamma, accepted=max(0, emitted - 1),
+                      emitted=emitted, draft_seconds=seconds * 0.2, verify_seconds=seconds * 0.8,
+                      context_len=context_len, sequence=list(sequence))
+
+
+# Per domain, per arm: (mean tokens emitted per step, seconds per step). Drafting costs time, so
+# goodput (emitted / seconds) decides: copying wins on tool, the model draft on chat, and on
+# "slow" no draft pays for itself, so plain decoding wins.
+WORLD = {
+    "tool": {NONE: (1.0, 0.04), NGRAM: (4.0, 0.05), MODEL: (3.0, 0.08)},  # 25, 80, 37 tok/s
+    "chat": {NONE: (1.0, 0.04), NGRAM: (1.1, 0.05), MODEL: (3.0, 0.08)},  # 25, 22, 37 tok/s
+    "slow": {NONE: (1.0, 0.04), NGRAM: (1.1, 0.05), MODEL: (1.5, 0.09)},  # 25, 22, 17 tok/s
+}
+
+
+def drive(router, domain, steps, rng, world=WORLD):
+    picks = []
+    for _ in range(steps):
+        arm = router.select(domain)
+        picks.append(arm)
+        mean_emitted, seconds = world[domain][arm]
+        emitted = max(1, round(rng.gauss(mean_emitted, 0.5)))
+        router.update(record(domain, arm, emitted, seconds * rng.uniform(0.9, 1.1)))
+    return picks
+
+
+@pytest.mark.parametrize("algorithm", ["thompson", "ucb1", "thompson-discounted", "ucb1-discounted"])
+def test_each_domain_learns_its_own_best_arm(algorithm):
+    router = BanditRouter([NGRAM, MODEL], algorithm, seed=0)
+    rng = random.Random(0)
+    tool, chat = [], []
+    for _ in range(20):  # interleave the domains the way an agent switches
+        tool += drive(router, "tool", 15, rng)
+        chat += drive(router, "chat", 15, rng)
+    # UCB's bonus ignores how little goodput varies, so it keeps exploring more than Thompson.
+    need = 85 if algorithm.startswith("thompson") else 50  # uniform choice: 25
+    assert tool[-100:].count(NGRAM) > need
+    assert chat[-100:].count(MODEL) > need
+    summary = router.summary()
+    assert summary["tool"]["ngram@4"]["pulls"] > summary["tool"]["model@4"]["pulls"]
+    assert summary["chat"]["model@4"]["mean_goodput"] == pytest.approx(37.5, rel=0.2)
+
+
+def test_plain_decoding_is_always_an_arm_and_wins_when_drafting_does_not_pay():
+    router = BanditRouter([NGRAM, MODEL], seed=1)
+    assert NONE in router.arms
+    picks = drive(router, "slow", 300, random.Random(1))
+    assert picks[-100:].count(NONE) > 85
+
+
+def test_a_new_domain_starts_from_the_down_weighted_shared_prior():
+    router = BanditRouter([NGRAM, MODEL], "ucb1", prior_weight=2.0, seed=0)
+    drive(router, "tool", 200, random.Random(2))
+    new = router._domain("rag")
+    assert max(new.bandit.counts) <= 2.0 + 1e-9
+    assert all(c > 0 for c in new.bandit.counts)  # every arm has some pooled evidence
+    # UCB1 therefore skips the play-everything-once phase and starts on the pooled favourite.
+    assert router.select("rag") == NGRAM
+    # ...but the domain's own evidence quickly overrules the prior.
+    picks = drive(router, "chat", 150, random.Random(3))
+    late = picks[-50:]
+    assert late.count(NGRAM) < 10 < late.count(MODEL)
+    assert max(router.arms, key=late.count) == MODEL
+
+
+def test_without_other_domains_a_new_domain_has_no_prior():
+    router = BanditRouter([NGRAM], "ucb1")
+    assert router._domain("tool").bandit.counts == [0.0, 0.0]
+
+
+def test_full_information_scores_a_deterministic_draft_from_the_past_only():
+    script = list(range(100, 140))
+    draft = CopyDraft(script)
+    router = BanditRouter([Arm("ngram", 2), Arm("ngram", 4), MODEL], free_drafts={"ngram": draft})
+    prompt = script[:10]
+    # The model arm ran: it emitted 3 tokens, the first two agree with the copy draft's text,
+    # the third does not.
+    verified = [script[10], script[11], 999]
+    sequence = prompt + verified
+    before = list(sequence)
+    arm = router.select("tool")
+    assert draft.calls == []  # selecting never consults the drafts
+    router.update(record("tool", MODEL, emitted=3, seconds=0.1, context_len=10, sequence=sequence))
+    assert sequence == before  # the live token list is not modified
+    assert sorted(g for _, g in draft.calls) == [2, 4]
+    assert all(ctx == prompt for ctx, _ in draft.calls)  # only the context the step started from
+    summary = router.summary()["tool"]
+    assert summary["ngram@2"]["scored"] == 1 and summary["ngram@4"]["scored"] == 1
+    assert summary["ngram@2"]["pulls"] == 0 and summary["model@4"]["pulls"] == 1
+    # ngram@2 matched both its tokens -> 3 emitted; ngram@4 matched 2 of 4 -> 3 emitted.
+    # No measured time of their own yet, so the step's 0.1 s stands in: 30 tokens/s, the same
+    # as the model arm's measured goodput, hence the same normalised reward.
+    rewards = {a: v["mean_reward"] for a, v in summary.items()}
+    assert rewards["ngram@2"] == pytest.approx(rewards["model@4"])
+    assert rewards["ngram@4"] == pytest.approx(rewards["model@4"])
+    assert arm in router.arms
+
+
+def test_full_information_uses_each_arms_own_step_time_and_skips_the_arm_that_ran():
+    script = list(range(50))
+    draft = CopyDraft(script)
+    router = BanditRouter([Arm("ngram", 4), MODEL], free_drafts={"ngram": draft})
+    # ngram@4 really ran once: fast (0.02 s per step).
+    router.update(record("code", Arm("ngram", 4), emitted=5, seconds=0.02, context_len=5,
+                         sequence=script[:10]))
+    assert draft.calls == []  # the arm that ran is not re-scored
+    # Now the model arm runs, slowly; the copy draft would have matched nothing.
+    router.update(record("code", MODEL, emitted=2, seconds=0.2, context_len=10,
+                         sequence=script[:10] + [-1, -2]))
+    s = router.summary()["code"]
+    assert s["ngram@4"]["scored"] == 1
+    # Estimated goodput of ngram@4 = 1 token / 0.02 s = 50 tok/s, above the model's 10 tok/s.
+    assert s["ngram@4"]["mean_reward"] > s["model@4"]["mean_reward"]
+
+
+def test_full_information_lets_a_free_draft_win_without_being_pulled_much():
+    script = list(range(1000))
+    draft = CopyDraft(script)  # always right: would emit γ + 1 per step
+    router = BanditRouter([Arm("ngram", 4), MODEL], free_drafts={"ngram": draft}, seed=4)
+    seq = script[:20]
+    picks = []
+    for _ in range(100):
+        arm = router.select("rag")
+        picks.append(arm)
+        ctx = len(seq)
+        emitted = 5 if arm.draft == "ngram" else (2 if arm == MODEL else 1)
+        seq = script[:ctx + emitted]
+        router.update(record("rag", arm, emitted, 0.05, context_len=ctx, sequence=seq))
+    assert picks[-40:].count(Arm("ngram", 4)) >= 36
+
+
+def test_steps_without_context_skip_full_information():
+    draft = CopyDraft(range(10))
+    router = BanditRouter([Arm("ngram", 4)], free_drafts={"ngram": draft})
+    router.update(record("x", NONE, 1, 0.01))
+    assert draft.calls == []
+
+
+def test_non_deterministic_free_draft_is_rejected():
+    draft = CopyDraft([])
+    draft.deterministic = False
+    with pytest.raises(ValueError, match="free_drafts"):
+        BanditRouter([Arm("ngram", 4)], free_drafts={"ngram": draft})
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"arms": []}, "arms"),
+        ({"arms": [NGRAM, NGRAM]}, "distinct"),
+        ({"arms": ["ngram"]}, "arms"),
+        ({"arms": [Arm("ngram", 0)]}, "gamma"),
+        ({"arms": [NGRAM], "algorithm": "epsilon"}, "algorithm"),
+        ({"arms": [NGRAM], "discount": 1.5}, "discount"),
+        ({"arms": [NGRAM], "store": "/tmp/x.sqlite3"}, "store"),
+        ({"arms": [NGRAM], "prior_weight": -1}, "prior_weight"),
+    ],
+)
+def test_bad_constructor_arguments_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        BanditRouter(**kwargs)
+
+
+def test_bad_records_are_rejected_before_anything_changes():
+    router = BanditRouter([NGRAM])
+    with pytest.raises(ValueError, match="record.seconds"):
+        router.update(record("tool", NGRAM, 3, 0.0))
+    with pytest.raises(ValueError, match="record.arm"):
+        router.update(record("tool", MODEL, 3, 0.1))
+    with pytest.raises(ValueError, match="record.domain"):
+        router.update(record("", NGRAM, 3, 0.1))
+    with pytest.raises(ValueError, match="domain"):
+        router.select("")
+    assert router.summary() == {}
+
+
+def test_statistics_persist_through_the_store(tmp_path):
+    path = tmp_path / "r.sqlite3"
+    router = BanditRouter([NGRAM, MODEL], store=RouterStore(path), seed=0)
+    drive(router, "tool", 120, random.Random(5))
+    before = router.summary()["tool"]
+    router.store.close()
+    resumed = BanditRouter([NGRAM, MODEL], store=RouterStore(path), seed=0)
+    after = resumed.summary()["tool"]
+    for arm in before:
+        assert after[arm]["pulls"] == before[arm]["pulls"]
+        assert after[arm]["mean_goodput"] == pytest.approx(before[arm]["mean_goodput"])
+    # The resumed router already prefers the arm it learned, without re-exploring.
+    picks = drive(resumed, "tool", 30, random.Random(6))
+    assert picks.count(NGRAM) >= 25
+
+
+def test_a_failing_store_warns_once_and_routing_continues(tmp_path):
+    store = RouterStore(tmp_path / "r.sqlite3")
+    router = BanditRouter([NGRAM], store=store)
+    store.close()
+    with pytest.warns(RuntimeWarning, match="store write failed"):
+        router.update(record("tool", NGRAM, 3, 0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        router.update(record("tool", NGRAM, 3, 0.1))
+    assert router.summary()["tool"]["ngram@4"]["pulls"] == 2
+
+
+def test_fixed_router_always_returns_its_arm_and_tallies():
+    router = FixedRouter(NGRAM)
+    assert router.arms == (NGRAM,)
+    assert {router.select(d) for d in ("tool", "chat")} == {NGRAM}
+    router.update(record("tool", NGRAM, 4, 0.1))
+    assert router.summary() == {"tool": {"ngram@4": {"pulls": 1, "mean_goodput": pytest.approx(40.0)}}}
+    with pytest.raises(ValueError, match="arm"):
+        FixedRouter("ngram")
