@@ -1,0 +1,199 @@
+"""The framework run context of one model call -> the domain the router should file it under.
+
+Shared by the LangChain and LlamaIndex adapters, so it knows neither framework: each adapter reads
+its own objects (bound tools, messages, run metadata, instrument tags) into a plain `StepContext`,
+and `decide_domain` turns that into what `SpecEngine.generate(..., domain=, hint=)` takes.
+
+Why the adapter and not the engine's prompt classifier: the framework knows things the rendered
+prompt hides or only implies (tools are bound, the caller forced a tool call, the chain is a
+retrieval synthesis), and it knows them for free before the first token.
+
+Precedence (first match wins):
+
+1. An explicit domain: `explicit_domain` (a `domain=` keyword on the call, which is also how agent
+   model settings such as LangChain's `ModelRequest.model_settings` arrive), then the run metadata
+   key `flashspec_domain`, then a `flashspec_domain:<label>` tag. Returned as `domain`, so the
+   engine uses it as is.
+2. `json`: a forced tool call (tool choice "any", "required" or a tool name) or structured output.
+   The model must emit one JSON object matching a schema, whatever the conversation was about.
+3. `tool`: tools are bound, or a tool result is in the history. When the last message *is* a tool
+   result the label is `tool/result`: that step reads a tool's output and mostly answers in prose
+   copied from it, while a `tool` step picks an action and copies names and keys from the tool
+   schemas. The two steps want different drafts, so they get separate router statistics (the
+   router's domains are an open set; a new label starts from the router's shared prior).
+4. `react`: a ReAct prompt (Thought / Action / Action Input / Observation format) without bound tools.
+5. `rag`: a retrieval-synthesis prompt (LangChain's and LlamaIndex's stock QA / refine templates, or
+   a prompt that holds a context section and asks a question about it).
+6. Otherwise no hint: the engine's classifier decides (chat, code, math, ...).
+
+The agent node (`langgraph_node`, or `lc_agent_name` when the agent is named; a LlamaIndex agent's
+name) is always recorded in `DomainDecision.node` and in the response metadata. It becomes a
+further sub-key of the hint (`tool/<node>`, `tool/result/<node>`) only when the adapter is built
+with `domain_per_node=True`: LangChain's prebuilt agent calls every model node "model", so by
+default a per-node split would only fragment statistics that the kind already separates.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+JSON, TOOL, TOOL_RESULT, REACT, RAG = "json", "tool", "tool/result", "react", "rag"
+
+METADATA_DOMAIN_KEY = "flashspec_domain"
+TAG_DOMAIN_PREFIX = "flashspec_domain:"
+# Run-metadata keys naming the agent step, most specific first.
+NODE_KEYS = ("lc_agent_name", "langgraph_node", "agent_name")
+
+# Roles as `normalize_role` returns them.
+SYSTEM, USER, ASSISTANT, TOOL_ROLE = "system", "user", "assistant", "tool"
+_ROLE_ALIASES = {
+    "system": SYSTEM, "developer": SYSTEM,
+    "user": USER, "human": USER,
+    "assistant": ASSISTANT, "ai": ASSISTANT, "model": ASSISTANT, "chatbot": ASSISTANT,
+    "tool": TOOL_ROLE, "function": TOOL_ROLE, "ipython": TOOL_ROLE,
+}
+
+# Stock retrieval-synthesis wordings (LangChain hub rag-prompt, LlamaIndex text_qa / refine /
+# tree_summarize, common RAG tutorials). Lower-case substrings: cheap and precise.
+_RAG_PHRASES = (
+    "pieces of retrieved context",
+    "retrieved context",
+    "context information is below",
+    "given the context information",
+    "refine the existing answer",
+    "we have provided an existing answer",
+    "context information from multiple sources",
+    "answer the question based only on the following context",
+    "based only on the following context",
+    "using the context below",
+    "using only the context",
+    "answer using the documents",
+)
+# A "Context:" (or "Documents:", "Sources:") heading and a "Question:" heading in the same prompt.
+_CONTEXT_HEADING = re.compile(r"(?:^|\n)\s*(?:context|documents?|sources?|retrieved documents)\s*:", re.I)
+_QUESTION_HEADING = re.compile(r"(?:^|\n)\s*(?:question|query)\s*:", re.I)
+
+_REACT_LINES = re.compile(r"(?:^|\n)\s*(thought|action|action input|observation)\s*:", re.I)
+
+
+def normalize_role(role: Any) -> str:
+    """A framework's role name as one of system / user / assistant / tool (others pass lower-cased)."""
+    name = str(getattr(role, "value", role)).strip().lower()
+    return _ROLE_ALIASES.get(name, name)
+
+
+def is_rag_prompt(text: str) -> bool:
+    """True for a retrieval-synthesis prompt: a stock QA/refine template, or context + question."""
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    low = text.lower()
+    if any(p in low for p in _RAG_PHRASES):
+        return True
+    return _CONTEXT_HEADING.search(text) is not None and _QUESTION_HEADING.search(text) is not None
+
+
+def is_react_prompt(text: str) -> bool:
+    """True for a ReAct prompt: at least three of the Thought/Action/Action Input/Observation labels."""
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    return len({m.group(1).lower() for m in _REACT_LINES.finditer(text)}) >= 3
+
+
+def _label(value: Any, source: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{source} must be a non-empty domain label such as 'tool' or 'rag'; got {value!r}")
+    return value.strip().lower()
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What an adapter knows about one model call, in plain data.
+
+    roles: the role of every message in order (any spelling; see `normalize_role`); empty for a
+    plain text prompt. prompt_text: the prompt's text (messages joined), for the prompt checks.
+    metadata: the run's metadata (LangChain config metadata, LlamaIndex instrument tags as a dict).
+    """
+
+    explicit_domain: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    tags: Sequence[str] = ()
+    tools_bound: bool = False
+    tool_choice_forced: bool = False
+    structured_output: bool = False
+    roles: Sequence[str] = ()
+    prompt_text: str = ""
+
+
+@dataclass(frozen=True)
+class DomainDecision:
+    """The engine arguments for one call, and why.
+
+    domain: pass as `generate(domain=...)` (an explicit choice, overriding everything).
+    hint: pass as `generate(hint=...)` (the engine's classifier runs only when both are None).
+    source: which rule decided ("explicit", "metadata", "tag", "forced_tool", "structured_output",
+    "tool_result", "tools", "react", "rag" or "classifier").
+    node: the agent node or agent name of the run, if any.
+    """
+
+    domain: str | None
+    hint: str | None
+    source: str
+    node: str | None = None
+
+    @property
+    def label(self) -> str | None:
+        """The label the router will see, when the adapter decided it (None: the classifier's)."""
+        return self.domain or self.hint
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"domain": self.domain, "hint": self.hint, "source": self.source, "node": self.node}
+
+
+def agent_node(metadata: Mapping[str, Any]) -> str | None:
+    """The agent step's name from run metadata: `lc_agent_name`, else `langgraph_node`, else `agent_name`."""
+    for key in NODE_KEYS:
+        value = metadata.get(key)
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return None
+
+
+def _kind(ctx: StepContext) -> tuple[str | None, str]:
+    roles = [normalize_role(r) for r in ctx.roles]
+    if ctx.tool_choice_forced:
+        return JSON, "forced_tool"
+    if ctx.structured_output:
+        return JSON, "structured_output"
+    if roles and roles[-1] == TOOL_ROLE:
+        return TOOL_RESULT, "tool_result"
+    if ctx.tools_bound or TOOL_ROLE in roles:
+        return TOOL, "tools"
+    if ctx.prompt_text and is_react_prompt(ctx.prompt_text):
+        return REACT, "react"
+    if ctx.prompt_text and is_rag_prompt(ctx.prompt_text):
+        return RAG, "rag"
+    return None, "classifier"
+
+
+def decide_domain(ctx: StepContext, domain_per_node: bool = False) -> DomainDecision:
+    """The domain or hint for one call from its context (see the module docstring for the rules)."""
+    if not isinstance(ctx, StepContext):
+        raise ValueError(f"ctx must be a StepContext, got {type(ctx).__name__}")
+    metadata = ctx.metadata or {}
+    node = agent_node(metadata)
+    explicit = _label(ctx.explicit_domain, "domain")
+    if explicit is not None:
+        return DomainDecision(explicit, None, "explicit", node)
+    from_metadata = _label(metadata.get(METADATA_DOMAIN_KEY), f"metadata[{METADATA_DOMAIN_KEY!r}]")
+    if from_metadata is not None:
+        return DomainDecision(from_metadata, None, "metadata", node)
+    for tag in ctx.tags or ():
+        if isinstance(tag, str) and tag.startswith(TAG_DOMAIN_PREFIX):
+            return DomainDecision(_label(tag[len(TAG_DOMAIN_PREFIX):], f"tag {tag!r}"), None, "tag", node)
+    kind, source = _kind(ctx)
+    if kind is not None and domain_per_node and node:
+        kind = f"{kind}/{node.lower()}"
+    return DomainDecision(None, kind, source, node)

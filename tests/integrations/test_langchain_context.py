@@ -1,0 +1,86 @@
+"""flashspec_integrations.context: the framework-neutral rules that pick a call's router domain."""
+from __future__ import annotations
+
+import pytest
+
+from flashspec_integrations.context import (
+    DomainDecision,
+    StepContext,
+    agent_node,
+    decide_domain,
+    is_rag_prompt,
+    is_react_prompt,
+    normalize_role,
+)
+
+LC_RAG = (
+    "You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
+    "to answer the question.\nQuestion: what is x?\nContext: x is 3.\nAnswer:"
+)
+LI_TEXT_QA = (
+    "Context information is below.\n---------------------\nfile_path: a.txt\nx is 3\n---------------------\n"
+    "Given the context information and not prior knowledge, answer the query.\nQuery: what is x?\nAnswer: "
+)
+REACT = "Thought: I need a tool.\nAction: add\nAction Input: {\"a\": 1}\nObservation: 2\n"
+
+
+def test_explicit_beats_metadata_tags_and_context():
+    ctx = StepContext(
+        explicit_domain=" Code ", metadata={"flashspec_domain": "rag"}, tags=["flashspec_domain:math"],
+        tools_bound=True, tool_choice_forced=True,
+    )
+    assert decide_domain(ctx) == DomainDecision("code", None, "explicit", None)
+
+
+def test_metadata_then_tag_win_over_context():
+    assert decide_domain(StepContext(metadata={"flashspec_domain": "Rag"}, tools_bound=True)).domain == "rag"
+    d = decide_domain(StepContext(tags=["x", "flashspec_domain:math"], tools_bound=True))
+    assert (d.domain, d.source) == ("math", "tag")
+
+
+@pytest.mark.parametrize(
+    "ctx, hint, source",
+    [
+        (StepContext(tools_bound=True, tool_choice_forced=True), "json", "forced_tool"),
+        (StepContext(structured_output=True, roles=["user"]), "json", "structured_output"),
+        (StepContext(tools_bound=True, roles=["system", "human"]), "tool", "tools"),
+        (StepContext(tools_bound=True, roles=["human", "ai", "tool"]), "tool/result", "tool_result"),
+        (StepContext(roles=["human", "ai", "tool", "ai", "human"]), "tool", "tools"),
+        (StepContext(roles=["user"], prompt_text=REACT), "react", "react"),
+        (StepContext(roles=["user"], prompt_text=LC_RAG), "rag", "rag"),
+        (StepContext(prompt_text=LI_TEXT_QA), "rag", "rag"),
+        (StepContext(roles=["user"], prompt_text="Tell me a joke about cats."), None, "classifier"),
+    ],
+)
+def test_context_rules(ctx, hint, source):
+    decision = decide_domain(ctx)
+    assert (decision.domain, decision.hint, decision.source) == (None, hint, source)
+
+
+def test_node_is_recorded_and_only_split_on_request():
+    meta = {"langgraph_node": "model", "lc_agent_name": "Weather"}
+    assert agent_node(meta) == "Weather"
+    assert agent_node({"langgraph_node": "model"}) == "model"
+    ctx = StepContext(metadata=meta, tools_bound=True)
+    assert decide_domain(ctx) == DomainDecision(None, "tool", "tools", "Weather")
+    assert decide_domain(ctx, domain_per_node=True).hint == "tool/weather"
+    # No kind, no split: the classifier still decides.
+    assert decide_domain(StepContext(metadata=meta), domain_per_node=True).hint is None
+
+
+def test_prompt_checks_do_not_fire_on_plain_prose():
+    assert not is_rag_prompt("What is the capital of France? Give some context about its history.")
+    assert is_rag_prompt("Context: the sky is green.\n\nQuestion: what colour is the sky?")
+    assert not is_react_prompt("Thought: hmm. That is all.")
+    assert is_react_prompt(REACT)
+    assert [normalize_role(r) for r in ["Human", "AI", "function", "developer"]] == ["user", "assistant", "tool", "system"]
+
+
+@pytest.mark.parametrize("bad", ["", "  ", 3])
+def test_bad_labels_name_their_source(bad):
+    with pytest.raises(ValueError, match="domain"):
+        decide_domain(StepContext(explicit_domain=bad))
+    with pytest.raises(ValueError, match="flashspec_domain"):
+        decide_domain(StepContext(metadata={"flashspec_domain": bad}))
+    with pytest.raises(ValueError, match="ctx"):
+        decide_domain({"tools_bound": True})
