@@ -215,11 +215,13 @@ class RouterStore:
             where, timeout=self.timeout, isolation_level=None, check_same_thread=False
         )
         try:
-            self._retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL").fetchone())
-            conn.execute("PRAGMA synchronous=NORMAL")
+            # Read-only checks first: a file we must not touch (newer schema) stays byte-identical.
             check = conn.execute("PRAGMA quick_check").fetchone()
             if check is None or check[0] != "ok":
                 raise sqlite3.DatabaseError(f"quick_check failed: {check}")
+            self._check_version(conn.execute("PRAGMA user_version").fetchone()[0], where)
+            self._retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL").fetchone())
+            conn.execute("PRAGMA synchronous=NORMAL")
             self._retry_busy(lambda: self._ensure_schema(conn, where))
         except BaseException:
             conn.close()
@@ -239,15 +241,18 @@ class RouterStore:
                 time.sleep(0.01)
 
     @staticmethod
-    def _ensure_schema(conn: sqlite3.Connection, where: str) -> None:
+    def _check_version(version: int, where: str) -> None:
+        if version > SCHEMA_VERSION:
+            raise _NewerSchema(
+                f"{where} has schema version {version}, newer than this code's "
+                f"{SCHEMA_VERSION}; left untouched (upgrade flashspec-agents)"
+            )
+
+    def _ensure_schema(self, conn: sqlite3.Connection, where: str) -> None:
         conn.execute("BEGIN IMMEDIATE")
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise _NewerSchema(
-                    f"{where} has schema version {version}, newer than this code's "
-                    f"{SCHEMA_VERSION}; left untouched (upgrade flashspec-agents)"
-                )
+            self._check_version(version, where)  # again: another process may have migrated
             if version < SCHEMA_VERSION:
                 # Version 0 is a new file; later versions add their migrations here, in order.
                 for statement in _SCHEMA.split(";"):
