@@ -31,7 +31,9 @@ from flashspec_core.routing.store import ArmDelta, RouterStore
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 
-DEFAULT_DISCOUNT = 0.99  # evidence half-life of ~70 steps within a domain
+# Evidence half-life of ~140 steps within a domain: on the switching simulation (benchmarks/
+# bandit_sim.py) 0.995 lost less than 0.98 or 0.99 (more exploration) and no more than 0.998.
+DEFAULT_DISCOUNT = 0.995
 ALGORITHMS = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted")
 _SCALE_WINDOW = 256
 _SCALE_QUANTILE = 0.95
@@ -128,7 +130,7 @@ class BanditRouter:
     arms: the (draft, γ) choices; `Arm(NO_DRAFT, 0)` is added if missing, so plain decoding is
         always available. algorithm: "thompson" (default; Normal-Gamma posterior on the
         normalised goodput), "ucb1", or their "-discounted" variants for drifting workloads.
-    discount: overrides the discounted variants' factor (default 0.99).
+    discount: overrides the discounted variants' factor (default 0.995).
     store: a `RouterStore` to resume from and write every update to (None: memory only).
     free_drafts: name -> deterministic DraftSource scored after the fact on every step (for the
         arms with that draft name).
