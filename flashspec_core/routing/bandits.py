@@ -35,7 +35,7 @@ def _check_reward(reward: float) -> float:
     return r
 
 
-class _Bandit:
+class Bandit:
     """Shared statistics and update rules; subclasses only decide `select`."""
 
     algorithm: ClassVar[str] = ""
@@ -172,7 +172,7 @@ class _Bandit:
         }
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any], seed: int | None = None) -> "_Bandit":
+    def from_state(cls, state: Mapping[str, Any], seed: int | None = None) -> "Bandit":
         """Rebuild a bandit from `export_state()` output."""
         if not isinstance(state, Mapping):
             raise ValueError(f"state must be a dict from export_state(), got {type(state).__name__}")
@@ -212,7 +212,7 @@ class _Bandit:
         return bandit
 
 
-class UCB1(_Bandit):
+class UCB1(Bandit):
     """UCB1 (Auer et al. 2002): play every arm once, then the highest upper confidence bound.
 
     Score = mean + sqrt(exploration * ln(t) / n). With `discount` < 1 this is discounted UCB
@@ -255,7 +255,7 @@ class UCB1(_Bandit):
 _POSTERIORS = ("auto", "beta", "normal")
 
 
-class ThompsonSampling(_Bandit):
+class ThompsonSampling(Bandit):
     """Thompson sampling: draw a plausible mean per arm from its posterior, play the largest.
 
     posterior="beta": Beta(1 + sum, 1 + n - sum), the conjugate posterior for 0/1 rewards and a
@@ -317,10 +317,10 @@ class ThompsonSampling(_Bandit):
         return max(range(self.n_arms), key=draws.__getitem__)
 
 
-_BANDITS: dict[str, type[_Bandit]] = {UCB1.algorithm: UCB1, ThompsonSampling.algorithm: ThompsonSampling}
+_BANDITS: dict[str, type[Bandit]] = {UCB1.algorithm: UCB1, ThompsonSampling.algorithm: ThompsonSampling}
 
 
-def bandit_from_state(state: Mapping[str, Any], seed: int | None = None) -> _Bandit:
+def bandit_from_state(state: Mapping[str, Any], seed: int | None = None) -> Bandit:
     """Rebuild whichever bandit `state` (from `export_state()`) describes."""
     algorithm = state.get("algorithm") if isinstance(state, Mapping) else None
     if algorithm not in _BANDITS:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from flashspec_core.drafts.base import DraftSource
-from flashspec_core.routing.bandits import UCB1, ThompsonSampling, _Bandit
+from flashspec_core.routing.bandits import UCB1, ThompsonSampling, Bandit
 from flashspec_core.routing.store import ArmDelta, RouterStore
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord
@@ -118,7 +118,7 @@ class _Tally:
 
 @dataclass
 class _Domain:
-    bandit: _Bandit
+    bandit: Bandit
     scale: _GoodputScale
     tallies: list[_Tally]
     steps: int = 0
@@ -196,7 +196,7 @@ class BanditRouter:
         if store is not None:
             self._load(store)
 
-    def _new_bandit(self, domain: str) -> _Bandit:
+    def _new_bandit(self, domain: str) -> Bandit:
         seed = None if self.seed is None else (self.seed * 1_000_003 + zlib.crc32(domain.encode())) % 2**63
         cls = ThompsonSampling if self.algorithm.startswith("thompson") else UCB1
         return cls(len(self.arms), discount=self.discount, seed=seed)
