@@ -130,14 +130,20 @@ class SpecEngine:
         stop: str | Sequence[str] | None = None,
         domain: str | None = None,
         hint: str | None = None,
+        json_schema: dict | str | None = None,
     ) -> GenerationResult | list[GenerationResult]:
-        """Generate for one prompt (str, chat messages or token ids) or a list of them as a batch."""
+        """Generate for one prompt (str, chat messages or token ids) or a list of them as a batch.
+
+        json_schema: constrain the output to JSON valid against this schema (a forced tool call,
+        structured output; {"type": "object"} for JSON mode), exactly the target's distribution
+        conditioned on the grammar (see flashspec_core.constrained, whose Grammar is also accepted).
+        """
         batch = is_batch(prompt)
         prompts = list(prompt) if batch else [prompt]
         if not prompts:
             raise ValueError("prompt: the batch is empty; pass at least one prompt")
         rows, stats = None, None
-        for rows, _, stats in self._run(prompts, max_new_tokens, sampling, stop, domain, hint):
+        for rows, _, stats in self._run(prompts, max_new_tokens, sampling, stop, domain, hint, json_schema):
             pass
         results = [
             GenerationResult(r.text, list(r.token_ids), r.finish_reason or "length", s, prompt_tokens=s.prompt_tokens)
@@ -153,11 +159,12 @@ class SpecEngine:
         stop: str | Sequence[str] | None = None,
         domain: str | None = None,
         hint: str | None = None,
+        json_schema: dict | str | None = None,
     ) -> Iterator[StreamChunk]:
         """Yield text as it is verified; the last chunk carries finish_reason and stats."""
         if is_batch(prompt):
             raise ValueError("prompt: stream takes one prompt; use generate for a batch")
-        for rows, new, stats in self._run([prompt], max_new_tokens, sampling, stop, domain, hint):
+        for rows, new, stats in self._run([prompt], max_new_tokens, sampling, stop, domain, hint, json_schema):
             row = rows[0]
             delta = row.take_delta()
             if row.finished:
@@ -210,13 +217,20 @@ class SpecEngine:
         self._owner = None
         self._lock.release()
 
-    def _run(self, prompts, max_new_tokens, sampling, stop, domain, hint):
+    def _run(self, prompts, max_new_tokens, sampling, stop, domain, hint, json_schema=None):
         sampling, stops = self._validate(max_new_tokens, sampling, stop)
         encoded = self._encode_all(prompts, max_new_tokens)
+        constraint = None
+        if json_schema is not None:
+            from flashspec_core.constrained import constraint_for
+
+            vocab = vocab_size(self.target_model)
+            constraint = constraint_for(json_schema, self.tokenizer, vocab, self.eos_ids, encoded)
+            hint = hint or "json"
         step_domain = resolve_domain(domain, hint, prompt_text(self.tokenizer, prompts[0]))
         self._acquire()
         try:
-            yield from self._decode(encoded, max_new_tokens, sampling, stops, step_domain)
+            yield from self._decode(encoded, max_new_tokens, sampling, stops, step_domain, constraint)
         finally:
             self._release()
 
@@ -239,12 +253,14 @@ class SpecEngine:
         probs = None if proposal.probs is None else proposal.probs[:, :g].to(device)
         return tokens.view(len(seqs), g), probs
 
-    def _decode(self, prompts, max_new_tokens, sampling, stops, domain):
+    def _decode(self, prompts, max_new_tokens, sampling, stops, domain, constraint=None):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         target = CachedModel(self.target_model, pad)
         target.reset(len(prompts))
         for d in self.drafts.values():
             d.begin(prompts)
+            if hasattr(d, "bind_constraint"):  # drafts that read the grammar state (constrained/)
+                d.bind_constraint(constraint)
         rows = [RowOutput(self.tokenizer, self.eos_ids, stops, max_new_tokens) for _ in prompts]
         seqs = [list(p) for p in prompts]
         stats = [GenerationStats(domain, prompt_tokens=len(p)) for p in prompts]
@@ -262,6 +278,8 @@ class SpecEngine:
                 t1 = time.perf_counter()
                 dl = draft_tokens.tolist()
                 logits = target.forward_to([s + d for s, d in zip(seqs, dl)], active, keep_logits=g + 1)
+                if constraint is not None:  # -inf where the grammar forbids, along each draft path
+                    logits = constraint.mask_logits(logits, dl, active)
                 n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=self.verify_backend, generator=gen)
                 n_acc, out = n_acc.tolist(), out.tolist()
                 t2 = time.perf_counter()
@@ -271,6 +289,8 @@ class SpecEngine:
                 for b in (b for b, a in enumerate(active) if a):
                     new[b] = rows[b].append(out[b][: n_acc[b] + 1])
                     seqs[b].extend(new[b])
+                    if constraint is not None:
+                        constraint.commit(b, new[b])
                 record = StepRecord(
                     domain=domain,
                     arm=arm,
