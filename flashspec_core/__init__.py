@@ -3,10 +3,34 @@
     from flashspec_core import SpecEngine, SamplingParams
     engine = SpecEngine.from_default()
     print(engine.generate("Hello", max_new_tokens=32).text)
-"""
-from flashspec_core.engine import SpecEngine
-from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
-from flashspec_core.sampling import SamplingParams
 
-__all__ = ["SpecEngine", "SamplingParams", "GenerationResult", "GenerationStats", "StreamChunk"]
+Names are imported lazily, so light submodules (the router store, the workload) load without
+torch and transformers.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "SpecEngine": "flashspec_core.engine",
+    "SamplingParams": "flashspec_core.sampling",
+    "GenerationResult": "flashspec_core.results",
+    "GenerationStats": "flashspec_core.results",
+    "StreamChunk": "flashspec_core.results",
+}
+
+if TYPE_CHECKING:
+    from flashspec_core.engine import SpecEngine
+    from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
+    from flashspec_core.sampling import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'flashspec_core' has no attribute {name!r}")
+
+
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"

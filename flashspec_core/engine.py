@@ -301,6 +301,7 @@ class SpecEngine:
                     verify_seconds=t2 - t1,
                     context_len=context_len,
                     sequence=seqs[context_row],
+                    rows=sum(active),
                 )
                 self.router.update(record)
                 for b in (b for b, a in enumerate(active) if a):

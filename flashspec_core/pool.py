@@ -16,7 +16,7 @@ from flashspec_core.types import Arm, Router
 
 # Names accepted in `drafts=[...]`; anything else is taken as a model path or cached HF id.
 DRAFT_NAMES = ("prompt_lookup", "suffix_cache", "nf4")
-ROUTER_NAMES = ("thompson", "ucb1", "fixed")
+ROUTER_NAMES = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted", "fixed")
 
 _loaded: dict[tuple, LoadedModel] = {}
 _loaded_lock = threading.Lock()
@@ -85,19 +85,28 @@ def default_drafts() -> list[DraftSource]:
     return [PromptLookupDraft(), SuffixCacheDraft()]
 
 
-def make_router(name: str, arms: Sequence[Arm], drafts: Mapping[str, DraftSource]) -> Router:
+def make_router(
+    name: str, arms: Sequence[Arm], drafts: Mapping[str, DraftSource], persist: bool = False
+) -> Router:
+    """A router by name; `persist` keeps its statistics in the SQLite store across restarts."""
     if name not in ROUTER_NAMES:
         raise ValueError(f"router must be one of {list(ROUTER_NAMES)} or a Router object; got {name!r}")
     from flashspec_core.routing.router import BanditRouter, FixedRouter
+    from flashspec_core.routing.store import RouterStore
 
     if name == "fixed":
         speculative = [a for a in arms if a.gamma > 0]
         return FixedRouter(speculative[len(speculative) // 2] if speculative else arms[0])
     free = {n: d for n, d in drafts.items() if d.deterministic}
-    return BanditRouter(arms, algorithm=name, free_drafts=free)
+    return BanditRouter(arms, algorithm=name, free_drafts=free, store=RouterStore() if persist else None)
 
 
 def default_engine():
-    from flashspec_core.engine import SpecEngine
+    """The embedded target, the default pool, and a Thompson router whose statistics persist."""
+    from flashspec_core.engine import DEFAULT_GAMMAS, SpecEngine
+    from flashspec_core.types import NO_DRAFT
 
-    return SpecEngine(load_target(None), default_drafts(), router="thompson")
+    drafts = default_drafts()
+    arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in DEFAULT_GAMMAS]
+    router = make_router("thompson", arms, {d.name: d for d in drafts}, persist=True)
+    return SpecEngine(load_target(None), drafts, router=router)

@@ -58,6 +58,7 @@ class StepRecord:
     verify_seconds: float
     context_len: int = 0
     sequence: Sequence[int] = field(default_factory=list, repr=False)
+    rows: int = 1  # active rows of the batch; drafted/accepted/emitted are summed over them
 
     @property
     def seconds(self) -> float:

@@ -287,7 +287,8 @@ class BanditRouter:
                 if int(p) != v:
                     break
                 matched += 1
-            out[i] = matched + 1
+            # One row is scored; a batch step emits for every active row, so scale alike.
+            out[i] = (matched + 1) * record.rows
         return out
 
     def update(self, record: StepRecord) -> None:
