@@ -1,0 +1,308 @@
+"""ChatFlashSpec contract: template rendering, tools, parsing, streaming, structured output, domains."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import tool
+from pydantic import BaseModel, Field
+from test_langchain_fakes import ScriptedEngine, tiny_engine
+
+from flashspec_integrations import langchain_runtime
+from flashspec_integrations.langchain import ChatFlashSpec
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@tool
+def shout(text: str) -> str:
+    """Upper-case a text."""
+    return text.upper()
+
+
+class Person(BaseModel):
+    """A person."""
+
+    name: str = Field(description="full name")
+    age: int
+
+
+def chat(script, **kw) -> tuple[ChatFlashSpec, ScriptedEngine]:
+    engine = ScriptedEngine(script)
+    return ChatFlashSpec(engine=engine, **kw), engine
+
+
+def test_invoke_reports_usage_metadata_and_stats():
+    model, engine = chat(["Paris is the capital."])
+    msg = model.invoke([SystemMessage("Be brief."), HumanMessage("Capital of France?")])
+    assert msg.content == "Paris is the capital."
+    prompt = engine.calls[0]["prompt"]
+    assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>") and prompt.endswith("<|im_start|>assistant\n")
+    n_prompt = len(engine.tokenizer(prompt, add_special_tokens=False).input_ids)
+    n_out = len(engine.tokenizer(msg.content, add_special_tokens=False).input_ids)
+    assert msg.usage_metadata == {"input_tokens": n_prompt, "output_tokens": n_out, "total_tokens": n_prompt + n_out}
+    meta = msg.response_metadata
+    assert (meta["model_name"], meta["finish_reason"]) == ("SmolLM2-135M-Instruct", "stop")
+    assert meta["flashspec"]["domain"] == engine.calls[0]["label"]
+    assert meta["flashspec"]["domain_source"] == "classifier"
+
+
+def test_construction_is_lazy_and_the_engine_is_shared(monkeypatch):
+    built = []
+    monkeypatch.setattr(langchain_runtime, "engine_for", lambda *a: built.append(a) or ScriptedEngine(["ok"]))
+    model = ChatFlashSpec(max_tokens=5)
+    assert built == []
+    model.invoke("hi")
+    model.invoke("hi again")
+    assert built == [(None, None, "thompson", None)]
+    ChatFlashSpec(model="some/other-model").invoke("hi")
+    assert built[-1][0] == "some/other-model"
+
+
+def test_auto_tool_call_is_parsed_with_ids_and_domain_tool():
+    reply = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    model, engine = chat([reply])
+    msg = model.bind_tools([add, shout]).invoke("What is 2 + 3?")
+    assert msg.content == "Let me add."
+    assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("add", {"a": 2, "b": 3})]
+    assert msg.tool_calls[0]["id"].startswith("call_") and msg.invalid_tool_calls == []
+    assert msg.response_metadata["finish_reason"] == "tool_calls"
+    assert engine.calls[0]["label"] == "tool"
+    assert '"name": "shout"' in engine.calls[0]["prompt"] and "<tools>" in engine.calls[0]["prompt"]
+
+
+def test_forced_named_call_is_prefilled_stopped_and_parsed():
+    model, engine = chat(['"a": 1, "b": 2}}\n</tool_call>\nmore text'])
+    msg = model.bind_tools([add, shout], tool_choice="add").invoke("one plus two")
+    call = engine.calls[0]
+    assert call["prompt"].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {')
+    assert "</tool_call>" in call["stop"] and call["label"] == "json"
+    assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("add", {"a": 1, "b": 2})]
+
+
+def test_forced_any_prefills_only_the_opening():
+    model, engine = chat(['shout", "arguments": {"text": "hi"}}'])
+    msg = model.bind_tools([add, shout], tool_choice="any").invoke("say hi loudly")
+    assert engine.calls[0]["prompt"].endswith('<tool_call>\n{"name": "')
+    assert msg.tool_calls[0]["name"] == "shout" and msg.tool_calls[0]["args"] == {"text": "hi"}
+
+
+@pytest.mark.parametrize(
+    "reply, name, args",
+    [
+        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}</tool_call>', "add", {"a": 1, "b": 2}),
+        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2,},}</tool_call>', "add", {"a": 1, "b": 2}),
+        ('<tool_call>{"name": "add", "parameters": {"a": 1, "b": 2}}</tool_call>', "add", {"a": 1, "b": 2}),
+        ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 4, \\"b\\": 5}"}</tool_call>', "add", {"a": 4, "b": 5}),
+        ('```json\n{"name": "shout", "arguments": {"text": "x"}}\n```', "shout", {"text": "x"}),
+    ],
+)
+def test_lenient_parsing_repairs_what_is_clearly_meant(reply, name, args):
+    model, _ = chat([reply])
+    msg = model.bind_tools([add, shout]).invoke("go")
+    assert [(c["name"], c["args"]) for c in msg.tool_calls] == [(name, args)]
+    assert msg.invalid_tool_calls == []
+
+
+@pytest.mark.parametrize(
+    "reply, max_tokens, error",
+    [
+        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b"', 1000, "not valid JSON"),
+        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 22222222222}}', 40, "incomplete JSON"),
+        ('<tool_call>{"name": "divide", "arguments": {}}</tool_call>', 1000, "unknown tool"),
+        ('<tool_call>{"arguments": {"a": 1}}</tool_call>', 1000, "no \"name\""),
+        ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', 1000, "not a JSON object"),
+    ],
+)
+def test_what_fails_to_parse_goes_to_invalid_tool_calls(reply, max_tokens, error):
+    model, _ = chat([reply], max_tokens=max_tokens)
+    msg = model.bind_tools([add]).invoke("go")
+    assert msg.tool_calls == []
+    assert len(msg.invalid_tool_calls) == 1 and error in msg.invalid_tool_calls[0]["error"]
+
+
+def test_stream_yields_tool_call_chunks_and_usage_once():
+    reply = 'Sure <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call> done'
+    model, _ = chat([reply])
+    chunks = list(model.bind_tools([add]).stream("2+3?"))
+    assert all(isinstance(c, AIMessageChunk) for c in chunks)
+    assert not any("<tool" in c.content for c in chunks if isinstance(c.content, str))
+    assert sum(c.usage_metadata is not None for c in chunks) == 1
+    full = chunks[0]
+    for c in chunks[1:]:
+        full += c
+    assert [(c["name"], c["args"]) for c in full.tool_calls] == [("add", {"a": 2, "b": 3})]
+    assert full.content.replace(" ", "") == "Suredone"
+    assert full.response_metadata["finish_reason"] == "tool_calls"
+    assert full.usage_metadata["output_tokens"] > 0
+
+
+def test_stream_keeps_a_truncated_call_invalid():
+    model, _ = chat(['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 99999999999999}}'], max_tokens=35)
+    full = None
+    for c in model.bind_tools([add]).stream("go"):
+        full = c if full is None else full + c
+    assert full.tool_calls == [] and len(full.invalid_tool_calls) == 1
+
+
+def test_tool_history_renders_calls_and_results_and_reads_as_tool_result():
+    model, engine = chat(["It is 5."])
+    history = [
+        HumanMessage("What is 2 + 3?"),
+        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "c1"}]),
+        ToolMessage("5", tool_call_id="c1", name="add"),
+    ]
+    model.bind_tools([add]).invoke(history)
+    prompt = engine.calls[0]["prompt"]
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>' in prompt
+    assert "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>" in prompt
+    assert engine.calls[0]["label"] == "tool/result"
+    # Anthropic-style list content with tool_use blocks renders the same way.
+    listed = AIMessage([{"type": "text", "text": "hm"}, {"type": "tool_use", "id": "c1", "name": "add", "input": {}}],
+                       tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "c1"}])
+    model.bind_tools([add]).invoke([history[0], listed, history[2]])
+    assert "hm\n<tool_call>" in engine.calls[1]["prompt"]
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema", "json_mode"])
+def test_with_structured_output(method):
+    body = '{"name": "Ada Lovelace", "age": 36}'
+    reply = f'"name": "Ada Lovelace", "age": 36}}}}' if method == "function_calling" else f"Here: {body}"
+    model, engine = chat([reply])
+    schema = Person if method != "json_mode" else None
+    out = model.with_structured_output(schema, method=method).invoke("Who wrote the first program?")
+    expected = Person(name="Ada Lovelace", age=36)
+    assert (out == expected) if method != "json_mode" else (out == expected.model_dump())
+    assert engine.calls[0]["label"] == "json"
+    if method == "json_schema":
+        assert '"age"' in engine.calls[0]["prompt"] and "JSON" in engine.calls[0]["prompt"]
+
+
+def test_structured_output_include_raw_reports_parse_errors():
+    model, _ = chat(['"name": 5, "age": "old"}}'])
+    out = model.with_structured_output(Person, include_raw=True).invoke("x")
+    assert out["parsed"] is None and out["parsing_error"] is not None and isinstance(out["raw"], AIMessage)
+
+
+def test_constraint_seam_sends_the_schema_instead_of_a_prefix():
+    class ConstrainedEngine(ScriptedEngine):
+        def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, json_schema=None):
+            self.schemas = getattr(self, "schemas", []) + [json_schema]
+            yield from super().stream(prompt, max_new_tokens, sampling, stop, domain, hint)
+
+    engine = ConstrainedEngine(['{"name": "add", "arguments": {"a": 1, "b": 2}}'])
+    msg = ChatFlashSpec(engine=engine).bind_tools([add, shout], tool_choice="add").invoke("1+2")
+    assert engine.calls[0]["prompt"].endswith("<|im_start|>assistant\n")
+    schema = engine.schemas[0]
+    assert schema["properties"]["name"] == {"const": "add"} and "a" in schema["properties"]["arguments"]["properties"]
+    assert msg.tool_calls[0]["args"] == {"a": 1, "b": 2}
+    ChatFlashSpec(engine=engine).invoke("plain")
+    assert engine.schemas[1] is None
+
+
+def test_domain_precedence_and_agent_node():
+    model, engine = chat(["ok"])
+    bound = model.bind_tools([add])
+    bound.invoke("x", config={"metadata": {"langgraph_node": "agent"}})
+    bound.invoke("x", config={"metadata": {"flashspec_domain": "Code"}})
+    bound.invoke("x", domain="math", config={"metadata": {"flashspec_domain": "code"}})
+    ChatFlashSpec(engine=engine, domain="rag").bind_tools([add]).invoke("x")
+    ChatFlashSpec(engine=engine, domain_per_node=True).bind_tools([add]).invoke("x", config={"metadata": {"langgraph_node": "agent"}})
+    assert [c["label"] for c in engine.calls] == ["tool", "code", "math", "rag", "tool/agent"]
+    msg = bound.invoke("x", config={"metadata": {"langgraph_node": "agent"}})
+    assert msg.response_metadata["flashspec"]["agent_node"] == "agent"
+
+
+def test_rag_prompt_gets_the_rag_hint():
+    model, engine = chat(["3"])
+    model.invoke("Answer the question based only on the following context:\nx is 3\n\nQuestion: what is x?")
+    assert (engine.calls[0]["hint"], engine.calls[0]["label"]) == ("rag", "rag")
+
+
+def test_token_counting_matches_the_rendered_prompt():
+    model, engine = chat(["ok"])
+    msgs = [HumanMessage("hello there")]
+    model.invoke(msgs)
+    assert model.get_num_tokens_from_messages(msgs) == len(engine.tokenizer(engine.calls[0]["prompt"]).input_ids)
+    assert model.get_num_tokens_from_messages(msgs, tools=[add]) > model.get_num_tokens_from_messages(msgs)
+    assert model.get_token_ids("abc") == engine.tokenizer("abc", add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: m.invoke("x", frobnicate=1), "frobnicate"),
+        (lambda m: m.bind_tools([add], tool_choice="divide"), "tool_choice"),
+        (lambda m: m.invoke([HumanMessage([{"type": "image", "url": "http://x"}])]), "image"),
+        (lambda m: m.invoke("x", max_tokens=0), "max_tokens"),
+        (lambda m: m.invoke("x", temperature=-1.0), "temperature"),
+        (lambda m: m.with_structured_output(Person, method="xml"), "method"),
+        (lambda m: m.invoke([]), "messages"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_it(call, match):
+    model, _ = chat(["ok"])
+    with pytest.raises(ValueError, match=match):
+        call(model)
+
+
+class SlowEngine(ScriptedEngine):
+    def stream(self, *args, **kwargs):
+        for chunk in super().stream(*args, **kwargs):
+            time.sleep(0.05)
+            yield chunk
+
+
+def test_timeout_raises_after_the_retries():
+    engine = SlowEngine(["a" * 30])
+    with pytest.raises(TimeoutError, match="timeout"):
+        ChatFlashSpec(engine=engine, timeout=0.01, max_retries=2).invoke("x")
+    assert len(engine.calls) == 3
+
+
+def test_async_paths_do_not_block_the_event_loop():
+    engine = SlowEngine(["abcdefghijklmnopqrstuvwxyz"])
+    model = ChatFlashSpec(engine=engine)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        parts = [c.content async for c in model.astream("x")]
+        msg = await model.ainvoke("x")
+        task.cancel()
+        return ticks, "".join(parts), msg.content
+
+    ticks, streamed, invoked = asyncio.run(main())
+    assert streamed == invoked == "abcdefghijklmnopqrstuvwxyz"
+    assert ticks >= 20  # ~0.9 s of engine time ran while the loop kept ticking
+
+
+def test_batch_is_thread_safe_on_a_real_engine():
+    model = ChatFlashSpec(engine=tiny_engine(), max_tokens=12)
+    prompts = [f"question {i}" for i in range(4)]
+    alone = [model.invoke(p).content for p in prompts]
+    together = [m.content for m in model.batch(prompts, config={"max_concurrency": 4})]
+    assert together == alone
+
+
+def test_real_engine_stream_matches_invoke_and_respects_stop():
+    model = ChatFlashSpec(engine=tiny_engine(), max_tokens=16)
+    text = model.invoke("hello").content
+    assert "".join(c.content for c in model.stream("hello")) == text
+    stop = text[5:8]
+    assert model.invoke("hello", stop=[stop]).content == text[: text.find(stop)]
+    assert json.dumps(model.invoke("hello").response_metadata["flashspec"]["arms"])
