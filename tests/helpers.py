@@ -1,0 +1,213 @@
+"""Shared test helpers: tiny random models built in memory, exact target distributions, G-tests.
+
+Unit tests never touch a model hub: a tiny `LlamaForCausalLM` is built from a config, and a real
+(WordLevel) tokenizer over the words "t0".."t{V-1}" is built in memory, so the engine runs its
+whole path (encode, decode, EOS, stop strings) on a model that takes microseconds per step.
+The reference distributions are computed with transformers' own logits warpers (the ones
+`generate` samples through), independently of `flashspec_core.sampling`, so a bug in the shared
+sampling function cannot hide behind an expected value computed by the same function.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from scipy import stats
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from flashspec_core.models import LoadedModel
+from flashspec_core.sampling import SamplingParams
+
+ALPHA = 0.01  # significance level of every exactness test
+MIN_EXPECTED = 5.0  # cells expected to see fewer samples are pooled (the chi-square approximation)
+
+
+def tiny_tokenizer(vocab: int, eos_id: int | None = None) -> PreTrainedTokenizerFast:
+    """A real fast tokenizer whose token i is the word "t{i}"; eos (and pad) is token `eos_id`.
+
+    Decoding joins tokens with spaces, so a stop string like "t3 t5" spans two tokens.
+    """
+    eos_id = vocab - 1 if eos_id is None else eos_id
+    words = {f"t{i}": i for i in range(vocab)}
+    backend = Tokenizer(WordLevel(words, unk_token=f"t{eos_id}"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    eos = f"t{eos_id}"
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token=eos, unk_token=eos)
+
+
+def tiny_llama(vocab: int = 16, seed: int = 0, layers: int = 1, hidden: int = 32, scale: float = 1.0,
+               eos_id: int | None = None, max_positions: int = 256) -> LlamaForCausalLM:
+    """A random Llama whose next-token distributions are far from uniform.
+
+    HF's default init (std 0.02) gives near-uniform logits, where p ≈ q and a broken residual
+    would go unnoticed; `scale` sets the std of the output projection so logits spread by a few
+    nats. Different seeds give different models with the same vocabulary (a draft and a target).
+    """
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        initializer_range=0.2, tie_word_embeddings=False,
+        eos_token_id=vocab - 1 if eos_id is None else eos_id, pad_token_id=vocab - 1 if eos_id is None else eos_id,
+        bos_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, scale / hidden ** 0.5 * 3.0)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    return model.eval()
+
+
+def tiny_loaded(vocab: int = 16, seed: int = 0, **kwargs) -> LoadedModel:
+    """A tiny random target with its tokenizer, as the engine takes it."""
+    model = tiny_llama(vocab, seed, **kwargs)
+    return LoadedModel(model=model, tokenizer=tiny_tokenizer(vocab, model.config.eos_token_id), name=f"tiny-{seed}")
+
+
+def reference_probs(logits: torch.Tensor, sampling: SamplingParams) -> np.ndarray:
+    """The distribution HF `generate(do_sample=True)` samples from: temperature, top-k, top-p.
+
+    logits: [N, V]. Returns [N, V] float64 probabilities.
+    """
+    scores = logits.double()
+    if sampling.temperature == 0.0:
+        out = torch.zeros_like(scores).scatter_(-1, scores.argmax(-1, keepdim=True), 1.0)
+        return out.numpy()
+    scores = TemperatureLogitsWarper(sampling.temperature)(None, scores)
+    if sampling.top_k:
+        scores = TopKLogitsWarper(sampling.top_k)(None, scores)
+    if sampling.top_p < 1.0:
+        scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+    return scores.softmax(-1).numpy()
+
+
+@torch.no_grad()
+def next_logits(model: LlamaForCausalLM, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Logits after the last token of each context (all the same length): [N, V] float32."""
+    ids = torch.tensor([list(c) for c in contexts], dtype=torch.long)
+    return model(input_ids=ids).logits[:, -1].float()
+
+
+def first_two_distribution(model: LlamaForCausalLM, prompt: Sequence[int], sampling: SamplingParams,
+                           eos_ids: frozenset[int]) -> dict[tuple[int, ...], float]:
+    """Exact law of the first two generated tokens: p(t1) p(t2 | t1); (eos,) is a terminal outcome."""
+    p1 = reference_probs(next_logits(model, [prompt]), sampling)[0]
+    vocab = p1.shape[0]
+    p2 = reference_probs(next_logits(model, [list(prompt) + [t] for t in range(vocab)]), sampling)
+    law: dict[tuple[int, ...], float] = {}
+    for t1 in range(vocab):
+        if t1 in eos_ids:
+            law[(t1,)] = float(p1[t1])
+            continue
+        for t2 in range(vocab):
+            law[(t1, t2)] = float(p1[t1] * p2[t1, t2])
+    return law
+
+
+def g_test(counts: dict, law: dict, min_expected: float = MIN_EXPECTED) -> float:
+    """p-value of a G-test of observed outcome counts against an exact law.
+
+    Cells expected to see fewer than `min_expected` samples are pooled into one cell. An outcome
+    the law gives probability 0 (up to rounding) is an outright failure: p-value 0.
+    """
+    n = sum(counts.values())
+    impossible = [k for k, c in counts.items() if c and law.get(k, 0.0) < 1e-12]
+    if impossible:
+        return 0.0
+    observed, expected = [], []
+    pooled_o, pooled_e = 0.0, 0.0
+    for key, prob in law.items():
+        e = prob * n
+        if e < min_expected:
+            pooled_o += counts.get(key, 0)
+            pooled_e += e
+        else:
+            observed.append(counts.get(key, 0))
+            expected.append(e)
+    if pooled_e > 0:
+        observed.append(pooled_o)
+        expected.append(pooled_e)
+    expected_arr = np.asarray(expected, dtype=np.float64)
+    expected_arr *= n / expected_arr.sum()  # the law sums to 1 up to rounding
+    if len(observed) < 2:
+        return 1.0
+    return float(stats.power_divergence(np.asarray(observed, float), expected_arr, lambda_="log-likelihood").pvalue)
+
+
+def count_outcomes(sequences: Sequence[Sequence[int]], length: int, eos_ids: frozenset[int]) -> dict:
+    """Counts of each sequence's first `length` tokens, cut after an EOS."""
+    counts: dict[tuple[int, ...], int] = {}
+    for seq in sequences:
+        key: list[int] = []
+        for tok in seq[:length]:
+            key.append(int(tok))
+            if tok in eos_ids:
+                break
+        counts[tuple(key)] = counts.get(tuple(key), 0) + 1
+    return counts
+
+
+class _TorchWithoutResidual:
+    """`torch` as the verify reference sees it, except that `where` always returns its last
+    argument: the residual max(0, p - q) is thrown away and a rejected position draws from p.
+
+    That is the classic speculative-sampling bug; the exactness tests must catch it.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    def where(self, condition, accepted, fallback):
+        self.calls += 1
+        return fallback
+
+
+def break_residual(monkeypatch) -> _TorchWithoutResidual:
+    """Patch flashspec_core.verify.reference so the recovered token is drawn from p, not p - q.
+
+    Returns the patched module proxy; callers assert `.calls > 0` so that a refactor of the
+    reference that no longer goes through `torch.where` fails loudly instead of silently.
+    """
+    from flashspec_core.verify import reference
+
+    proxy = _TorchWithoutResidual()
+    monkeypatch.setattr(reference, "torch", proxy)
+    return proxy
+
+
+def check_exact(run, label: str = "") -> None:
+    """Assert that sampling looks exact: `run(replicate) -> (p_first, p_joint)` G-test p-values.
+
+    Each G-test is at α = 0.01. A rejection is only reported if it replicates on a fresh,
+    independently seeded sample: a correct sampler then fails a case with probability about
+    (2α)² = 4e-4 instead of 2%, so the suite does not flake whenever a harmless change reorders
+    random draws, while a real bias (p-values near 0 on every sample) still fails.
+    """
+    first = run(0)
+    if min(first) >= ALPHA:
+        return
+    second = run(1)
+    assert min(second) >= ALPHA, (
+        f"{label}: G-tests reject on two independent samples: "
+        f"p(first token, first two) = {first[0]:.2e}, {first[1]:.2e} then {second[0]:.2e}, {second[1]:.2e}"
+    )
+
+
+def check_rejects(run, label: str = "") -> None:
+    """The power check of `check_exact`: a broken sampler must fail it (reject on both samples)."""
+    for replicate in (0, 1):
+        p_first, p_joint = run(replicate)
+        assert p_first < ALPHA and p_joint < ALPHA, (
+            f"{label}: a broken residual went unnoticed (replicate {replicate}): "
+            f"p(first token) = {p_first:.2e}, p(first two) = {p_joint:.2e}"
+        )
