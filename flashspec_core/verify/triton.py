@@ -20,8 +20,9 @@ sync is allowed there) and the poisoned outputs remain for the caller to see. -i
 legal: they mark masked tokens (grammar constraints), exactly as in the reference.
 
 Randomness without `uniforms`: Philox (tl.rand) keyed by a seed drawn from `generator` (on the
-device for a CUDA generator, so no sync) or from torch's default CPU generator, with a per-sequence
-step counter kept on the device, so graph replays draw fresh numbers.
+device for a CUDA generator, so no sync) or from torch's default CPU generator, so a seeded
+generator reproduces its draws. A host seed would be frozen into a CUDA graph, so a call captured
+with one also mixes in a per-sequence step counter kept on the device: each replay draws anew.
 
 The counters live in one small workspace per device that the kernel resets itself: do not run two
 verify steps on one device concurrently on different streams, and call `verify_triton` once before
@@ -151,6 +152,7 @@ def verify_triton(
     seed_from_ptr = False
     seed_t = n_acc
     seed = 1
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not has_u and not sampling.greedy:
         if generator is not None and generator.device.type == "cuda":
             seed_t = torch.randint(0, 2**62, (1,), device=generator.device, generator=generator)
@@ -175,7 +177,7 @@ def verify_triton(
         drafts, drafts.stride(0),
         q, q.stride(0), q.stride(1),
         u, u.stride(0),
-        seed_t, seed,
+        seed_t, seed, int(capturing and not seed_from_ptr),
         ws, fs, is_, n_acc, tokens,
         temperature, inv_t,
         bsz, gamma, vocab, n_chunks, tiles, n_tiles, lag,
@@ -190,7 +192,7 @@ def verify_triton(
         RECIP=device.type == "cuda",
         num_warps=8 if block >= 2048 else 4,
     )
-    if check_finite and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if check_finite and not capturing:
         if bool((n_acc < 0).any()):
             raise ValueError(
                 "verify_triton: target_logits hold NaN or +inf (or a row that is all -inf), or a "

@@ -33,20 +33,16 @@ WS_SLOTS = 4
 
 
 @triton.jit
-def _scaled(x, inv_t, temperature, RECIP: tl.constexpr):
-    """logits / T, rounded the way torch rounds it (CUDA: x * (1/T); CPU: a true division)."""
-    if RECIP:
-        return x * inv_t
-    return tl.math.div_rn(x, temperature)
-
-
-@triton.jit
 def _stop_row_masses(logits_row, q_row, draft_tok, offs, V, m_row, log_z, inv_t, temperature,
                      rejected, ONE_HOT: tl.constexpr, RECIP: tl.constexpr):
     """p and the residual max(0, p - q) (p itself at the bonus row) on one tile of the stopping row."""
     inb = offs < V
     x = tl.load(logits_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
-    p = tl.exp((_scaled(x, inv_t, temperature, RECIP) - m_row) - log_z)
+    if RECIP:  # logits / T rounded as torch rounds it: CUDA computes x * (1/T), the CPU divides
+        y = x * inv_t
+    else:
+        y = tl.math.div_rn(x, temperature)
+    p = tl.exp((y - m_row) - log_z)
     p = tl.where(inb, p, 0.0)
     if ONE_HOT:
         q = tl.where(offs == draft_tok, 1.0, 0.0)
@@ -56,7 +52,7 @@ def _stop_row_masses(logits_row, q_row, draft_tok, offs, V, m_row, log_z, inv_t,
     return p, r
 
 
-@triton.jit(do_not_specialize=["seed", "B", "G", "NC", "TILES", "NT", "LAG"])
+@triton.jit(do_not_specialize=["seed", "use_step", "B", "G", "NC", "TILES", "NT", "LAG"])
 def verify_kernel(
     logits_ptr, stride_lb, stride_lg,  # [B, G+1, V] bf16/fp16/fp32, last dim contiguous
     draft_ptr, stride_db,  # [B, G] int64
@@ -64,12 +60,13 @@ def verify_kernel(
     u_ptr, stride_ub,  # [B, G+1] float32 uniforms, unused unless HAS_U
     seed_ptr,  # [1] int64 seed on the device, used when SEED_FROM_PTR
     seed,  # host seed, used otherwise
+    use_step,  # 1: mix the per-sequence step counter into the Philox offset (graph replays)
     ws_ptr,  # [1 + WS_SLOTS * B] int32 persistent, self-resetting counters
     fs_ptr,  # float32 scratch: partial max [B, G+1, NC], partial sum [B, G+1, NC], stop [B, 3], masses [B, NT, 2]
     is_ptr,  # int32 scratch: partial argmax [B, G+1, NC], partial bad flag [B, G+1, NC], stop [B, 2]
     n_acc_ptr,  # [B] int64 out
     tokens_ptr,  # [B, G+1] int64 out
-    temperature, inv_t,  # float32 T and 1/T (only one is used, see _scaled)
+    temperature, inv_t,  # float32 T and 1/T: RECIP multiplies by 1/T like torch on CUDA
     B, G, V, NC, TILES, NT, LAG,
     BLOCK: tl.constexpr, GP: tl.constexpr, NCP: tl.constexpr, NTP: tl.constexpr,
     GREEDY: tl.constexpr, ONE_HOT: tl.constexpr, HAS_U: tl.constexpr,
@@ -140,7 +137,10 @@ def verify_kernel(
                 best_idx = tl.where(take, tile_idx, best_idx)
                 best_val = tl.where(take, tile_best, best_val)
             else:
-                y = _scaled(x, inv_t, temperature, RECIP)
+                if RECIP:
+                    y = x * inv_t
+                else:
+                    y = tl.math.div_rn(x, temperature)
                 new_m = tl.maximum(m, tl.max(y))
                 safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
                 s = s * tl.exp(m - safe_m) + tl.sum(tl.exp(y - safe_m))
@@ -158,7 +158,7 @@ def verify_kernel(
         if done == r1 - 1:
             tl.debug_barrier()
             _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, stride_qb,
-                    stride_qg, u_ptr, stride_ub, seed_ptr, seed, ws_b, part_m, part_s, part_idx,
+                    stride_qg, u_ptr, stride_ub, seed_ptr, seed, use_step, ws_b, part_m, part_s, part_idx,
                     part_bad, stop_f, stop_i, n_acc_ptr, tokens_ptr, temperature, inv_t, r1,
                     GP, NCP, GREEDY, ONE_HOT, HAS_U, SEED_FROM_PTR, RECIP)
     else:
@@ -189,7 +189,7 @@ def verify_kernel(
 
 @triton.jit
 def _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, stride_qb, stride_qg,
-            u_ptr, stride_ub, seed_ptr, seed, ws_b, part_m, part_s, part_idx, part_bad, stop_f,
+            u_ptr, stride_ub, seed_ptr, seed, use_step, ws_b, part_m, part_s, part_idx, part_bad, stop_f,
             stop_i, n_acc_ptr, tokens_ptr, temperature, inv_t, r1,
             GP: tl.constexpr, NCP: tl.constexpr, GREEDY: tl.constexpr, ONE_HOT: tl.constexpr,
             HAS_U: tl.constexpr, SEED_FROM_PTR: tl.constexpr, RECIP: tl.constexpr):
@@ -225,7 +225,11 @@ def _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, str
         log_z = tl.log(z)
         rows = seq_logits + jj.to(tl.int64) * stride_lg
         x_draft = tl.load(rows + draft, mask=is_draft, other=0.0).to(tl.float32)
-        logp = (_scaled(x_draft, inv_t, temperature, RECIP) - row_max) - log_z
+        if RECIP:
+            y_draft = x_draft * inv_t
+        else:
+            y_draft = tl.math.div_rn(x_draft, temperature)
+        logp = (y_draft - row_max) - log_z
         if HAS_U:
             u = tl.load(u_ptr + b * stride_ub + jj, mask=is_row, other=0.5)
         else:
@@ -233,13 +237,13 @@ def _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, str
                 key = tl.load(seed_ptr)
             else:
                 key = seed
-            step = tl.atomic_add(ws_b + 3, 0, sem="relaxed").to(tl.int64)
+            step = tl.atomic_add(ws_b + 3, 0, sem="relaxed").to(tl.int64) * use_step
             u = tl.rand(key, (step * 65536 + b) * 32 + jj.to(tl.int64))
         if ONE_HOT:
             accept = tl.log(u) < logp
         else:
             qd = tl.load(q_ptr + b.to(tl.int64) * stride_qb + jj.to(tl.int64) * stride_qg + draft,
-                         mask=is_draft, other=0.0).to(tl.float32)
+                         mask=is_draft, other=1.0).to(tl.float32)
             accept = (qd > 0.0) & (tl.log(u) < logp - tl.log(qd))
         n_acc = tl.min(tl.where(is_draft & (accept == 0), jj, G))
         tl.store(stop_f, tl.sum(tl.where(jj == n_acc, row_max, 0.0)))
