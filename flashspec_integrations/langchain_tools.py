@@ -35,11 +35,7 @@ def to_openai_tools(tools: Sequence[Any]) -> list[dict]:
     """OpenAI-format tool dicts from LangChain tools, pydantic models, functions or dicts."""
     if isinstance(tools, (str, dict)) or not isinstance(tools, Sequence):
         raise ValueError("tools: pass a list of tools (BaseTool, functions, pydantic models or OpenAI dicts)")
-    out = [convert_to_openai_tool(t) for t in tools]
-    names = [t["function"]["name"] for t in out]
-    if len(set(names)) != len(names):
-        raise ValueError(f"tools: tool names must be distinct; got {names}")
-    return out
+    return [convert_to_openai_tool(t) for t in tools]
 
 
 def tool_names(tools: Sequence[dict]) -> list[str]:

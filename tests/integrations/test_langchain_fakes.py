@@ -53,6 +53,16 @@ def tiny_engine(seed: int = 0) -> SpecEngine:
     )
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = tok.eos_token_id
+    # Only lower-case letters, spaces and EOS may come out, so outputs are readable text whose
+    # every character is one token (random bytes would decode to replacement characters).
+    allowed = [tok.convert_tokens_to_ids(c) for c in "abcdefghijklmnopqrstuvwxyzĠ"] + [tok.eos_token_id]
+    head = torch.nn.Linear(32, len(tok), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(len(tok), 32) * 2.0)
+        head.bias.fill_(-1e4)
+        head.bias[allowed] = 0.0
+        head.bias[tok.eos_token_id] = -4.0  # rare, so outputs are usually several tokens long
+    model.lm_head = head
     return SpecEngine(LoadedModel(model, tok, "tiny"), [PromptLookupDraft(), SuffixCacheDraft()], router="thompson")
 
 

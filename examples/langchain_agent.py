@@ -1,0 +1,99 @@
+"""A tool-calling agent (langchain.agents.create_agent) with two real Python tools, fully offline.
+
+    python examples/langchain_agent.py [--max-tokens 40] [question ...]
+
+The agent's model is ChatFlashSpec over the embedded default model. Each model call prints the
+router domain it reached and the draft chosen: the step that must pick a tool is a forced call
+(domain "json": one JSON object matching the tool's schema), the step that reads the tool's
+result and answers is "tool/result". The default model has 135M parameters, so a middleware keeps
+the loop short and deterministic: the first model call must call a tool, the call after a tool
+result must answer in words. Larger targets can drop that middleware.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import operator
+from typing import Any, Callable, Sequence
+
+from langchain.agents import create_agent
+from langchain.agents.middleware import ModelRequest, wrap_model_call
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import ToolMessage
+from langchain_core.tools import tool
+
+try:
+    from langchain_steps import StepPrinter
+except ImportError:  # imported as examples.langchain_agent
+    from examples.langchain_steps import StepPrinter
+
+QUESTIONS = ["What is 17 * 23?", "How many words are in the sentence 'the cat sat on the mat'?"]
+SYSTEM = "You are a helpful assistant. Use a tool when it helps, then answer in one short sentence."
+
+_OPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.Pow: operator.pow, ast.Mod: operator.mod,
+}
+
+
+def _eval(node: ast.AST) -> float:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand)
+    raise ValueError("only numbers and + - * / ** % are allowed")
+
+
+@tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression such as '17 * 23' and return the result."""
+    try:
+        return str(_eval(ast.parse(expression, mode="eval").body))
+    except (SyntaxError, ValueError, ZeroDivisionError) as exc:
+        return f"error: {exc}"
+
+
+@tool
+def word_count(text: str) -> int:
+    """Count the words in a text."""
+    return len(text.split())
+
+
+@wrap_model_call
+def one_tool_then_answer(request: ModelRequest, handler):
+    """Force a tool call until a tool has answered, then forbid tools so the model answers."""
+    answered = any(isinstance(m, ToolMessage) for m in request.messages)
+    return handler(request.override(tool_choice="none" if answered else "any"))
+
+
+def build_agent(llm: BaseChatModel):
+    return create_agent(llm, [calculator, word_count], system_prompt=SYSTEM, middleware=[one_tool_then_answer],
+                        name="helper")
+
+
+def main(argv: Sequence[str] | None = None, llm: BaseChatModel | None = None) -> list[dict]:
+    """Runs the agent on each question; returns the recorded model steps."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("questions", nargs="*", default=QUESTIONS)
+    args = parser.parse_args(argv)
+    if llm is None:
+        from flashspec_integrations.langchain import ChatFlashSpec
+
+        llm = ChatFlashSpec(max_tokens=args.max_tokens)
+    agent = build_agent(llm)
+    printer = StepPrinter()
+    for question in args.questions:
+        print(f"Q: {question}")
+        state = agent.invoke({"messages": [("user", question)]}, config={"callbacks": [printer], "recursion_limit": 8})
+        for m in state["messages"]:
+            if isinstance(m, ToolMessage):
+                print(f"  tool {m.name} -> {m.content}")
+        print(f"  A: {str(state['messages'][-1].content).strip()}")
+    return printer.steps
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The LangChain examples run, and an agent's tool-call and answer steps reach the router under
+different domains.
+
+Fast tests drive the examples with a scripted engine (a model that says exactly what the test
+needs) and record the label the engine resolves for each call; slow tests run them on the real
+default model and record the domains the router itself receives, per decode step.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from test_langchain_fakes import ScriptedEngine
+
+from flashspec_core import SpecEngine
+from flashspec_integrations.langchain import ChatFlashSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import langchain_agent  # noqa: E402
+import langchain_rag_chain  # noqa: E402
+
+
+class RecordingRouter:
+    """Wraps an engine's router and records the domain of every `select` (one per decode step)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.arms = inner.arms
+        self.domains: list[str] = []
+
+    def select(self, domain: str):
+        self.domains.append(domain)
+        return self.inner.select(domain)
+
+    def update(self, record) -> None:
+        self.inner.update(record)
+
+
+def agent_script(prompt: str) -> str:
+    if "<tool_response>" in prompt:
+        return "17 times 23 is 391."
+    if prompt.endswith('{"name": "'):
+        return 'calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
+    return "I do not know."
+
+
+def test_agent_example_calls_a_real_tool_and_switches_domain(capsys):
+    engine = ScriptedEngine(agent_script)
+    steps = langchain_agent.main(["What is 17 * 23?"], llm=ChatFlashSpec(engine=engine))
+    out = capsys.readouterr().out
+    assert "tool calculator -> 391" in out  # the tool really ran on the model's arguments
+    assert [c["label"] for c in engine.calls] == ["json", "tool/result"]
+    assert [s["domain"] for s in steps] == ["json", "tool/result"] and steps[0]["tool_calls"] == ["calculator"]
+    assert "domain=json" in out and "domain=tool/result" in out and "draft=" in out
+    assert {s["node"] for s in steps} == {"helper"}
+
+
+def test_word_count_and_calculator_tools_are_real():
+    assert langchain_agent.word_count.invoke({"text": "the cat sat on the mat"}) == 6
+    assert langchain_agent.calculator.invoke({"expression": "2 ** 10 - 24"}) == "1000"
+    assert langchain_agent.calculator.invoke({"expression": "__import__('os')"}).startswith("error")
+
+
+def test_hashing_embedding_really_ranks():
+    retriever = langchain_rag_chain.build_retriever(k=1)
+    assert retriever.invoke("descale with vinegar")[0].metadata["source"] == "kettle-care.md"
+    assert retriever.invoke("bagel mode toaster")[0].metadata["source"] == "toaster.md"
+    assert retriever.invoke("free delivery shipping")[0].metadata["source"] == "shipping.md"
+
+
+def test_rag_example_reaches_rag_then_chat(capsys):
+    engine = ScriptedEngine(["It takes 3 minutes."])
+    steps = langchain_rag_chain.main([], llm=ChatFlashSpec(engine=engine))
+    out = capsys.readouterr().out
+    assert [s["domain"] for s in steps] == ["rag", "rag", "chat"]
+    assert "[kettle.md]" in engine.calls[0]["prompt"] and "retrieved: ['kettle.md'" in out
+    assert out.count("draft=") == 3
+
+
+@pytest.fixture
+def recording_default_engine():
+    engine = SpecEngine.from_default()
+    inner = engine.router
+    engine.router = RecordingRouter(inner)
+    try:
+        yield engine
+    finally:
+        engine.router = inner
+
+
+@pytest.mark.slow
+def test_default_model_agent_run_reaches_the_router_under_two_domains(recording_default_engine, capsys):
+    """One agent run on the real model: the forced tool-call step and the answer step decode under
+    different router domains (what the router saw is recorded per decode step)."""
+    router = recording_default_engine.router
+    steps = langchain_agent.main(["--max-tokens", "24", "What is 17 * 23?"])
+    by_call = [s["domain"] for s in steps]
+    assert by_call[0] == "json"
+    assert set(router.domains) == set(by_call)
+    if steps[0]["tool_calls"]:  # the 135M model wrote a valid call: the answer step follows
+        assert by_call == ["json", "tool/result"]
+    print(capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_default_model_rag_example_runs(recording_default_engine, capsys):
+    steps = langchain_rag_chain.main(["--max-tokens", "16", langchain_rag_chain.QUESTIONS[0]])
+    assert [s["domain"] for s in steps] == ["rag", "chat"]
+    assert set(recording_default_engine.router.domains) == {"rag", "chat"}
+    assert all(s["draft"] for s in steps)
