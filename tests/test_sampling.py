@@ -1,0 +1,115 @@
+"""The shared logits -> distribution function against the one HF `generate` samples through.
+
+Target and drafts both go through `flashspec_core.sampling`; if it processed temperature, top-k or
+top-p differently from transformers, the engine would be exact with respect to the wrong law.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import reference_probs
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from flashspec_core.sampling import SamplingParams, logprobs_from_logits, probs_from_logits, sample_from_probs
+
+
+@st.composite
+def logits_and_params(draw):
+    vocab = draw(st.integers(2, 40))
+    values = draw(st.lists(st.floats(-8, 8, allow_nan=False), min_size=vocab, max_size=vocab, unique=True))
+    logits = torch.tensor(values, dtype=torch.float32)
+    assume(torch.sort(logits).values.diff().min() > 1e-3)  # ties make top-p order-dependent
+    sampling = SamplingParams(
+        temperature=draw(st.floats(0.05, 3.0)),
+        top_k=draw(st.integers(0, vocab + 2)),
+        top_p=draw(st.one_of(st.just(1.0), st.floats(0.05, 1.0, exclude_min=False))),
+    )
+    return logits, sampling
+
+
+def _near_top_p_boundary(logits: torch.Tensor, sampling: SamplingParams) -> bool:
+    """True when a cumulative mass lands within rounding of top_p (both answers are then right)."""
+    if sampling.top_p >= 1.0:
+        return False
+    scores = logits.double() / sampling.temperature
+    if 0 < sampling.top_k < len(scores):
+        scores = torch.topk(scores, sampling.top_k).values
+    mass = torch.sort(scores.softmax(-1), descending=True).values.cumsum(-1)
+    return bool((mass - sampling.top_p).abs().min() < 1e-4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(logits_and_params())
+def test_probs_match_transformers_warpers(case):
+    logits, sampling = case
+    assume(not _near_top_p_boundary(logits, sampling))
+    ours = probs_from_logits(logits[None], sampling)[0].double().numpy()
+    theirs = reference_probs(logits[None], sampling)[0]
+    np.testing.assert_allclose(ours, theirs, atol=2e-6)
+    support = torch.isfinite(logprobs_from_logits(logits[None], sampling)[0]).numpy()  # exp may underflow
+    assert (support == (theirs > 0)).all(), "supports differ"
+
+
+@settings(max_examples=100, deadline=None)
+@given(logits_and_params())
+def test_logprobs_are_normalised_and_minus_inf_outside_the_support(case):
+    logits, sampling = case
+    logp = logprobs_from_logits(logits[None].repeat(3, 1), sampling)  # batch dims are preserved
+    assert logp.shape == (3, len(logits)) and logp.dtype == torch.float32
+    assert torch.allclose(logp.exp().sum(-1), torch.ones(3), atol=1e-5)
+    assert not torch.isnan(logp).any()
+    if sampling.top_k:
+        assert int(torch.isfinite(logp[0]).sum()) <= max(sampling.top_k, 1)
+
+
+def test_greedy_is_one_hot_at_the_first_argmax_and_ignores_top_k_and_top_p():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, -1.0, 2.0, 5.0]])
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.0, top_k=1, top_p=0.1)):
+        probs = probs_from_logits(logits, sampling)
+        assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+
+
+def test_temperature_applies_before_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(probs, (logits / 0.5).softmax(-1))
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_the_mass_and_always_the_top_token():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    kept = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.75)) > 0
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.01)) > 0
+    assert kept.tolist() == [[True, False, False, False]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.just(0.0), st.floats(0.0, 5.0)), min_size=1, max_size=20),
+       st.floats(0.0, 1.0, exclude_max=True, width=32))  # what torch.rand can return: [0, 1) in float32
+def test_sample_from_probs_never_picks_a_zero_probability_token(weights, u):
+    probs = torch.tensor([weights])
+    assume(float(probs.sum()) > 1e-3)
+    token = int(sample_from_probs(probs, torch.tensor([u]))[0])
+    assert 0 <= token < len(weights) and weights[token] > 0
+
+
+def test_sample_from_probs_is_inverse_cdf_of_unnormalised_weights():
+    probs = torch.tensor([[0.0, 2.0, 0.0, 6.0]] * 4)  # mass 0.25 on token 1, 0.75 on token 3
+    uniforms = torch.tensor([0.0, 0.2499, 0.2501, 0.9999])
+    assert sample_from_probs(probs, uniforms).tolist() == [1, 1, 3, 3]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.2),
+])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_reject_unknown_fields():
+    with pytest.raises(ValueError, match="top_n"):
+        SamplingParams(top_n=5)
