@@ -43,6 +43,7 @@ class GrammarCursor:
 
     def __init__(self, matcher, vocab_size: int):
         self._matcher = matcher
+        self._vocab_size = vocab_size
         self._scratch = torch.empty((1, bitmask_width(vocab_size)), dtype=torch.int32)
         self.accepted = 0
 
@@ -53,6 +54,13 @@ class GrammarCursor:
     def jump_forward(self) -> list[int]:
         """Tokens spelling the string the grammar forces next (xgrammar's tokenization of it)."""
         return list(self._matcher.find_jump_forward_tokens())
+
+    def allowed(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar allows next (none once terminated)."""
+        if self._matcher.is_terminated():
+            return torch.zeros(self._vocab_size, dtype=torch.bool)
+        self._matcher.fill_next_token_bitmask(self._scratch)
+        return allowed_from_bitmask(self._scratch, self._vocab_size)[0]
 
     def sole_token(self) -> int | None:
         """The only token the grammar allows next (a closing bracket, EOS at the end), if unique."""
