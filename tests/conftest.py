@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # `import helpers` from any test folder
 
-from helpers import tiny_llama, tiny_loaded  # noqa: E402
+from helpers import one_thread, tiny_llama, tiny_loaded  # noqa: E402
 
 from flashspec_core.models import CACHE_ENV  # noqa: E402
 
@@ -37,12 +36,8 @@ def flashspec_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def torch_one_thread():
     """Tiny models are dominated by per-op overhead; one thread avoids contention on busy cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ sampling function cannot hide behind an expected value computed by the same func
 """
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +27,17 @@ from flashspec_core.sampling import SamplingParams
 
 ALPHA = 0.01  # significance level of every exactness test
 MIN_EXPECTED = 5.0  # cells expected to see fewer samples are pooled (the chi-square approximation)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Tiny models are dominated by per-op overhead; one torch thread avoids contention on busy cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tiny_tokenizer(vocab: int, eos_id: int | None = None) -> PreTrainedTokenizerFast:

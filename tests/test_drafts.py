@@ -1,0 +1,143 @@
+"""Properties of the draft sources (Hypothesis): each proposes what it claims, with the q it claims.
+
+Prompt lookup copies what followed a real earlier occurrence of the context's tail; the suffix
+cache copies what followed the tail in an earlier output, and forgets evicted outputs; a model
+draft's q is a distribution, exactly the one its token was drawn from, even after its KV cache
+was rolled back to a verified prefix.
+"""
+from __future__ import annotations
+
+import torch
+from helpers import one_thread
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashspec_core.drafts import DraftSource, ModelDraft, PromptLookupDraft, SuffixCacheDraft
+from flashspec_core.sampling import SamplingParams, probs_from_logits
+
+T1 = SamplingParams(temperature=1.0)
+token_lists = st.lists(st.integers(0, 4), min_size=1, max_size=30)  # a small alphabet repeats often
+
+
+def _occurrences(seq: list[int], gram: list[int], last_start: int) -> list[int]:
+    """Start positions i <= last_start with seq[i:i+len(gram)] == gram."""
+    n = len(gram)
+    return [i for i in range(0, last_start + 1) if seq[i:i + n] == gram]
+
+
+def test_every_source_implements_the_protocol():
+    assert all(isinstance(d, DraftSource) for d in (PromptLookupDraft(), SuffixCacheDraft()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(token_lists, st.integers(0, 8), st.integers(1, 4), st.integers(0, 3))
+def test_prompt_lookup_copies_after_the_latest_occurrence_of_the_longest_tail(context, gamma, max_ngram, shorter):
+    min_ngram = max(1, max_ngram - shorter)
+    draft = PromptLookupDraft(max_ngram=max_ngram, min_ngram=min_ngram)
+    proposal = draft.propose([context], gamma, T1)
+    assert proposal.probs is None and draft.deterministic
+    tokens = proposal.tokens[0]
+    assert len(tokens) <= gamma
+    if gamma == 0:
+        assert tokens == []
+        return
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        # An earlier occurrence must end before the last token, so something follows it.
+        hits = _occurrences(context, context[-n:], len(context) - 1 - n)
+        if hits:
+            start = hits[-1] + n
+            assert tokens == context[start:start + gamma]
+            return
+    assert tokens == [], "proposed tokens without an earlier occurrence of the tail"
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(token_lists, min_size=1, max_size=5), st.integers(1, 6))
+def test_prompt_lookup_rows_of_a_batch_are_independent(contexts, gamma):
+    draft = PromptLookupDraft()
+    batch = draft.propose(contexts, gamma, T1).tokens
+    assert batch == [draft.propose([c], gamma, T1).tokens[0] for c in contexts]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), max_size=15), min_size=1, max_size=6), token_lists, st.integers(0, 8))
+def test_suffix_cache_copies_the_stored_continuation_of_the_most_recent_match(outputs, context, gamma):
+    draft = SuffixCacheDraft(max_ngram=3, min_ngram=2)
+    draft.begin([[0]])
+    draft.end([[0]] * len(outputs), outputs)
+    kept = [o for o in outputs if len(o) >= draft.min_ngram + 1]  # too short to hold an n-gram and a next token
+    assert len(draft) == len(kept)
+    tokens = draft.propose([context], gamma, T1).tokens[0]
+    assert len(tokens) <= gamma
+    if gamma == 0:
+        assert tokens == []
+        return
+    for n in range(min(3, len(context)), 1, -1):
+        tail = context[-n:]
+        hits = [(o, i + n) for o in kept for i in _occurrences(o, tail, len(o) - 1 - n)]
+        if hits:
+            out, end = hits[-1]  # the latest output wins, and within it the latest occurrence
+            assert tokens == out[end:end + gamma]
+            return
+    assert tokens == [], "proposed tokens that follow no stored occurrence of the tail"
+
+
+def test_suffix_cache_spans_requests_and_begin_does_not_clear_it():
+    draft = SuffixCacheDraft()
+    draft.end([[1, 2]], [[10, 11, 12, 13, 14, 15]])
+    draft.begin([[7, 7]])
+    assert draft.propose([[9, 10, 11], [3, 4]], 3, T1).tokens == [[12, 13, 14], []]
+
+
+def test_suffix_cache_evicts_the_oldest_outputs_beyond_its_bound():
+    draft = SuffixCacheDraft(max_outputs=3)
+    outputs = [[100 * i + j for j in range(6)] for i in range(1, 8)]  # disjoint alphabets
+    for out in outputs:
+        draft.end([[0]], [out])
+        assert len(draft) <= 3
+    assert len(draft) == 3
+    for i, out in enumerate(outputs):
+        proposed = draft.propose([out[:2]], 4, T1).tokens[0]
+        assert proposed == (out[2:6] if i >= len(outputs) - 3 else []), f"output {i}"
+
+
+@st.composite
+def model_draft_calls(draw):
+    """A first batch of contexts, then follow-up steps: each keeps a prefix of the last proposal
+    (the verified part) plus a corrected token, as the engine does after verification, and at
+    times one more token (a context that moved on further than the draft saw)."""
+    bsz = draw(st.integers(1, 3))
+    contexts = [draw(st.lists(st.integers(0, 15), min_size=1, max_size=8)) for _ in range(bsz)]
+    new_tokens = st.lists(st.integers(0, 15), min_size=1, max_size=2)
+    steps = [(draw(st.integers(0, 4)), [draw(new_tokens) for _ in range(bsz)]) for _ in range(3)]
+    sampling = draw(st.one_of(st.just(SamplingParams()), st.just(T1),
+                              st.just(SamplingParams(temperature=0.7, top_k=5, top_p=0.9))))
+    return contexts, draw(st.integers(1, 4)), steps, sampling, draw(st.integers(0, 1000))
+
+
+@settings(max_examples=20, deadline=None)
+@given(model_draft_calls())
+def test_model_draft_q_is_the_distribution_each_token_was_drawn_from(tiny_draft_model, case):
+    with one_thread():
+        _check_model_draft(tiny_draft_model, *case)
+
+
+def _check_model_draft(tiny_draft_model, contexts, gamma, steps, sampling, seed):
+    draft = ModelDraft(tiny_draft_model, name="tiny", pad_token_id=15)
+    draft.begin(contexts)
+    gen = torch.Generator().manual_seed(seed)
+    for keep, corrections in [(None, None)] + steps:
+        if keep is not None:  # the engine's next step: verified prefix of the proposal + a new token
+            contexts = [c + t[:keep] + fix for c, t, fix in zip(contexts, tokens, corrections)]
+        proposal = draft.propose(contexts, gamma, sampling, gen)
+        tokens, q = proposal.tokens, proposal.probs
+        assert q.shape == (len(contexts), gamma, 16) and [len(t) for t in tokens] == [gamma] * len(contexts)
+        assert (q >= 0).all() and torch.allclose(q.sum(-1), torch.ones(q.shape[:2]), atol=1e-5)
+        for b, ctx in enumerate(contexts):
+            with torch.no_grad():  # one fresh forward: logits after ctx, ctx + t0, ..., ctx + t0..t(γ-2)
+                logits = tiny_draft_model(input_ids=torch.tensor([ctx + tokens[b][:-1]])).logits[0, len(ctx) - 1:]
+            expected = probs_from_logits(logits, sampling)  # [γ, V]
+            assert torch.allclose(q[b], expected, atol=1e-5), "q differs from a fresh forward (stale KV?)"
+            assert all(q[b, j, t] > 0 for j, t in enumerate(tokens[b]))
+            if sampling.greedy:
+                assert tokens[b] == q[b].argmax(-1).tolist()
