@@ -1,0 +1,108 @@
+"""LlamaIndex's run context of one call -> `flashspec_integrations.context.StepContext` -> domain.
+
+The rules themselves (explicit domain, forced call -> json, tool results, tools, ReAct, RAG) live
+in the shared `context.decide_domain`, so both adapters file the same kind of step under the same
+label. This module only reads LlamaIndex's objects: the messages, the tools and tool choice of
+the call, the active instrumentation tags (`flashspec_domain` or `domain`), and the prompt
+template the call was formatted from.
+
+Templates: response synthesis (text_qa, refine, summary) is recognised from the template object
+itself, by LlamaIndex's `prompt_type` metadata or by the variables a synthesis template must have,
+so custom templates count too. `FlashSpecLLM.predict` and friends put that verdict in a context
+variable for the duration of the call; the shared text rules still catch the default templates
+when a prompt reaches `chat`/`complete` already formatted.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator, Sequence
+
+from llama_index.core.base.llms.types import ChatMessage, ToolCallBlock
+from llama_index.core.instrumentation.dispatcher import active_instrument_tags
+
+from flashspec_integrations.context import (
+    METADATA_DOMAIN_KEY,
+    RAG,
+    DomainDecision,
+    StepContext,
+    decide_domain,
+)
+
+# Instrumentation tag keys that name the domain of every LLM call made under them, first wins.
+DOMAIN_TAGS = (METADATA_DOMAIN_KEY, "domain")
+
+_SYNTHESIS_TYPES = {"text_qa", "refine", "summary", "tree_summarize"}
+_SYNTHESIS_VARS = ({"context_str", "query_str"}, {"context_msg", "existing_answer"})
+
+_template_domain: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "flashspec_llama_index_template_domain", default=None
+)
+
+
+def template_domain(prompt: Any) -> str | None:
+    """`rag` for a response-synthesis template (by metadata or by its variables), else None."""
+    metadata = getattr(prompt, "metadata", None) or {}
+    prompt_type = metadata.get("prompt_type")
+    if getattr(prompt_type, "value", prompt_type) in _SYNTHESIS_TYPES:
+        return RAG
+    variables = set(getattr(prompt, "template_vars", None) or ())
+    if any(required <= variables for required in _SYNTHESIS_VARS):
+        return RAG
+    return None
+
+
+@contextlib.contextmanager
+def template_scope(prompt: Any) -> Iterator[None]:
+    """Mark the LLM calls made inside as formatted from `prompt` (a LlamaIndex prompt template)."""
+    token = _template_domain.set(template_domain(prompt))
+    try:
+        yield
+    finally:
+        _template_domain.reset(token)
+
+
+def tag_metadata() -> dict[str, Any]:
+    """The active instrumentation tags, with a `domain` tag read as `flashspec_domain`."""
+    tags = dict(active_instrument_tags.get() or {})
+    if METADATA_DOMAIN_KEY not in tags:
+        for key in DOMAIN_TAGS[1:]:
+            if isinstance(tags.get(key), str):
+                tags[METADATA_DOMAIN_KEY] = tags[key]
+                break
+    return tags
+
+
+def _decide(ctx: StepContext, default_domain: str | None) -> DomainDecision:
+    if ctx.explicit_domain is None and METADATA_DOMAIN_KEY not in ctx.metadata and default_domain:
+        ctx = StepContext(**{**ctx.__dict__, "explicit_domain": default_domain})
+    decision = decide_domain(ctx)
+    if decision.source == "classifier" and _template_domain.get() is not None:
+        return DomainDecision(None, _template_domain.get(), "template", decision.node)
+    return decision
+
+
+def chat_decision(
+    messages: Sequence[ChatMessage],
+    explicit: str | None,
+    default_domain: str | None,
+    tools_bound: bool,
+    forced: bool,
+) -> DomainDecision:
+    """Domain and hint of a chat call."""
+    calls_in_history = any(isinstance(b, ToolCallBlock) for m in messages for b in m.blocks)
+    ctx = StepContext(
+        explicit_domain=explicit,
+        metadata=tag_metadata(),
+        tools_bound=tools_bound or calls_in_history,
+        tool_choice_forced=forced,
+        roles=[str(getattr(m.role, "value", m.role)) for m in messages],
+        prompt_text="\n".join(m.content or "" for m in messages),
+    )
+    return _decide(ctx, default_domain)
+
+
+def completion_decision(prompt: str, explicit: str | None, default_domain: str | None) -> DomainDecision:
+    """Domain and hint of a completion call."""
+    ctx = StepContext(explicit_domain=explicit, metadata=tag_metadata(), prompt_text=prompt)
+    return _decide(ctx, default_domain)
