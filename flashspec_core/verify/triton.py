@@ -30,6 +30,7 @@ capturing it in a CUDA graph (that allocates the workspace and compiles the kern
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -171,6 +172,7 @@ def verify_triton(
     is_ = torch.empty(2 * bsz * per_seq1 + 2 * bsz, dtype=torch.int32, device=device)
     temperature = sampling.temperature if not sampling.greedy else 1.0
     inv_t = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32))
+    exp2_scale = math.log2(math.e) / temperature
 
     verify_kernel[(bsz * (per_seq1 + per_seq2),)](
         logits, logits.stride(0), logits.stride(1),
@@ -179,7 +181,7 @@ def verify_triton(
         u, u.stride(0),
         seed_t, seed, int(capturing and not seed_from_ptr),
         ws, fs, is_, n_acc, tokens,
-        temperature, inv_t,
+        temperature, inv_t, exp2_scale,
         bsz, gamma, vocab, n_chunks, tiles, n_tiles, lag,
         BLOCK=block,
         GP=triton.next_power_of_2(rows),

@@ -67,6 +67,7 @@ def verify_kernel(
     n_acc_ptr,  # [B] int64 out
     tokens_ptr,  # [B, G+1] int64 out
     temperature, inv_t,  # float32 T and 1/T: RECIP multiplies by 1/T like torch on CUDA
+    exp2_scale,  # float32 log2(e) / T, for the partial sums
     B, G, V, NC, TILES, NT, LAG,
     BLOCK: tl.constexpr, GP: tl.constexpr, NCP: tl.constexpr, NTP: tl.constexpr,
     GREEDY: tl.constexpr, ONE_HOT: tl.constexpr, HAS_U: tl.constexpr,
@@ -129,21 +130,20 @@ def verify_kernel(
             offs = (c * TILES + t) * BLOCK + ar
             inb = offs < V
             x = tl.load(row + offs, mask=inb, other=float("-inf")).to(tl.float32)
-            bad = tl.maximum(bad, tl.max(tl.where(inb & ((x != x) | (x == float("inf"))), 1, 0)))
             if GREEDY:
+                bad = tl.maximum(bad, tl.max(tl.where(inb & ((x != x) | (x == float("inf"))), 1, 0)))
                 tile_best = tl.max(x)
                 tile_idx = (c * TILES + t) * BLOCK + tl.argmax(x, axis=0, tie_break_left=True)
                 take = (tile_best > best_val) | ((t == 0) & (tile_best == best_val))
                 best_idx = tl.where(take, tile_idx, best_idx)
                 best_val = tl.where(take, tile_best, best_val)
             else:
-                if RECIP:
-                    y = x * inv_t
-                else:
-                    y = tl.math.div_rn(x, temperature)
-                new_m = tl.maximum(m, tl.max(y))
+                # Max of the raw logits (scaling by 1/T > 0 keeps the order) and sum of
+                # exp((x - m) / T) as one FMA and one ex2 per element. NaN or +inf make s NaN,
+                # which the finaliser reports, so no per-element check is needed here.
+                new_m = tl.maximum(m, tl.max(x))
                 safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
-                s = s * tl.exp(m - safe_m) + tl.sum(tl.exp(y - safe_m))
+                s = s * tl.exp2((m - safe_m) * exp2_scale) + tl.sum(tl.exp2(x * exp2_scale - safe_m * exp2_scale))
                 m = new_m
         slot = b * r1 + k
         if GREEDY:
@@ -159,8 +159,8 @@ def verify_kernel(
             tl.debug_barrier()
             _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, stride_qb,
                     stride_qg, u_ptr, stride_ub, seed_ptr, seed, use_step, ws_b, part_m, part_s, part_idx,
-                    part_bad, stop_f, stop_i, n_acc_ptr, tokens_ptr, temperature, inv_t, r1,
-                    GP, NCP, GREEDY, ONE_HOT, HAS_U, SEED_FROM_PTR, RECIP)
+                    part_bad, stop_f, stop_i, n_acc_ptr, tokens_ptr, temperature, inv_t, exp2_scale,
+                    r1, GP, NCP, GREEDY, ONE_HOT, HAS_U, SEED_FROM_PTR, RECIP)
     else:
         ready = tl.atomic_add(ws_b + 2, 0, sem="acquire")
         while ready == 0:
@@ -190,7 +190,7 @@ def verify_kernel(
 @triton.jit
 def _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, stride_qb, stride_qg,
             u_ptr, stride_ub, seed_ptr, seed, use_step, ws_b, part_m, part_s, part_idx, part_bad, stop_f,
-            stop_i, n_acc_ptr, tokens_ptr, temperature, inv_t, r1,
+            stop_i, n_acc_ptr, tokens_ptr, temperature, inv_t, exp2_scale, r1,
             GP: tl.constexpr, NCP: tl.constexpr, GREEDY: tl.constexpr, ONE_HOT: tl.constexpr,
             HAS_U: tl.constexpr, SEED_FROM_PTR: tl.constexpr, RECIP: tl.constexpr):
     """Last phase-1 program of sequence b: combine partials, run the acceptance tests."""
@@ -221,8 +221,13 @@ def _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, str
     else:
         ps = tl.load(part_s + slots, mask=tile_mask, other=0.0, cache_modifier=".cg")
         safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-        z = tl.where(is_row, tl.sum(ps * tl.exp(pm - safe_max[:, None]), 1), 1.0)
+        z = tl.where(is_row, tl.sum(ps * tl.exp2((pm - safe_max[:, None]) * exp2_scale), 1), 1.0)
+        bad = tl.maximum(bad, tl.max(tl.where(is_row & ((z != z) | (row_max == float("inf"))), 1, 0)))
         log_z = tl.log(z)
+        if RECIP:  # the partials hold raw logits; torch's max of logits / T is this, rounded alike
+            row_max = row_max * inv_t
+        else:
+            row_max = tl.math.div_rn(row_max, temperature)
         rows = seq_logits + jj.to(tl.int64) * stride_lg
         x_draft = tl.load(rows + draft, mask=is_draft, other=0.0).to(tl.float32)
         if RECIP:
