@@ -41,16 +41,16 @@ def one_thread() -> Iterator[None]:
 
 
 def tiny_tokenizer(vocab: int, eos_id: int | None = None) -> PreTrainedTokenizerFast:
-    """A real fast tokenizer whose token i is the word "t{i}"; eos (and pad) is token `eos_id`.
+    """A real fast tokenizer whose token i is the word "t{i}"; eos is `eos_id`, pad the last token.
 
-    Decoding joins tokens with spaces, so a stop string like "t3 t5" spans two tokens.
+    Decoding joins tokens with spaces, so a stop string like "3 t5" spans two tokens.
     """
-    eos_id = vocab - 1 if eos_id is None else eos_id
+    eos = f"t{vocab - 1 if eos_id is None else eos_id}"
     words = {f"t{i}": i for i in range(vocab)}
-    backend = Tokenizer(WordLevel(words, unk_token=f"t{eos_id}"))
+    backend = Tokenizer(WordLevel(words, unk_token=f"t{vocab - 1}"))
     backend.pre_tokenizer = WhitespaceSplit()
-    eos = f"t{eos_id}"
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token=eos, unk_token=eos)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token=f"t{vocab - 1}",
+                                   unk_token=f"t{vocab - 1}")
 
 
 def tiny_llama(vocab: int = 16, seed: int = 0, layers: int = 1, hidden: int = 32, scale: float = 1.0,
@@ -60,18 +60,20 @@ def tiny_llama(vocab: int = 16, seed: int = 0, layers: int = 1, hidden: int = 32
     HF's default init (std 0.02) gives near-uniform logits, where p ≈ q and a broken residual
     would go unnoticed; `scale` sets the std of the output projection so logits spread by a few
     nats. Different seeds give different models with the same vocabulary (a draft and a target).
+    `eos_id` only changes the config (pad stays the last token), so the weights are those of the
+    same seed with the default eos.
     """
-    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         initializer_range=0.2, tie_word_embeddings=False,
-        eos_token_id=vocab - 1 if eos_id is None else eos_id, pad_token_id=vocab - 1 if eos_id is None else eos_id,
-        bos_token_id=None,
+        eos_token_id=vocab - 1 if eos_id is None else eos_id, pad_token_id=vocab - 1, bos_token_id=None,
     )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, scale / hidden ** 0.5 * 3.0)
+    with torch.random.fork_rng():  # leave the global generator as the caller had it
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, scale / hidden ** 0.5 * 3.0)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     return model.eval()
@@ -105,6 +107,15 @@ def next_logits(model: LlamaForCausalLM, contexts: Sequence[Sequence[int]]) -> t
     """Logits after the last token of each context (all the same length): [N, V] float32."""
     ids = torch.tensor([list(c) for c in contexts], dtype=torch.long)
     return model(input_ids=ids).logits[:, -1].float()
+
+
+@torch.no_grad()
+def greedy_ids(model: LlamaForCausalLM, prompt: Sequence[int], n: int) -> list[int]:
+    """n argmax tokens after prompt, ignoring EOS (plain forwards, no cache)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(next_logits(model, [ids])[0].argmax()))
+    return ids[len(prompt):]
 
 
 def first_two_distribution(model: LlamaForCausalLM, prompt: Sequence[int], sampling: SamplingParams,

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from helpers import (break_residual, check_exact, check_rejects, count_outcomes, first_two_distribution, g_test, next_logits,
-                     reference_probs)
+from helpers import (break_residual, check_exact, check_rejects, count_outcomes, first_two_distribution, g_test,
+                     greedy_ids, next_logits, reference_probs)
 
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
@@ -180,19 +180,11 @@ class RandomRouter:
         """Past steps are irrelevant to a random choice."""
 
 
-@torch.no_grad()
-def _greedy_continuation(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(next_logits(model, [ids])[0].argmax()))
-    return ids[len(prompt):]
-
-
 def _drafts(kind: str, tiny_target, tiny_draft_model):
     """A fresh draft pool; the suffix cache is primed with the target's greedy continuation."""
     pad = tiny_target.tokenizer.pad_token_id
     suffix = SuffixCacheDraft()
-    suffix.add(PROMPT[-2:] + _greedy_continuation(tiny_target.model, PROMPT, 9))
+    suffix.add(PROMPT[-2:] + greedy_ids(tiny_target.model, PROMPT, 9))
     pool = {"prompt_lookup": PromptLookupDraft(), "suffix_cache": suffix,
             "model": ModelDraft(tiny_draft_model, name="model", pad_token_id=pad)}
     return list(pool.values()) if kind == "all" else [pool[kind]]
