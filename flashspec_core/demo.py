@@ -14,6 +14,10 @@ from tqdm import tqdm
 from flashspec_core.engine import SpecEngine
 from flashspec_core.workload import demo_workload
 
+# What the LangChain and LlamaIndex adapters pass for these steps (tools bound, retrieval
+# synthesis); chat and code are left to the engine's prompt classifier.
+ADAPTER_HINTS = {"tool", "rag"}
+
 
 def _hf_generate(engine: SpecEngine, messages, max_new_tokens: int) -> tuple[list[int], float]:
     ids = engine._encode_all([messages], max_new_tokens)[0]
@@ -31,7 +35,8 @@ def run_demo(max_new_tokens: int = 64, baseline: bool = True) -> None:
     steps = demo_workload(max_new_tokens=max_new_tokens)
     rows, spec_tokens, spec_seconds, outputs = [], 0, 0.0, []
     for step in tqdm(steps, desc="flashspec", unit="step"):
-        res = engine.generate(step.messages, max_new_tokens=step.max_new_tokens)
+        res = engine.generate(step.messages, max_new_tokens=step.max_new_tokens,
+                              hint=step.domain if step.domain in ADAPTER_HINTS else None)
         arms = Counter(a for a in res.stats.arms)
         rows.append((step.domain, res.stats.domain, arms.most_common(1)[0][0], res.stats.drafted,
                      res.stats.accepted, len(res.token_ids), res.tokens_per_second))

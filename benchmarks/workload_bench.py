@@ -1,0 +1,152 @@
+"""Side-by-side tokens/s on the mixed agent dev workload, in one run on one machine.
+
+Configurations: plain HF `generate`, HF prompt-lookup assisted generation, the engine with each
+fixed arm (a draft source and γ), and the engine with the router. All decode greedily, so every
+configuration must produce the same tokens; the table says how many steps matched HF exactly.
+Tool and RAG steps get the domain hint an adapter would pass (demo.ADAPTER_HINTS); chat and
+code are classified.
+
+    python benchmarks/workload_bench.py --steps 16 --max-new-tokens 64 --out bench_out/workload
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from flashspec_core.demo import ADAPTER_HINTS
+from flashspec_core.engine import SpecEngine
+from flashspec_core.pool import build_drafts, default_drafts, load_target
+from flashspec_core.routing.router import FixedRouter
+from flashspec_core.types import NO_DRAFT, Arm
+from flashspec_core.workload import dev_workload
+
+
+def hf_run(engine: SpecEngine, steps, **generate_kwargs):
+    model, pad = engine.target_model, engine.tokenizer.pad_token_id
+    for step in steps:
+        ids = engine._encode_all([step.messages], step.max_new_tokens)[0]
+        inputs = torch.tensor([ids], device=model.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=step.max_new_tokens,
+                                 do_sample=False, pad_token_id=pad, **generate_kwargs)
+        yield out[0, len(ids):].tolist(), time.perf_counter() - start, None
+
+
+def engine_run(engine: SpecEngine, steps):
+    for step in steps:
+        start = time.perf_counter()
+        res = engine.generate(step.messages, max_new_tokens=step.max_new_tokens,
+                              hint=step.domain if step.domain in ADAPTER_HINTS else None)
+        yield res.token_ids, time.perf_counter() - start, res.stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--gammas", default="2,4,8")
+    parser.add_argument("--drafts", default="prompt_lookup,suffix_cache", help="comma list for fixed arms and the router pool")
+    parser.add_argument("--no-fixed", action="store_true", help="skip the fixed-arm configurations")
+    parser.add_argument("--out", default="bench_out/workload")
+    args = parser.parse_args()
+
+    steps = dev_workload(args.steps, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    gammas = [int(g) for g in args.gammas.split(",")]
+    target = load_target(None)
+    names = args.drafts.split(",")
+
+    def pool():
+        return build_drafts(names, target, None) if names != ["prompt_lookup", "suffix_cache"] else default_drafts()
+
+    configs = {
+        "hf_generate": lambda e: hf_run(e, steps),
+        "hf_prompt_lookup": lambda e: hf_run(e, steps, prompt_lookup_num_tokens=10),
+    }
+    engines = {"hf_generate": SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)))}
+    engines["hf_prompt_lookup"] = engines["hf_generate"]
+    if not args.no_fixed:
+        for arm in [Arm(NO_DRAFT, 0)] + [Arm(n, g) for n in names for g in gammas]:
+            key = f"fixed:{arm}"
+            engines[key] = SpecEngine(target, pool(), router=FixedRouter(arm), gammas=gammas)
+            configs[key] = lambda e: engine_run(e, steps)
+    engines["router"] = SpecEngine(target, pool(), router="thompson", gammas=gammas)
+    configs["router"] = lambda e: engine_run(e, steps)
+
+    results: dict[str, list[dict]] = {}
+    for key, run in configs.items():
+        rows = []
+        for step, (tokens, seconds, stats) in tqdm(zip(steps, run(engines[key])), total=len(steps), desc=key):
+            rows.append({"domain": step.domain, "tokens": tokens, "seconds": seconds,
+                         "arms": stats.arms if stats else None, "resolved": stats.domain if stats else None})
+        results[key] = rows
+    report(results, steps, Path(args.out), args)
+
+
+def report(results, steps, out: Path, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    reference = [r["tokens"] for r in results["hf_generate"]]
+    domains = sorted({s.domain for s in steps})
+    base = {}
+    header = f"{'config':<26}" + "".join(f"{d:>9}" for d in domains) + f"{'overall':>9}{'vs HF':>7}{'same':>6}"
+    print(f"\ntokens/s, greedy, {len(steps)} steps, max_new_tokens={args.max_new_tokens}\n{header}")
+    table = {}
+    for key, rows in results.items():
+        per = defaultdict(lambda: [0, 0.0])
+        for r in rows:
+            per[r["domain"]][0] += len(r["tokens"])
+            per[r["domain"]][1] += r["seconds"]
+        overall = sum(v[0] for v in per.values()) / sum(v[1] for v in per.values())
+        rates = {d: per[d][0] / per[d][1] for d in domains}
+        base = base or {**rates, "overall": overall}
+        same = sum(r["tokens"] == ref for r, ref in zip(rows, reference))
+        table[key] = {**rates, "overall": overall, "same": same}
+        print(f"{key:<26}" + "".join(f"{rates[d]:>9.1f}" for d in domains)
+              + f"{overall:>9.1f}{overall / base['overall']:>6.2f}x{same:>4}/{len(rows)}")
+    (out / "results.json").write_text(json.dumps({"table": table, "router_arms": [
+        {"domain": r["domain"], "resolved": r["resolved"], "arms": r["arms"]} for r in results["router"]]}, indent=1))
+    plot(table, results["router"], domains, out)
+
+
+def plot(table, router_rows, domains, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5))
+    keys = list(table)
+    width = 0.8 / (len(domains) + 1)
+    for i, d in enumerate(domains + ["overall"]):
+        ax1.bar([k + i * width for k in range(len(keys))], [table[c][d] for c in keys], width, label=d)
+    ax1.set_xticks([k + 0.4 for k in range(len(keys))], keys, rotation=60, ha="right", fontsize=7)
+    ax1.set_ylabel("tokens/s")
+    ax1.set_title("Dev workload, greedy, side by side")
+    ax1.legend(fontsize=7)
+    arms = sorted({a for r in router_rows for a in r["arms"]})
+    t = 0
+    colors = {d: f"C{i}" for i, d in enumerate(domains)}
+    for r in router_rows:
+        ys = [arms.index(a) for a in r["arms"]]
+        ax2.scatter(range(t, t + len(ys)), ys, s=4, color=colors[r["domain"]])
+        t += len(ys)
+    for d in domains:
+        ax2.scatter([], [], color=colors[d], label=d)
+    ax2.set_yticks(range(len(arms)), arms, fontsize=7)
+    ax2.set_xlabel("decode step")
+    ax2.set_title("Router: arm chosen per step, coloured by workload domain")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "workload.png", dpi=110)
+    print(f"plot: {out / 'workload.png'}")
+
+
+if __name__ == "__main__":
+    main()
