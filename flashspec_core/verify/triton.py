@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 import triton
 
@@ -171,7 +172,7 @@ def verify_triton(
     fs = torch.empty(2 * bsz * per_seq1 + 3 * bsz + 2 * bsz * n_tiles, dtype=torch.float32, device=device)
     is_ = torch.empty(2 * bsz * per_seq1 + 2 * bsz, dtype=torch.int32, device=device)
     temperature = sampling.temperature if not sampling.greedy else 1.0
-    inv_t = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32))
+    inv_t = float(np.float32(1.0) / np.float32(temperature))  # torch's CUDA 1/T, in float32
     exp2_scale = math.log2(math.e) / temperature
 
     verify_kernel[(bsz * (per_seq1 + per_seq2),)](

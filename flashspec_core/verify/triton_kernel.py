@@ -35,7 +35,12 @@ WS_SLOTS = 4
 @triton.jit
 def _stop_row_masses(logits_row, q_row, draft_tok, offs, V, m_row, log_z, inv_t, temperature,
                      rejected, ONE_HOT: tl.constexpr, RECIP: tl.constexpr):
-    """p and the residual max(0, p - q) (p itself at the bonus row) on one tile of the stopping row."""
+    """p and the residual max(0, p - q) (p itself at the bonus row) on one tile of the stopping row.
+
+    logits_row: pointer to [V] logits of the stopping row; q_row: pointer to [V] draft probs of
+    that row (read only when rejected and not ONE_HOT); offs: [BLOCK] int32 vocabulary indices.
+    Returns p and r, both [BLOCK] float32, zero outside [0, V).
+    """
     inb = offs < V
     x = tl.load(logits_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
     if RECIP:  # logits / T rounded as torch rounds it: CUDA computes x * (1/T), the CPU divides
@@ -193,7 +198,12 @@ def _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, str
             stop_i, n_acc_ptr, tokens_ptr, temperature, inv_t, exp2_scale, r1,
             GP: tl.constexpr, NCP: tl.constexpr, GREEDY: tl.constexpr, ONE_HOT: tl.constexpr,
             HAS_U: tl.constexpr, SEED_FROM_PTR: tl.constexpr, RECIP: tl.constexpr):
-    """Last phase-1 program of sequence b: combine partials, run the acceptance tests."""
+    """Last phase-1 program of sequence b: combine partials, run the acceptance tests.
+
+    Reads the [G+1, NC] partials of sequence b and the [G] draft tokens; greedy writes the
+    outputs here, sampling publishes (stop row, its max and log Z, the last uniform) to stop_f /
+    stop_i and raises the ready flag for phase 2.
+    """
     jj = tl.arange(0, GP)
     cc = tl.arange(0, NCP)
     tile_mask = (jj[:, None] <= G) & (cc[None, :] < NC)
@@ -265,7 +275,7 @@ def _sample(b, G, V, NT, masses, logits_row, q_row, draft_tok, draft_ptr, stride
             s_row, rejected, stop_f, stop_i, ws_b, n_acc_ptr, tokens_ptr, temperature, inv_t,
             BLOCK: tl.constexpr, GP: tl.constexpr, NTP: tl.constexpr, ONE_HOT: tl.constexpr,
             RECIP: tl.constexpr):
-    """Last phase-2 program of sequence b: inverse CDF over tile masses, then within one tile.
+    """Last phase-2 program of sequence b: inverse CDF over the [NT] tile masses, then one tile.
 
     Mirrors sample_from_probs: the first index whose cumulative mass exceeds u * total. The
     residual is used when it has mass, p otherwise, like the reference.
