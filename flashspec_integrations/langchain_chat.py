@@ -7,9 +7,9 @@ from operator import itemgetter
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.exceptions import OutputParserException
 from langchain_core.output_parsers import JsonOutputKeyToolsParser
 from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult

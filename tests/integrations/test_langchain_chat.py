@@ -7,6 +7,7 @@ import time
 
 import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.runnables import RunnableLambda
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 from test_langchain_fakes import ScriptedEngine, tiny_engine
@@ -218,6 +219,23 @@ def test_domain_precedence_and_agent_node():
     assert [c["label"] for c in engine.calls] == ["tool", "code", "math", "rag", "tool/agent"]
     msg = bound.invoke("x", config={"metadata": {"langgraph_node": "agent"}})
     assert msg.response_metadata["flashspec"]["agent_node"] == "agent"
+
+
+def test_streaming_paths_read_the_run_context():
+    """LangChain's `stream` gives `_stream` no run manager; inside a chain or graph node the run
+    config travels in the runnable-config context variable, which the adapter reads."""
+    model, engine = chat(["ok"])
+    config = {"metadata": {"flashspec_domain": "code", "langgraph_node": "coder"}}
+    chunks = list((RunnableLambda(lambda x: x) | model).stream("x", config=config))
+    assert chunks[-1].response_metadata["flashspec"]["agent_node"] == "coder"
+
+    async def astream():
+        chain = RunnableLambda(lambda x: x) | model.bind_tools([add])
+        return [c async for c in chain.astream("x", config={"metadata": {"flashspec_domain": "math"}})]
+
+    asyncio.run(astream())
+    list(model.stream("x", domain="rag"))  # a bare stream takes the domain as a call argument
+    assert [c["label"] for c in engine.calls] == ["code", "math", "rag"]
 
 
 def test_rag_prompt_gets_the_rag_hint():

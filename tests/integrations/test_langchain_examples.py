@@ -95,13 +95,15 @@ def test_default_model_agent_run_reaches_the_router_under_two_domains(recording_
     """One agent run on the real model: the forced tool-call step and the answer step decode under
     different router domains (what the router saw is recorded per decode step)."""
     router = recording_default_engine.router
-    steps = langchain_agent.main(["--max-tokens", "24", "What is 17 * 23?"])
-    by_call = [s["domain"] for s in steps]
-    assert by_call[0] == "json"
-    assert set(router.domains) == set(by_call)
-    if steps[0]["tool_calls"]:  # the 135M model wrote a valid call: the answer step follows
-        assert by_call == ["json", "tool/result"]
-    print(capsys.readouterr().out)
+    steps = langchain_agent.main(["--max-tokens", "32", "What is 17 * 23?"])
+    out = capsys.readouterr().out
+    # Greedy decoding is exact, so the model's output (a valid call here) does not depend on the
+    # drafts the router picks: the run is deterministic.
+    assert steps[0]["tool_calls"] == ["calculator"] and "tool calculator -> 391" in out
+    assert [s["domain"] for s in steps] == ["json", "tool/result"]
+    first_answer_step = router.domains.index("tool/result")
+    assert set(router.domains[:first_answer_step]) == {"json"}
+    assert set(router.domains[first_answer_step:]) == {"tool/result"}
 
 
 @pytest.mark.slow
