@@ -66,4 +66,6 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     cdf = probs.cumsum(-1)
     target = uniforms.to(cdf.dtype) * cdf[:, -1]
     idx = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    # u * total can round up to the total itself: then take the last token with mass.
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+    return torch.minimum(idx, last)
