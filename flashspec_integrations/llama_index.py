@@ -180,7 +180,8 @@ class FlashSpecLLM(FunctionCallingLLM, CustomLLM):
         if forced:
             constraint = constraint_kwargs(self.engine, forced_call_schema(specs, forced_name))
             engine_kwargs.update(constraint)
-            prefix = forced_prefix(forced_name, constrained=bool(constraint))
+            params = next((s["function"].get("parameters") for s in specs if tool_name(s) == forced_name), None)
+            prefix = forced_prefix(forced_name, constrained=bool(constraint), parameters=params)
         if self._uses_chat_template():
             dicts = to_template_messages(messages)
             if specs:

@@ -44,14 +44,18 @@ def _bucket(term: str, dim: int) -> tuple[int, float]:
 
 
 def hashed_vector(text: str, dim: int) -> list[float]:
-    """The embedding of `text`: [dim] floats, unit length (all zeros for a text without words)."""
+    """The embedding of `text`: [dim] floats, unit length.
+
+    A text without content words (an empty query) gets the uniform vector, equally close to
+    every document, rather than zeros, whose cosine similarity is undefined.
+    """
     vec = [0.0] * dim
     for term, count in Counter(_terms(text)).items():
         index, sign = _bucket(term, dim)
         weight = 1.0 + math.log(count)
         vec[index] += sign * (weight if "_" not in term else 0.5 * weight)
     norm = math.sqrt(sum(v * v for v in vec))
-    return [v / norm for v in vec] if norm else vec
+    return [v / norm for v in vec] if norm else [1.0 / math.sqrt(dim)] * dim
 
 
 class HashingEmbedding(BaseEmbedding):

@@ -133,7 +133,9 @@ def loads_lenient(text: str) -> Any:
             except (json.JSONDecodeError, ValueError):
                 pass
             try:
-                return ast.literal_eval(attempt)
+                value = ast.literal_eval(attempt)
+                json.dumps(value)  # only JSON's types: a set or bytes literal is not a call
+                return value
             except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
                 pass
     raise ValueError(f"not JSON: {text[:80]!r}")
@@ -166,7 +168,7 @@ def _call_from_object(obj: Any, known: Sequence[str] | None) -> ToolCallBlock | 
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, (dict, str)):
-        arguments = json.dumps(arguments)
+        arguments = json.dumps(arguments, default=str)
     return ToolCallBlock(tool_call_id=f"call_{uuid.uuid4().hex[:12]}", tool_name=name, tool_kwargs=arguments)
 
 
@@ -233,13 +235,25 @@ def forced_tool(specs: Sequence[Mapping], tool_choice: Any, tool_required: bool)
     return False, None
 
 
-def forced_prefix(name: str | None, constrained: bool) -> str:
-    """The start of the assistant turn for a forced call; the model writes the rest."""
+def forced_prefix(name: str | None, constrained: bool, parameters: Mapping | None = None) -> str:
+    """The start of the assistant turn for a forced call; the model writes the rest.
+
+    Without a constrained decoder the prefill goes as far as a grammar would force tokens: the
+    tool name, and the key of a tool's only parameter (a 135M model otherwise often invents
+    keys), up to the opening quote of a string value.
+    """
     if constrained:
         return CALL_OPEN + "\n"
     if name is None:
         return CALL_OPEN + '\n{"name": "'
-    return CALL_OPEN + "\n" + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": {'
+    prefix = CALL_OPEN + "\n" + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": {'
+    properties = (parameters or {}).get("properties") or {}
+    if len(properties) == 1:
+        key, schema = next(iter(properties.items()))
+        prefix += json.dumps(key, ensure_ascii=False) + ": "
+        if isinstance(schema, Mapping) and schema.get("type") == "string":
+            prefix += '"'
+    return prefix
 
 
 def forced_call_schema(specs: Sequence[Mapping], name: str | None) -> dict:

@@ -48,10 +48,10 @@ def test_hashing_embedding_ranks_the_right_document_first(documents):
         assert names[scores.index(max(scores))] == expected, (question, dict(zip(names, scores)))
 
 
-def test_hashing_vectors_are_unit_length_and_empty_text_is_zero():
+def test_hashing_vectors_are_unit_length_even_for_text_without_words():
     vec = hashed_vector("The Tessel River is long", 64)
     assert abs(sum(v * v for v in vec) - 1.0) < 1e-9
-    assert hashed_vector("the of and", 64) == [0.0] * 64
+    assert hashed_vector("the of and", 64) == [0.125] * 64  # uniform: 1 / sqrt(64)
     assert hashed_vector("rivers", 64) == hashed_vector("river", 64)
 
 

@@ -52,9 +52,10 @@ def test_lenient_json_repairs_what_small_models_write(text, expected):
     assert loads_lenient(text) == expected
 
 
-def test_lenient_json_rejects_text_without_json():
+@pytest.mark.parametrize("text", ["no json here", "{1, 2}", "{'a': {1, 2}}", "{b'x': 1}"])
+def test_lenient_json_rejects_what_is_not_json(text):
     with pytest.raises(ValueError):
-        loads_lenient("no json here")
+        loads_lenient(text)
 
 
 def test_tagged_calls_are_parsed_with_the_text_before_them():
@@ -115,6 +116,8 @@ def test_constraint_seam_follows_the_engine_signature():
     assert constraint_kwargs(Plain(), {"type": "object"}) == {}
     assert forced_prefix("multiply", constrained=True) == "<tool_call>\n"
     assert forced_prefix("multiply", constrained=False).endswith('"name": "multiply", "arguments": {')
+    lookup_params = SPECS[1]["function"]["parameters"]
+    assert forced_prefix("lookup", constrained=False, parameters=lookup_params).endswith('"arguments": {"city": "')
 
 
 def test_history_renders_calls_and_results_as_the_instructions_describe():
@@ -206,9 +209,16 @@ def test_tool_choice_none_hides_the_tools():
 
 def test_unreadable_forced_arguments_still_name_the_forced_tool():
     llm, _ = _tool_llm(["@@@"])
-    res = llm.chat_with_tools(TOOLS, user_msg="x", tool_choice="lookup")
+    res = llm.chat_with_tools(TOOLS, user_msg="x", tool_choice="multiply")
     (selection,) = llm.get_tool_calls_from_response(res)
-    assert selection.tool_name == "lookup" and selection.tool_kwargs == {}
+    assert selection.tool_name == "multiply" and selection.tool_kwargs == {}
+
+
+def test_a_forced_single_parameter_call_only_needs_the_value():
+    llm, engine = _tool_llm(['Oslo"}}'])
+    res = llm.chat_with_tools(TOOLS, user_msg="Tell me about Oslo", tool_choice="lookup")
+    assert engine.calls[0]["prompt"].endswith('"arguments": {"city": "')
+    assert [s.tool_kwargs for s in llm.get_tool_calls_from_response(res)] == [{"city": "Oslo"}]
 
 
 def test_constrained_engines_get_the_call_schema_and_a_short_prefix():
