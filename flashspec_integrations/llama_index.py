@@ -162,7 +162,21 @@ class FlashSpecLLM(FunctionCallingLLM, CustomLLM):
         """Token ids; a rendered chat template already holds its special tokens."""
         return list(self.engine.tokenizer(text, add_special_tokens=not templated).input_ids)
 
+    def _render(self, messages: Sequence[ChatMessage], specs: list[dict], prefix: str) -> list[int]:
+        """Prompt ids: the tool instructions in the system turn, the template, the prefill."""
+        if self._uses_chat_template():
+            dicts = to_template_messages(messages)
+            if specs:
+                dicts = add_system_text(dicts, tools_instructions(specs))
+            return self._encode(render_chat(self.engine.tokenizer, dicts, prefix), templated=True)
+        if specs:
+            messages = [ChatMessage(role=MessageRole.SYSTEM, content=tools_instructions(specs)), *messages]
+        return self._encode(self.messages_to_prompt(messages) + prefix, templated=False)
+
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> Request:
+        """Everything about a chat call that is known before generation, computed in the caller's context."""
+        if not messages:
+            raise ValueError("messages: empty; pass at least one ChatMessage")
         tool_choice = kwargs.get("tool_choice")
         specs = [] if tool_choice == "none" else [tool_spec(t) for t in kwargs.get("tools") or ()]
         forced, forced_name = forced_tool(specs, tool_choice, bool(kwargs.get("tool_required"))) if specs else (False, None)
@@ -182,15 +196,7 @@ class FlashSpecLLM(FunctionCallingLLM, CustomLLM):
             engine_kwargs.update(constraint)
             params = next((s["function"].get("parameters") for s in specs if tool_name(s) == forced_name), None)
             prefix = forced_prefix(forced_name, constrained=bool(constraint), parameters=params)
-        if self._uses_chat_template():
-            dicts = to_template_messages(messages)
-            if specs:
-                dicts = add_system_text(dicts, tools_instructions(specs))
-            ids = self._encode(render_chat(self.engine.tokenizer, dicts, prefix), templated=True)
-        else:
-            if specs:
-                messages = [ChatMessage(role=MessageRole.SYSTEM, content=tools_instructions(specs)), *messages]
-            ids = self._encode(self.messages_to_prompt(messages) + prefix, templated=False)
+        ids = self._render(messages, specs, prefix)
         names = tuple(tool_name(s) for s in specs) if specs else None
         single = forced or not kwargs.get("allow_parallel_tool_calls", False)
         return Request(ids, engine_kwargs, prefix=prefix, tool_names=names, single_call=single, forced_name=forced_name)

@@ -1,0 +1,115 @@
+"""A LlamaIndex RAG agent: a query-engine tool over local documents plus a Python tool (offline).
+
+    python examples/llama_index_rag_agent.py
+    python examples/llama_index_rag_agent.py "How many loaves does the Copper Kettle bake in a week?"
+
+A `FunctionAgent` gets two tools: `search_docs` (a query engine over examples/docs) and
+`calculate` (plain Python arithmetic). Its first step is steered to `search_docs`
+(`initial_tool_choice`), so even the small default model starts from the documents; after that
+the model decides. The script prints every LLM call with its domain and the draft the router
+used: the forced call (`json`), the synthesis inside the query engine (`rag`), and the steps that
+read tool results (`tool/result`) each get their own statistics.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import operator
+from pathlib import Path
+from typing import Sequence
+
+from llama_index.core import Settings
+from llama_index.core.agent.workflow import FunctionAgent, ToolCallResult
+from llama_index.core.tools import FunctionTool, QueryEngineTool
+
+from flashspec_integrations.llama_index import FlashSpecLLM
+from flashspec_integrations.llama_index_steps import record_steps
+
+try:  # run as a script (examples/ on sys.path) or imported as examples.llama_index_rag_agent
+    from llama_index_rag_query_engine import DOCS, build_query_engine
+except ImportError:  # pragma: no cover - the package-style import
+    from examples.llama_index_rag_query_engine import DOCS, build_query_engine
+
+QUESTION = "How long does the battery of the Orbit-7 robot last over two full charges?"
+SYSTEM_PROMPT = (
+    "You answer questions about local documents. Search the documents first, then use the "
+    "calculate tool for any arithmetic, then give a short answer."
+)
+_OPERATORS = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.USub: operator.neg, ast.UAdd: operator.pos,
+}
+
+
+def _evaluate(node: ast.AST) -> float:
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        right = _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64:
+            raise ValueError("exponent too large")
+        return _OPERATORS[type(node.op)](_evaluate(node.left), right)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_evaluate(node.operand))
+    raise ValueError(f"unsupported expression element: {type(node).__name__}")
+
+
+def calculate(expression: str) -> str:
+    """Evaluate an arithmetic expression such as '95 * 2' and return the result."""
+    try:
+        value = _evaluate(ast.parse(expression.replace("x", "*").replace("×", "*"), mode="eval"))
+    except (SyntaxError, ValueError, ZeroDivisionError, TypeError) as exc:
+        return f"error: cannot evaluate {expression!r} ({exc})"
+    return str(int(value) if float(value).is_integer() else round(value, 6))
+
+
+def build_agent(docs_dir: Path = DOCS, max_new_tokens: int = 64) -> FunctionAgent:
+    Settings.llm = FlashSpecLLM(max_new_tokens=max_new_tokens)
+    search = QueryEngineTool.from_defaults(
+        build_query_engine(docs_dir),
+        name="search_docs",
+        description="Answers a question from the local documents (festival, river, bakery, vacuum robot).",
+    )
+    return FunctionAgent(
+        tools=[search, FunctionTool.from_defaults(calculate)],
+        llm=Settings.llm,
+        system_prompt=SYSTEM_PROMPT,
+        initial_tool_choice="search_docs",
+    )
+
+
+async def run(question: str, agent: FunctionAgent, max_iterations: int) -> tuple[str, list[str]]:
+    """Run the agent; returns its answer and the tools it called, in order."""
+    handler = agent.run(user_msg=question, max_iterations=max_iterations)
+    called = []
+    async for event in handler.stream_events():
+        if isinstance(event, ToolCallResult):
+            called.append(event.tool_name)
+            print(f"tool {event.tool_name}({event.tool_kwargs}) -> {str(event.tool_output.content)[:80]!r}")
+    return str(await handler), called
+
+
+def main(argv: Sequence[str] | None = None) -> tuple[str, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("question", nargs="?", default=QUESTION)
+    parser.add_argument("--docs", type=Path, default=DOCS, help="folder of documents to index")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-iterations", type=int, default=6)
+    args = parser.parse_args(argv)
+
+    agent = build_agent(args.docs, args.max_new_tokens)
+    with record_steps() as recorder:
+        answer, called = asyncio.run(run(args.question, agent, args.max_iterations))
+    for i, step in enumerate(recorder.steps, 1):
+        print(f"step {i}: {step.describe()}")
+    print(f"question: {args.question}")
+    print(f"answer: {answer.strip()}")
+    return answer, called
+
+
+if __name__ == "__main__":
+    main()
