@@ -30,7 +30,7 @@ from flashspec_integrations.langchain_runtime import (
     Outcome,
     Request,
     aiter_in_thread,
-    engine_constraint_arg,
+    engine_takes_json_schema,
     run_request,
     stream_request,
 )
@@ -163,8 +163,8 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         """The JSON schema the whole reply must match, or None for free text.
 
         This is the seam to schema-constrained decoding: an engine whose `stream` takes
-        `json_schema` (or `constraint`) receives it and decodes under it, exactly; the reply is
-        then the bare JSON call or object, which the parser reads as well as the tagged form.
+        `json_schema` receives it and decodes under it, exactly; the reply is then the bare JSON
+        call or object, which the parser reads as well as the tagged form.
         """
         if choice.forced:
             calls = [
@@ -175,6 +175,7 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
                         "arguments": t["function"].get("parameters") or {"type": "object"},
                     },
                     "required": ["name", "arguments"],
+                    "additionalProperties": False,
                 }
                 for t in tools
                 if choice.name in (None, t["function"]["name"])
@@ -211,7 +212,7 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         )
         extra = json_instruction(schema) if response_format is not None else ""
         text = render_chat(engine.tokenizer, messages, shown, extra)
-        constrained = schema is not None and engine_constraint_arg(engine) is not None
+        constrained = schema is not None and engine_takes_json_schema(engine)
         prefix = "" if constrained or template_supports_tools(engine.tokenizer) else forced_prefix(choice)
         ids = engine.tokenizer(text + prefix, add_special_tokens=False).input_ids
         if prefix:  # a forced call is one call: stop where its block closes

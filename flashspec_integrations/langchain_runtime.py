@@ -63,18 +63,17 @@ def run_context(run_manager: Any) -> tuple[dict[str, Any], list[str]]:
     return metadata, tags
 
 
-def engine_constraint_arg(engine: Any) -> str | None:
-    """The name of the engine's schema-constraint argument, if this engine has one.
+def engine_takes_json_schema(engine: Any) -> bool:
+    """Whether the engine decodes under a JSON schema (its `stream` takes `json_schema=`).
 
-    Schema-constrained decoding lands in the engine separately; an engine whose `stream` accepts
-    `json_schema` (or `constraint`) gets the JSON schema of the required output there, and the
-    adapter then sends no forced prefix (the grammar does that job exactly).
+    Schema-constrained decoding lands in the engine separately; such an engine gets the schema of
+    the required output, and the adapter then sends no forced prefix (the grammar does that job,
+    exactly). Other engines get the prefix and lenient parsing.
     """
     try:
-        params = inspect.signature(engine.stream).parameters
+        return "json_schema" in inspect.signature(engine.stream).parameters
     except (TypeError, ValueError):
-        return None
-    return next((name for name in ("json_schema", "constraint") if name in params), None)
+        return False
 
 
 @dataclass
@@ -97,9 +96,8 @@ class Request:
             "domain": self.decision.domain,
             "hint": self.decision.hint,
         }
-        arg = engine_constraint_arg(engine) if self.json_schema is not None else None
-        if arg is not None:
-            kwargs[arg] = self.json_schema
+        if self.json_schema is not None and engine_takes_json_schema(engine):
+            kwargs["json_schema"] = self.json_schema
         return kwargs
 
 

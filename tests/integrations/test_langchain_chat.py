@@ -324,3 +324,24 @@ def test_real_engine_stream_matches_invoke_and_respects_stop():
     stop = text[5:8]
     assert model.invoke("hello", stop=[stop]).content == text[: text.find(stop)]
     assert json.dumps(model.invoke("hello").response_metadata["flashspec"]["arms"])
+
+
+def test_a_template_with_tool_support_renders_tools_natively():
+    engine = ScriptedEngine(['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'])
+    engine.tokenizer.chat_template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}\n"
+        "{% endfor %}assistant:"
+    )
+    model = ChatFlashSpec(engine=engine)
+    history = [
+        HumanMessage("1+1?"),
+        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 1}, "id": "c1"}]),
+        ToolMessage("2", tool_call_id="c1"),
+    ]
+    msg = model.bind_tools([add, shout], tool_choice="add").invoke(history)
+    prompt = engine.calls[0]["prompt"]
+    assert prompt.startswith("TOOLS:add;shout;") and prompt.endswith("assistant:")  # no forced prefix
+    assert 'CALL add({"a": 1, "b": 1})' in prompt and "tool: 2" in prompt
+    assert msg.tool_calls[0]["args"] == {"a": 1, "b": 1}

@@ -117,7 +117,7 @@ def test_scripted_engine_keeps_the_real_engine_signature(method):
     real = list(inspect.signature(getattr(SpecEngine, method)).parameters)[1:]
     fake = list(inspect.signature(getattr(ScriptedEngine, method)).parameters)[1:]
     assert fake == real[: len(fake)]
-    assert set(real) - set(fake) <= {"json_schema", "constraint"}
+    assert set(real) - set(fake) <= {"json_schema"}
 
 
 def test_byte_tokenizer_round_trips_any_text():
