@@ -112,7 +112,8 @@ def decode_benchmark(args: argparse.Namespace) -> None:
 def report(args, configs, tallies: dict[str, Tally], engines: dict[str, SpecEngine]) -> None:
     base = tallies[configs[0]]
     same = {c: sum(a == b for a, b in zip(base.outputs, tallies[c].outputs)) for c in configs}
-    header = f"{'config':<12} {'tok/s':>7} {'speedup':>8} {'decode tok/s':>12} {'speedup':>8} {'tokens':>7} {'steps':>6} {'tok/step':>8} {'accept':>7} {'valid':>7} {'same as ' + configs[0]:>14}"
+    header = (f"{'config':<12} {'tok/s':>7} {'speedup':>8} {'decode tok/s':>12} {'speedup':>8} {'tokens':>7} "
+              f"{'steps':>6} {'tok/step':>8} {'accept':>7} {'valid':>7} {'same as ' + configs[0]:>14}")
     print(header)
     rows = []
     for c in configs:

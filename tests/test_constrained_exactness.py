@@ -144,7 +144,8 @@ def _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name: str, replica
         law2[key[:2]] = law2.get(key[:2], 0.0) + prob
     drafted = {r.arm.draft for r in records if r.drafted > 0}
     assert drafted == {"grammar", "model", "prompt_lookup"}, f"every draft should have proposed; got {drafted}"
-    return g_test(count_outcomes(outputs, 2, engine.eos_ids), law2), g_test(count_outcomes(outputs, LENGTH, engine.eos_ids), law)
+    return (g_test(count_outcomes(outputs, 2, engine.eos_ids), law2),
+            g_test(count_outcomes(outputs, LENGTH, engine.eos_ids), law))
 
 
 def test_reference_grammar_agrees_with_xgrammar(grammar):

@@ -86,6 +86,7 @@ def parse_tool_call(text: str) -> tuple[str, dict]:
         raise ValueError(
             f"text: not a complete JSON tool call ({exc}); was max_new_tokens too small?"
         ) from exc
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments"), dict):
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) \
+            or not isinstance(call.get("arguments"), dict):
         raise ValueError(f"text: expected {{'name': str, 'arguments': object}}; got {text[:80]!r}")
     return call["name"], call["arguments"]
