@@ -28,7 +28,7 @@ from flashspec_integrations.llama_index_steps import record_steps
 
 try:  # run as a script (examples/ on sys.path) or imported as examples.llama_index_rag_agent
     from llama_index_rag_query_engine import DOCS, build_query_engine
-except ImportError:  # pragma: no cover - the package-style import
+except ImportError:  # imported as a module of the examples package
     from examples.llama_index_rag_query_engine import DOCS, build_query_engine
 
 QUESTION = "How long does the battery of the Orbit-7 robot last over two full charges?"

@@ -7,7 +7,9 @@ import inspect
 import jsonschema
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, ToolCallBlock
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
+from pydantic import BaseModel
 from test_llama_index_support import ScriptedEngine, char_tokenizer
 
 from flashspec_integrations.llama_index import FlashSpecLLM
@@ -241,3 +243,15 @@ def test_predict_and_call_runs_the_tool():
     llm, _ = _tool_llm(['"a": 3, "b": 5}}'])
     out = llm.predict_and_call(TOOLS[:1], user_msg="3 times 5", tool_required=True)
     assert out.response == "15"
+
+
+def test_structured_predict_goes_through_a_forced_call():
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    llm, engine = _tool_llm(['"name": "Ada", "age": 36}}'])
+    person = llm.structured_predict(Person, PromptTemplate("Extract the person: {text}"), text="Ada is 36.")
+    assert person == Person(name="Ada", age=36)
+    assert engine.calls[0]["hint"] == "json"
+    assert engine.calls[0]["prompt"].endswith('{"name": "Person", "arguments": {')
