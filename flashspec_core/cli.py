@@ -55,6 +55,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill(args: argparse.Namespace) -> int:
+    from flashspec_core.distill.command import cmd_distill as run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashspec-agents", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--domain", help="force the step's domain (chat, code, tool, rag, json, ...)")
     gen.add_argument("--stats", action="store_true", help="print speculation stats to stderr")
     gen.set_defaults(func=cmd_generate)
+
+    from flashspec_core.distill.options import add_arguments as add_distill_arguments
+
+    distill = sub.add_parser("distill", help="train a draft for a target by self-distillation (see docs/distill.md)")
+    add_distill_arguments(distill)
+    distill.set_defaults(func=cmd_distill)
     return parser
 
 
