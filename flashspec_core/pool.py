@@ -55,7 +55,7 @@ def build_drafts(
     construction and runs faster than the full-precision target.
     """
     if specs is None:
-        return default_drafts()
+        return default_drafts(target)
     pool: list[DraftSource] = []
     for spec in specs:
         if not isinstance(spec, str):
@@ -80,9 +80,15 @@ def build_drafts(
     return pool
 
 
-def default_drafts() -> list[DraftSource]:
-    """The default pool: copy drafts, which cost next to nothing to run."""
-    return [PromptLookupDraft(), SuffixCacheDraft()]
+def default_drafts(target: LoadedModel | None = None) -> list[DraftSource]:
+    """The default pool: copy drafts, which cost next to nothing to run, plus the shipped trained
+    drafts (flashspec_core/drafts/weights) that were made for `target`."""
+    pool: list[DraftSource] = [PromptLookupDraft(), SuffixCacheDraft()]
+    if target is not None:
+        from flashspec_core.drafts.trained import shipped_drafts
+
+        pool += shipped_drafts(target)
+    return pool
 
 
 def make_router(
@@ -106,7 +112,8 @@ def default_engine():
     from flashspec_core.engine import DEFAULT_GAMMAS, SpecEngine
     from flashspec_core.types import NO_DRAFT
 
-    drafts = default_drafts()
+    target = load_target(None)
+    drafts = default_drafts(target)
     arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in DEFAULT_GAMMAS]
     router = make_router("thompson", arms, {d.name: d for d in drafts}, persist=True)
-    return SpecEngine(load_target(None), drafts, router=router)
+    return SpecEngine(target, drafts, router=router)
