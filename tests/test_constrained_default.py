@@ -68,3 +68,9 @@ def test_speculative_constrained_greedy_equals_plain_constrained_greedy(default_
     expected = _call(plain, TOOL_SUITE[index])[1]
     got = _call(forced, TOOL_SUITE[index])[1]
     assert got.token_ids == expected.token_ids and got.stats.steps < expected.stats.steps
+
+
+def test_a_schema_xgrammar_cannot_compile_is_a_value_error(default_target):
+    engine = SpecEngine(default_target, [], router=FixedRouter(Arm(NO_DRAFT, 0)))
+    with pytest.raises(ValueError, match="json_schema: xgrammar cannot compile"):
+        engine.generate("hi", max_new_tokens=4, json_schema={"type": "object", "properties": {"a": {"type": "nope"}}})

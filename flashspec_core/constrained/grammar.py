@@ -82,11 +82,17 @@ class _CompilerCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_tokenizer: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+        # id(tokenizer) -> (weak reference, {(V, stop ids): compiler}); keyed by id because a
+        # tokenizer class need not be hashable.
+        self._by_id: dict[int, tuple[weakref.ref, dict]] = {}
 
     def get(self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]):
         with self._lock:
-            per = self._by_tokenizer.setdefault(tokenizer, {})
+            entry = self._by_id.get(id(tokenizer))
+            if entry is None or entry[0]() is not tokenizer:
+                self._by_id = {k: v for k, v in self._by_id.items() if v[0]() is not None}
+                entry = self._by_id[id(tokenizer)] = (weakref.ref(tokenizer), {})
+            per = entry[1]
             key = (vocab_size, stop_ids)
             if key not in per:
                 info = xgr.TokenizerInfo.from_huggingface(
