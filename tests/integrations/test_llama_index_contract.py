@@ -127,8 +127,8 @@ def test_async_methods_do_not_block_the_event_loop(method):
         return ticks, elapsed
 
     ticks, elapsed = asyncio.run(run())
-    # A blocked loop ticks once or twice in total; a free one ticks throughout the generation.
-    assert ticks >= max(5, int(elapsed / 0.002 * 0.1)), (ticks, elapsed)
+    # A blocked loop never runs the ticker before the call returns; a free one ticks throughout.
+    assert ticks >= 10, (ticks, elapsed)
 
 
 def test_an_abandoned_async_stream_releases_the_engine(llm):
