@@ -135,9 +135,9 @@ def test_shipped_weights_are_small_and_have_cards():
 
 
 @pytest.mark.slow
-def test_default_engine_loads_the_shipped_drafts_and_stays_exact(default_target):
+def test_default_engine_loads_the_shipped_drafts_and_stays_exact(default_target, default_engine):
+    assert {"distill_general", "distill_code"} <= set(default_engine.drafts)
     drafts = {d.name: d for d in shipped_drafts(default_target)}
-    assert set(drafts) >= {"distill_general", "distill_code"}
     messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
     engine = SpecEngine(default_target, [drafts["distill_code"]], router=FixedRouter(Arm("distill_code", 3)))
     res = engine.generate(messages, max_new_tokens=16)

@@ -162,8 +162,12 @@ def save_draft(
     return path
 
 
-def read_draft_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and metadata of a saved draft; ValueError if the file is not one."""
+def read_draft_file(path: str | Path, check: PreTrainedModel | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a saved draft; ValueError if the file is not one.
+
+    With `check`, raise IncompatibleDraft before reading the weights if they were made for
+    another target (cheap: metadata and the small fingerprint only).
+    """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"path: draft weights {str(path)!r} do not exist")
@@ -171,12 +175,16 @@ def read_draft_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
         meta = f.metadata() or {}
         if meta.get("format") != WEIGHTS_FORMAT:
             raise ValueError(f"path: {str(path)!r} is not a flashspec distilled draft (format {meta.get('format')!r})")
+        if check is not None:
+            problem = compatibility_problem(meta, f.get_tensor("fingerprint"), check)
+            if problem:
+                raise IncompatibleDraft(f"path: {str(path)!r} does not fit this target: {problem}")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     return tensors, meta
 
 
 def compatibility_problem(meta: dict[str, str], fingerprint: torch.Tensor, target: PreTrainedModel) -> str | None:
-    """Why this draft cannot serve `target`, or None when it was trained for it."""
+    """Why this draft cannot serve `target`, or None when it was trained for it. fingerprint: [FINGERPRINT_ROWS]."""
     for key in _SHAPE_KEYS:
         if meta.get(f"target_{key}") != str(getattr(target.config, key, "")):
             return f"target {key} is {getattr(target.config, key, None)!r}, the draft expects {meta.get(f'target_{key}')!r}"
@@ -189,10 +197,8 @@ def compatibility_problem(meta: dict[str, str], fingerprint: torch.Tensor, targe
 
 def load_draft(path: str | Path, target: PreTrainedModel, dtype: torch.dtype | None = None) -> tuple[DraftNetwork, dict[str, str]]:
     """Rebuild a saved draft around `target` (ValueError if it was trained for another target)."""
-    tensors, meta = read_draft_file(path)
-    problem = compatibility_problem(meta, tensors.pop("fingerprint"), target)
-    if problem:
-        raise IncompatibleDraft(f"path: {str(path)!r} does not fit this target: {problem}")
+    tensors, meta = read_draft_file(path, check=target)
+    tensors.pop("fingerprint")
     network = DraftNetwork(target, int(meta["num_layers"]), tensors.pop("vocab_ids").long(), dtype=dtype)
     state = {k: v.to(network.lm.lm_head.weight.dtype) for k, v in tensors.items()}
     missing = set(network.trainable_state()) - set(state)
