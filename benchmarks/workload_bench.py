@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from flashspec_core.demo import ADAPTER_HINTS
 from flashspec_core.engine import SpecEngine
-from flashspec_core.pool import build_drafts, default_drafts, load_target
+from flashspec_core.pool import default_drafts, load_target
 from flashspec_core.routing.router import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_core.workload import dev_workload
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gammas", default="2,4,8")
-    parser.add_argument("--drafts", default="prompt_lookup,suffix_cache", help="comma list for fixed arms and the router pool")
+    parser.add_argument("--fixed", default=None, help="comma list of draft names to pin as fixed arms (default: the whole pool)")
     parser.add_argument("--no-fixed", action="store_true", help="skip the fixed-arm configurations")
     parser.add_argument("--out", default="bench_out/workload")
     args = parser.parse_args()
@@ -61,10 +61,10 @@ def main() -> None:
     steps = dev_workload(args.steps, seed=args.seed, max_new_tokens=args.max_new_tokens)
     gammas = [int(g) for g in args.gammas.split(",")]
     target = load_target(None)
-    names = args.drafts.split(",")
+    names = args.fixed.split(",") if args.fixed else [d.name for d in default_drafts(target)]
 
     def pool():
-        return build_drafts(names, target, None) if names != ["prompt_lookup", "suffix_cache"] else default_drafts()
+        return default_drafts(target)
 
     configs = {
         "hf_generate": lambda e: hf_run(e, steps),
