@@ -10,12 +10,13 @@ from typing import Mapping, Sequence
 
 import torch
 
+from flashspec_core.constrained.forced_draft import GrammarForcedDraft
 from flashspec_core.drafts import DraftSource, ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.models import LoadedModel, check_vocab, load_model
 from flashspec_core.types import Arm, Router
 
 # Names accepted in `drafts=[...]`; anything else is taken as a model path or cached HF id.
-DRAFT_NAMES = ("prompt_lookup", "suffix_cache", "nf4")
+DRAFT_NAMES = ("prompt_lookup", "suffix_cache", "grammar", "nf4")
 ROUTER_NAMES = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted", "fixed")
 
 _loaded: dict[tuple, LoadedModel] = {}
@@ -66,6 +67,8 @@ def build_drafts(
             pool.append(PromptLookupDraft())
         elif spec == "suffix_cache":
             pool.append(SuffixCacheDraft())
+        elif spec == "grammar":
+            pool.append(GrammarForcedDraft())
         elif spec == "nf4":
             pool.append(_model_draft(load_target(target_spec, device, dtype, load_in_4bit=True), target, "nf4"))
         else:
@@ -81,9 +84,10 @@ def build_drafts(
 
 
 def default_drafts(target: LoadedModel | None = None) -> list[DraftSource]:
-    """The default pool: copy drafts, which cost next to nothing to run, plus the shipped trained
-    drafts (flashspec_core/drafts/weights) that were made for `target`."""
-    pool: list[DraftSource] = [PromptLookupDraft(), SuffixCacheDraft()]
+    """The default pool: copy drafts, which cost next to nothing to run, the grammar-forced draft
+    (it proposes only under a `json_schema`), plus the shipped trained drafts
+    (flashspec_core/drafts/weights) that were made for `target`."""
+    pool: list[DraftSource] = [PromptLookupDraft(), SuffixCacheDraft(), GrammarForcedDraft()]
     if target is not None:
         from flashspec_core.drafts.trained import shipped_drafts
 
