@@ -17,6 +17,7 @@ from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, Runn
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from pydantic import BaseModel
 
+from flashspec_core.constrained.tool_schema import tool_call_schema
 from flashspec_integrations.langchain_messages import (
     TOOL_CALL_CLOSE,
     content_text,
@@ -167,20 +168,7 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         call or object, which the parser reads as well as the tagged form.
         """
         if choice.forced:
-            calls = [
-                {
-                    "type": "object",
-                    "properties": {
-                        "name": {"const": t["function"]["name"]},
-                        "arguments": t["function"].get("parameters") or {"type": "object"},
-                    },
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for t in tools
-                if choice.name in (None, t["function"]["name"])
-            ]
-            return calls[0] if len(calls) == 1 else {"anyOf": calls}
+            return tool_call_schema(tools, choice.name or "any")
         if isinstance(response_format, dict):
             if response_format.get("type") == "json_schema":
                 return (response_format.get("json_schema") or {}).get("schema") or {"type": "object"}

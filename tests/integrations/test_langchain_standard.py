@@ -1,11 +1,10 @@
 """LangChain's standard chat-model suites (langchain-tests), subclassed without overriding a test.
 
 The unit suite builds models without loading anything (construction is lazy). The integration
-suite runs against the real default model (SmolLM2-135M-Instruct) on CPU with small replies.
-Tests whose assertion needs the 135M model to write a schema-valid tool call or JSON object on its
-own are marked xfail (not strict) with the reason, by the `_known_model_limits` fixture: the
-adapter parses what the model writes and reports failures in `invalid_tool_calls`, and
-schema-constrained decoding (json_schema= in the engine) is what makes those calls valid.
+suite runs against the real default model (SmolLM2-135M-Instruct) on CPU with max_tokens=32, which
+a forced call's JSON (decoded under its schema by the engine) fits. Tests whose assertion needs
+more of a 135M model than that are marked xfail (not strict) by the `_known_model_limits`
+fixture, each with the reason observed.
 """
 from __future__ import annotations
 
@@ -15,25 +14,28 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from flashspec_integrations.langchain import ChatFlashSpec
 
-SMALL_MODEL = (
-    "needs the 135M default model to write a schema-valid call/JSON unaided; without the engine's "
-    "schema-constrained decoding the adapter parses leniently and the model often gets arguments wrong"
+DEGENERATES = (
+    "the 135M default model's greedy free-text argument degenerates into repetition ('The cat is a cat, "
+    "but it's not a cat, it's a cat cat cat ...') and runs past max_tokens (seen at 32 and 96); the call "
+    "is cut, and the adapter reports it in invalid_tool_calls instead of inventing its end"
 )
-SMALL_MODEL_ANSWER = "asserts on the content of the answer (e.g. a correct sum), beyond a 135M model's reliability"
+JSON_MODE_KEYS = (
+    "JSON mode guarantees a JSON object, not its keys; the 135M model adds a 'type' key that the test's "
+    "exact key-set assertion rejects (with a schema, keys are constrained: see test_tool_choice)"
+)
+AUTO_TOOL_CHOICE = (
+    "tool_choice is 'auto' here, so nothing forces a call: the 135M model answers in prose instead of "
+    "calling get_weather (forced calls are schema-constrained and pass: test_tool_calling, test_tool_choice)"
+)
 KNOWN_LIMITS = {
-    "test_tool_calling": SMALL_MODEL,
-    "test_tool_calling_async": SMALL_MODEL,
-    "test_tool_calling_with_no_arguments": SMALL_MODEL,
-    "test_bind_runnables_as_tools": SMALL_MODEL,
-    "test_tool_choice": SMALL_MODEL,
-    "test_structured_output": SMALL_MODEL,
-    "test_structured_output_async": SMALL_MODEL,
-    "test_structured_output_pydantic_2_v1": SMALL_MODEL,
-    "test_structured_output_optional_param": SMALL_MODEL,
-    "test_json_mode": SMALL_MODEL,
-    "test_structured_few_shot_examples": SMALL_MODEL,
-    "test_unicode_tool_call_integration": SMALL_MODEL,
-    "test_agent_loop": SMALL_MODEL_ANSWER,
+    "test_bind_runnables_as_tools": DEGENERATES,
+    "test_unicode_tool_call_integration": DEGENERATES,
+    "test_structured_output": DEGENERATES,
+    "test_structured_output_async": DEGENERATES,
+    "test_structured_output_pydantic_2_v1": DEGENERATES,
+    "test_structured_output_optional_param": DEGENERATES,
+    "test_json_mode": JSON_MODE_KEYS,
+    "test_agent_loop": AUTO_TOOL_CHOICE,
 }
 
 
@@ -58,7 +60,7 @@ class TestChatFlashSpecIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"max_tokens": 16}
+        return {"max_tokens": 32}
 
     @property
     def supports_json_mode(self) -> bool:
