@@ -10,6 +10,7 @@ and returns the engine's per-call statistics: `generation_info["flashspec"]` her
 """
 from __future__ import annotations
 
+import time
 from typing import Any, AsyncIterator, Iterator
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -108,6 +109,7 @@ class FlashSpecLLM(FlashSpecParams, BaseLLM):
         """GenerationChunks of one request; the last carries finish_reason, usage and stats."""
         engine = self.get_engine()
         text, ids = "", []
+        start = time.perf_counter()
         for chunk in stream_request(engine, req, self.timeout):
             text += chunk.text
             ids.extend(chunk.token_ids)
@@ -115,7 +117,7 @@ class FlashSpecLLM(FlashSpecParams, BaseLLM):
                 if chunk.text:
                     yield GenerationChunk(text=chunk.text)
                 continue
-            seconds = chunk.stats.seconds if chunk.stats else 0.0
+            seconds = time.perf_counter() - start  # wall time, as for invoke
             outcome = Outcome(text, ids, chunk.finish_reason, chunk.stats, len(req.prompt_ids), seconds, req.decision)
             yield GenerationChunk(text=chunk.text, generation_info=self._generation(outcome).generation_info)
 

@@ -1,6 +1,7 @@
 """ChatFlashSpec: a LangChain chat model over the FlashSpec engine, with tools and structured output."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from operator import itemgetter
@@ -245,6 +246,7 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         req = plan.request
         streamer = ToolCallStreamer(plan.names) if plan.parse_tools else None
         text, ids, pending = req.prefix, [], req.prefix
+        start = time.perf_counter()
         for chunk in stream_request(self.get_engine(), req, self.timeout):
             text += chunk.text
             ids.extend(chunk.token_ids)
@@ -257,7 +259,7 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
                     yield ChatGenerationChunk(message=AIMessageChunk(content=content, tool_call_chunks=[call] if call else []))
             if chunk.finish_reason is None:
                 continue
-            seconds = chunk.stats.seconds if chunk.stats else 0.0
+            seconds = time.perf_counter() - start  # wall time, as for invoke
             outcome = Outcome(text, ids, chunk.finish_reason, chunk.stats, len(req.prompt_ids), seconds, req.decision)
             called = plan.parse_tools and bool(parse_tool_calls(text, plan.names, chunk.finish_reason != "length")[1])
             finish = "tool_calls" if called else chunk.finish_reason
