@@ -1,0 +1,140 @@
+"""Greedy on the embedded default model: token-identical to `target_model.generate(do_sample=False)`.
+
+Ten prompts of different kinds × 128 tokens, for every draft source (prompt lookup, suffix cache,
+an NF4 copy of the target as a model draft) and γ ∈ {1, 4, 8}. The HF reference runs once per
+prompt, unpadded, and keeps its logits; the engine runs all prompts as one batch per arm. A
+divergence is accepted only where the reference's top-2 logit gap is below 1e-4 (an fp tie that
+batching or a different kernel order may break either way), and the test then says so in a warning.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+from helpers import idle_core_threads
+
+from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
+from flashspec_core.engine import SpecEngine
+from flashspec_core.models import vocab_size
+from flashspec_core.pool import build_drafts
+from flashspec_core.prompts import encode_prompt
+from flashspec_core.routing.router import FixedRouter
+from flashspec_core.types import Arm
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 128
+TIE_GAP = 1e-4
+GAMMAS = (1, 4, 8)
+
+DOC = (
+    "Northwind Rail operates three lines. The Red Line runs every 10 minutes from 5:30 to 23:30 and "
+    "connects Harbor Station with Airport Terminal in 42 minutes. The Blue Line runs every 15 minutes "
+    "and serves the university campus. The Green Line is closed for maintenance until 14 June. Tickets "
+    "cost 2.40 EUR for a single ride and 7.50 EUR for a day pass; children under 6 travel free."
+)
+TOOLS = (
+    '[{"name": "get_weather", "description": "Current weather for a city", "parameters": {"type": "object", '
+    '"properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, '
+    '"required": ["city"]}}]'
+)
+PROMPTS = {
+    "chat": [{"role": "user", "content": "Hi! Can you suggest three fun things to do on a rainy weekend?"}],
+    "multi_turn": [
+        {"role": "user", "content": "What is the tallest mountain in the world?"},
+        {"role": "assistant", "content": "Mount Everest, at about 8,849 metres."},
+        {"role": "user", "content": "And how long does it usually take to climb it?"},
+    ],
+    "code": [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number "
+                                         "iteratively, with a docstring and type hints."}],
+    "code_edit": [{"role": "user", "content": "Fix the bug in this function and explain the fix:\n```python\n"
+                                              "def average(values):\n    total = 0\n    for v in values:\n"
+                                              "        total += v\n    return total / len(values) + 1\n```"}],
+    "tool": [
+        {"role": "system", "content": "You can call tools. Available tools: " + TOOLS + "\nTo call a tool, reply "
+                                      'only with JSON like {"name": ..., "arguments": {...}}.'},
+        {"role": "user", "content": "What's the weather in Paris right now, in celsius?"},
+    ],
+    "rag": [{"role": "user", "content": "Answer using only this document.\n\n" + DOC +
+                                        "\n\nQuestion: How long does the Red Line take to the airport, and what does a day pass cost?"}],
+    "math": [{"role": "user", "content": "Solve step by step: a train travels 120 km in 1.5 hours. "
+                                         "What is its average speed in km/h?"}],
+    "list": [{"role": "user", "content": "List the planets of the solar system in order from the sun, one per line."}],
+    "json_extract": [{"role": "user", "content": "Extract name, age and city as a JSON object from: "
+                                                 "'Maria, 34, lives in Lisbon and works as a nurse.'"}],
+    "summary": [{"role": "user", "content": "Summarize in two sentences:\n\n" + DOC}],
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    with idle_core_threads() as threads:
+        yield threads
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(default_target) -> list[list[int]]:
+    vocab = vocab_size(default_target.model)
+    return [encode_prompt(default_target.tokenizer, messages, vocab) for messages in PROMPTS.values()]
+
+
+@pytest.fixture(scope="module")
+def references(default_target, prompt_ids) -> list[tuple[list[int], list[float]]]:
+    """Per prompt: HF greedy tokens and the top-2 logit gap at each generated position."""
+    refs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            inputs = torch.tensor([ids])
+            out = default_target.model.generate(
+                inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=MAX_NEW,
+                output_logits=True, return_dict_in_generate=True,
+            )
+            top2 = torch.stack([step[0].float().topk(2).values for step in out.logits])  # [T, 2]
+            refs.append((out.sequences[0, len(ids):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
+    return refs
+
+
+@pytest.fixture(scope="module")
+def nf4_draft(default_target):
+    return build_drafts(["nf4"], default_target, None)[0]
+
+
+def _draft(kind: str, nf4_draft, prompt_ids, references):
+    if kind == "nf4":
+        return nf4_draft
+    if kind == "suffix_cache":
+        # An earlier request over the same prompts finished with the first 48 reference tokens:
+        # `end` is how the engine hands finished outputs to the cache.
+        draft = SuffixCacheDraft()
+        draft.end(prompt_ids, [tokens[:48] for tokens, _ in references])
+        return draft
+    return PromptLookupDraft()
+
+
+@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("kind", ["prompt_lookup", "suffix_cache", "nf4"])
+def test_greedy_is_token_identical_to_hf_generate(default_target, prompt_ids, references, nf4_draft,
+                                                 kind, gamma, record_property):
+    draft = _draft(kind, nf4_draft, prompt_ids, references)
+    engine = SpecEngine(default_target, [draft], router=FixedRouter(Arm(draft.name, gamma)))
+    start = time.perf_counter()
+    results = engine.generate(prompt_ids, max_new_tokens=MAX_NEW)
+    record_property("engine_seconds", round(time.perf_counter() - start, 2))
+    assert sum(r.stats.accepted for r in results) > 0, f"{kind}@{gamma} never had a draft token accepted"
+
+    ties = []
+    for name, result, (expected, gaps) in zip(PROMPTS, results, references):
+        got = result.token_ids
+        if got == expected:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        gap = gaps[at] if at < len(gaps) else float("inf")
+        assert gap < TIE_GAP, (
+            f"{kind}@{gamma}, prompt {name!r}: diverges from HF generate at token {at} "
+            f"(engine {got[at:at + 3]}, HF {expected[at:at + 3]}) where the top-2 logit gap is {gap:.2e}, not a tie"
+        )
+        ties.append(f"{name} at token {at} (top-2 gap {gap:.1e})")
+    if ties:
+        warnings.warn(f"{kind}@{gamma}: divergence at an fp tie, allowed: {'; '.join(ties)}", stacklevel=1)
