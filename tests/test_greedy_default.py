@@ -57,8 +57,8 @@ PROMPTS = {
                                       'only with JSON like {"name": ..., "arguments": {...}}.'},
         {"role": "user", "content": "What's the weather in Paris right now, in celsius?"},
     ],
-    "rag": [{"role": "user", "content": "Answer using only this document.\n\n" + DOC +
-                                        "\n\nQuestion: How long does the Red Line take to the airport, and what does a day pass cost?"}],
+    "rag": [{"role": "user", "content": "Answer using only this document.\n\n" + DOC + "\n\nQuestion: How long "
+                                        "does the Red Line take to the airport, and what does a day pass cost?"}],
     "math": [{"role": "user", "content": "Solve step by step: a train travels 120 km in 1.5 hours. "
                                          "What is its average speed in km/h?"}],
     "list": [{"role": "user", "content": "List the planets of the solar system in order from the sun, one per line."}],

@@ -22,7 +22,8 @@ def _logits(*rows: list[float]) -> torch.Tensor:
 def _run(logits, draft, q, u):
     """verify on one row. draft: [γ] token ids; q: [γ, V] or None; u: [γ+1] uniforms."""
     probs = None if q is None else torch.tensor(q, dtype=torch.float32)[None]
-    n, tokens = verify(logits, torch.tensor([draft], dtype=torch.long), probs, T1, uniforms=torch.tensor([u]), backend="torch")
+    tokens = torch.tensor([draft], dtype=torch.long)
+    n, tokens = verify(logits, tokens, probs, T1, uniforms=torch.tensor([u]), backend="torch")
     return int(n[0]), tokens[0].tolist()
 
 
