@@ -122,7 +122,9 @@ def test_greedy_is_token_identical_to_hf_generate(default_target, prompt_ids, re
     start = time.perf_counter()
     results = engine.generate(prompt_ids, max_new_tokens=MAX_NEW)
     record_property("engine_seconds", round(time.perf_counter() - start, 2))
-    assert sum(r.stats.accepted for r in results) > 0, f"{kind}@{gamma} never had a draft token accepted"
+    drafted, accepted = sum(r.stats.drafted for r in results), sum(r.stats.accepted for r in results)
+    record_property("drafted_accepted", f"{drafted}/{accepted}")
+    assert accepted > 0, f"{kind}@{gamma} never had a draft token accepted"
 
     ties = []
     for name, result, (expected, gaps) in zip(PROMPTS, results, references):
