@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import greedy_ids, tiny_llama, tiny_loaded
+from helpers import greedy_ids, one_thread, tiny_llama, tiny_loaded
 
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
@@ -48,13 +48,15 @@ def _lengths_with_eos(refs: list[list[int]], eos: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def refs(tiny_target):
-    return [hf_greedy(tiny_target, p, 24) for p in PROMPTS]
+    with one_thread():  # module fixtures set up before the per-test torch_one_thread
+        return [hf_greedy(tiny_target, p, 24) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
 def staggered(tiny_target):
     """A copy of the tiny target whose eos makes the batch's rows finish at different steps."""
-    untruncated = [greedy_ids(tiny_target.model, p, 24) for p in PROMPTS]
+    with one_thread():
+        untruncated = [greedy_ids(tiny_target.model, p, 24) for p in PROMPTS]
     eos = max(range(16), key=lambda e: len(set(_lengths_with_eos(untruncated, e))))
     loaded = tiny_loaded(16, seed=0, eos_id=eos)
     torch.testing.assert_close(loaded.model.lm_head.weight, tiny_target.model.lm_head.weight)  # same weights

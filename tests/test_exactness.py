@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import (break_residual, check_exact, check_rejects, count_outcomes, first_two_distribution, g_test,
-                     greedy_ids, next_logits, reference_probs)
+                     greedy_ids, next_logits, one_thread, reference_probs)
 
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
@@ -73,9 +73,10 @@ def tables(tiny_target, tiny_draft_model) -> Tables:
     target, draft = tiny_target.model, tiny_draft_model
     vocab = target.config.vocab_size
     after = [PROMPT + [t] for t in range(vocab)]
-    return Tables(next_logits(target, [PROMPT])[0], next_logits(target, after),
-                  next_logits(draft, [PROMPT])[0], next_logits(draft, after),
-                  next_logits(target, [PROMPT + [0, 0]])[0])
+    with one_thread():
+            return Tables(next_logits(target, [PROMPT])[0], next_logits(target, after),
+                      next_logits(draft, [PROMPT])[0], next_logits(draft, after),
+                      next_logits(target, [PROMPT + [0, 0]])[0])
 
 
 def _draw(q: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
