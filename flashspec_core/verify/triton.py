@@ -4,9 +4,11 @@ The kernel (triton_kernel.py) reads every target row once with an online log-sum
 draft tokens in log space, and draws the recovered or bonus token by inverse CDF over the one
 stopping row. With shared `uniforms` it returns what `verify_torch` returns: the same acceptance
 rule, the same residual max(0, p - q) with the same fall-back to p when it has no mass, the same
-"first index whose cumulative mass exceeds u * total" rule, the same temperature rounding. The
-only differences are float32 summation orders (block sums against torch's), which can flip a
-decision only when a uniform lands within a few ulps of a boundary.
+"first token with mass whose cumulative mass exceeds u * total" rule with that sum in float64 on
+both sides, the same temperature rounding. The only differences left are summation orders (the
+kernel's block sums against torch's): float32 in log Z, float64 in the inverse CDF, so a decision
+can flip only when a uniform lands within a few ulps of a boundary (~1e-16 of the mass for the
+recovered / bonus token).
 
 Not handled in the kernel, and sent to `verify_torch` instead (exact, slower): top-k and top-p.
 `supports` says False for dtypes, shapes and devices the kernel does not take, so `verify(...,
@@ -169,7 +171,8 @@ def verify_triton(
     per_seq2 = 0 if sampling.greedy else n_tiles
     lag = max(1, min(bsz, triton.cdiv(2 * _RESIDENT, per_seq1)))
     ws = _workspace(device, bsz)
-    fs = torch.empty(2 * bsz * per_seq1 + 3 * bsz + 2 * bsz * n_tiles, dtype=torch.float32, device=device)
+    # float32 partials and stop values, one float32 of padding, then float64 tile masses [B, NT, 2]
+    fs = torch.empty(2 * bsz * per_seq1 + 3 * bsz + 1 + 4 * bsz * n_tiles, dtype=torch.float32, device=device)
     is_ = torch.empty(2 * bsz * per_seq1 + 2 * bsz, dtype=torch.int32, device=device)
     temperature = sampling.temperature if not sampling.greedy else 1.0
     inv_t = float(np.float32(1.0) / np.float32(temperature))  # torch's CUDA 1/T, in float32

@@ -10,8 +10,9 @@ meet through per-sequence counters instead of a second launch:
   sequence b to finish (an atomic counter says which) combines the partials, gathers log p and
   log q at the draft tokens, runs the acceptance tests, and publishes the stopping row.
 * phase 2, one program per (sequence b, tile t of V): waits for that row, computes the mass of the
-  residual max(0, p - q) (and of p) on its tile. The last one to finish runs the inverse CDF over
-  the tile masses, scans the one tile that holds the crossing, and writes the outputs.
+  residual max(0, p - q) (and of p) on its tile, summed in float64. The last one to finish runs
+  the inverse CDF over the tile masses, scans the one tile that holds the crossing (both in
+  float64, as sample_from_probs does), and writes the outputs.
 
 Programs take a ticket (an atomic counter) on entry and map the ticket, not their program id, to
 work: a phase-2 program only waits on work with lower tickets, and those programs are already
@@ -67,7 +68,8 @@ def verify_kernel(
     seed,  # host seed, used otherwise
     use_step,  # 1: mix the per-sequence step counter into the Philox offset (graph replays)
     ws_ptr,  # [1 + WS_SLOTS * B] int32 persistent, self-resetting counters
-    fs_ptr,  # float32 scratch: partial max [B, G+1, NC], partial sum [B, G+1, NC], stop [B, 3], masses [B, NT, 2]
+    fs_ptr,  # float32 scratch: partial max [B, G+1, NC], partial sum [B, G+1, NC], stop [B, 3], then at
+    # the next even index (8-byte aligned) the float64 tile masses [B, NT, 2]
     is_ptr,  # int32 scratch: partial argmax [B, G+1, NC], partial bad flag [B, G+1, NC], stop [B, 2]
     n_acc_ptr,  # [B] int64 out
     tokens_ptr,  # [B, G+1] int64 out
@@ -115,7 +117,8 @@ def verify_kernel(
     part_m = fs_ptr
     part_s = fs_ptr + B * r1
     stop_f = fs_ptr + 2 * B * r1 + b * 3
-    masses = fs_ptr + 2 * B * r1 + 3 * B
+    masses_at = 2 * B * r1 + 3 * B
+    masses = (fs_ptr + masses_at + masses_at % 2).to(tl.pointer_type(tl.float64))
     part_idx = is_ptr
     part_bad = is_ptr + B * r1
     stop_i = is_ptr + 2 * B * r1 + b * 2
@@ -181,8 +184,8 @@ def verify_kernel(
         logits_row = seq_logits + s_row.to(tl.int64) * stride_lg
         p, r = _stop_row_masses(logits_row, q_row, draft_tok, k * BLOCK + ar, V, m_row, log_z,
                                 inv_t, temperature, rejected, ONE_HOT, RECIP)
-        tl.store(masses + (b * NT + k) * 2, tl.sum(r))
-        tl.store(masses + (b * NT + k) * 2 + 1, tl.sum(p))
+        tl.store(masses + (b * NT + k) * 2, tl.sum(r.to(tl.float64)))
+        tl.store(masses + (b * NT + k) * 2 + 1, tl.sum(p.to(tl.float64)))
         tl.debug_barrier()
         done = tl.atomic_add(ws_b + 1, 1, sem="acq_rel")
         if done == NT - 1:
@@ -277,19 +280,24 @@ def _sample(b, G, V, NT, masses, logits_row, q_row, draft_tok, draft_ptr, stride
             RECIP: tl.constexpr):
     """Last phase-2 program of sequence b: inverse CDF over the [NT] tile masses, then one tile.
 
-    Mirrors sample_from_probs: the first index whose cumulative mass exceeds u * total. The
-    residual is used when it has mass, p otherwise, like the reference.
+    Mirrors sample_from_probs: the first token with mass whose cumulative mass exceeds u * total,
+    else the last token with mass. The residual is used when it has mass, p otherwise, like the
+    reference. Tile masses, their scan and the in-tile scan are float64, as the reference's cumsum
+    is: in float32, block sums and torch's running sum round ~1e-4 of the mass apart at V ~ 10^5
+    and pick different tokens in ~0.2 % of rows; in float64 they agree to ~1e-16. Only this one
+    row per sequence pays for float64.
     """
     tt = tl.arange(0, NTP)
     in_t = tt < NT
     mr = tl.load(masses + (b * NT + tt) * 2, mask=in_t, other=0.0, cache_modifier=".cg")
     mp = tl.load(masses + (b * NT + tt) * 2 + 1, mask=in_t, other=0.0, cache_modifier=".cg")
     use_r = tl.sum(mr) > 0.0
-    w = tl.where(use_r, mr, mp)
-    u_last = tl.load(stop_f + 2, cache_modifier=".cg")
+    w = tl.where(use_r, mr, mp)  # [NTP] float64
+    u_last = tl.load(stop_f + 2, cache_modifier=".cg").to(tl.float64)
     goal = u_last * tl.sum(w)
     cum = tl.cumsum(w, 0)
-    first = tl.min(tl.where(in_t & (cum > goal), tt, NTP))
+    # "with mass": a parallel scan need not repeat the running sum exactly over a zero-mass tile
+    first = tl.min(tl.where(in_t & (cum > goal) & (w > 0.0), tt, NTP))
     last_pos = tl.max(tl.where(in_t & (w > 0.0), tt, 0))
     tile = tl.where(first < NT, first, last_pos)
     before = tl.sum(tl.where(tt == tile - 1, cum, 0.0))
@@ -298,9 +306,9 @@ def _sample(b, G, V, NT, masses, logits_row, q_row, draft_tok, draft_ptr, stride
     offs = tile * BLOCK + ar
     p, r = _stop_row_masses(logits_row, q_row, draft_tok, offs, V, m_row, log_z, inv_t,
                             temperature, rejected, ONE_HOT, RECIP)
-    wt = tl.where(use_r, r, p)
+    wt = tl.where(use_r, r, p).to(tl.float64)
     cum_t = before + tl.cumsum(wt, 0)
-    i_first = tl.min(tl.where((offs < V) & (cum_t > goal), ar, BLOCK))
+    i_first = tl.min(tl.where((offs < V) & (cum_t > goal) & (wt > 0.0), ar, BLOCK))
     i_last = tl.max(tl.where((offs < V) & (wt > 0.0), ar, 0))
     token = (tile * BLOCK + tl.where(i_first < BLOCK, i_first, i_last)).to(tl.int64)
     token = tl.minimum(token, V - 1)
