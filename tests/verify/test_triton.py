@@ -61,48 +61,21 @@ def make_case(bsz: int, gamma: int, vocab: int, dtype: torch.dtype, model_drafts
     }
 
 
-def assert_matches(case: dict, sampling: SamplingParams, large_vocab: bool = False,
-                   **plan: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel == reference. With large_vocab, the recovered / bonus token may differ in a few rows.
+def assert_matches(case: dict, sampling: SamplingParams, **plan: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel == reference, token for token, at every V.
 
-    Why: that token is the first index whose float32 cumulative mass exceeds u * total, and over
-    10^5 tokens torch's running cumsum and the kernel's block sums round apart (torch drops masses
-    below half an ulp of its running sum). Those rows must then sit on the float64 CDF crossing.
+    The recovered / bonus token is the first index whose cumulative mass exceeds u * total; both
+    sides sum in float64 (in float32 the kernel's block sums and torch's running sum picked
+    different tokens in ~0.2 % of rows at V >= 32000), so the orders agree to ~1e-16 of the mass.
     """
     got = verify_triton(case["target_logits"], case["draft_tokens"], case["draft_probs"], sampling,
                         case["uniforms"], **plan)
     want = verify_torch(case["target_logits"], case["draft_tokens"], case["draft_probs"], sampling,
                         case["uniforms"])
     assert torch.equal(got[0], want[0]), f"n_accepted {got[0].tolist()} != {want[0].tolist()}"
-    if not large_vocab:
-        assert torch.equal(got[1], want[1]), f"tokens {got[1].tolist()} != {want[1].tolist()}"
-        return got
     differ = (got[1] != want[1]).any(-1).nonzero().flatten().tolist()
-    assert len(differ) <= max(1, got[1].shape[0] // 16), f"{len(differ)} rows differ"
-    for row in differ:
-        stop = int(got[0][row])
-        assert torch.equal(got[1][row, :stop], want[1][row, :stop])
-        assert_on_float64_crossing(case, sampling, row, stop, int(got[1][row, stop]))
+    assert not differ, f"rows {differ}: tokens {got[1][differ].tolist()} != {want[1][differ].tolist()}"
     return got
-
-
-def assert_on_float64_crossing(case: dict, sampling: SamplingParams, row: int, stop: int, token: int) -> None:
-    """token is where u * total crosses the float64 CDF of the stopping row, up to 1e-5 of the mass."""
-    gamma = case["draft_tokens"].shape[1]
-    p = torch.softmax(case["target_logits"][row, stop].double() / sampling.temperature, -1)
-    if stop < gamma:
-        if case["draft_probs"] is None:
-            q = torch.zeros_like(p)
-            q[case["draft_tokens"][row, stop]] = 1.0
-        else:
-            q = case["draft_probs"][row, stop].double()
-        residual = (p - q).clamp(min=0.0)
-        p = residual if residual.sum() > 0 else p
-    cdf = p.cumsum(0)
-    goal = case["uniforms"][row, gamma].double() * cdf[-1]
-    low = cdf[token - 1] if token > 0 else cdf.new_zeros(())
-    tol = 1e-5 * cdf[-1]
-    assert low - tol <= goal <= cdf[token] + tol, f"row {row}: token {token} is off the CDF crossing"
 
 
 # Every B x γ x T x draft kind at V = 17 and 1000 with the dtype rotating, so that each dtype meets
@@ -274,7 +247,7 @@ def test_output_distribution_is_the_target(model):
 @needs_cuda
 def test_full_size_on_gpu(vocab, dtype, model, temperature, gamma):
     case = make_case(64, gamma, vocab, dtype, model, temperature, seed=vocab + gamma)
-    assert_matches(case, SamplingParams(temperature=temperature), large_vocab=True)
+    assert_matches(case, SamplingParams(temperature=temperature))
 
 
 @pytest.mark.gpu
