@@ -34,10 +34,11 @@ def _load_prompt(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from flashspec_core.engine import SpecEngine
 
-    engine = SpecEngine.from_default() if args.model is None else SpecEngine.from_pretrained(args.model)
+    prompt = _load_prompt(args)  # bad input is reported before the model loads
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    engine = SpecEngine.from_default() if args.model is None else SpecEngine.from_pretrained(args.model)
     last = None
-    for chunk in engine.stream(_load_prompt(args), max_new_tokens=args.max_new_tokens, sampling=sampling,
+    for chunk in engine.stream(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                stop=args.stop or None, domain=args.domain):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()

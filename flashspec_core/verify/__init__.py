@@ -25,6 +25,8 @@ def _check_inputs(
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must be [B, γ+1, V]; got shape {tuple(target_logits.shape)}")
     bsz, gp1, vocab = target_logits.shape
+    if draft_tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"draft_tokens must be an integer tensor (int64); got {draft_tokens.dtype}")
     if tuple(draft_tokens.shape) != (bsz, gp1 - 1):
         raise ValueError(
             f"draft_tokens must be [B, γ] = {(bsz, gp1 - 1)} to match target_logits; "
