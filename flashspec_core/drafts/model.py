@@ -17,14 +17,25 @@ from flashspec_core.types import Proposal
 
 
 class ModelDraft:
-    """Autoregressive draft from an HF causal LM."""
+    """Autoregressive draft from an HF causal LM.
+
+    A subclass may score only a subset of the vocabulary (`head_ids`, e.g. a distilled draft's
+    reduced head): it samples over the subset and reports q over the full vocabulary, zero outside.
+    """
 
     deterministic = False
+    head_ids: torch.Tensor | None = None  # [K] sorted token ids the logits columns stand for; None = all
 
     def __init__(self, model: PreTrainedModel, name: str = "model", pad_token_id: int = 0):
         self.name = name
         self.model = model
         self._runner = CachedModel(model, pad_token_id)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]  # of the q it reports
+
+    def _full_q(self, q_head: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """q_head: [B, K] over `head` -> [B, V] over the full vocabulary, zero outside the head."""
+        q = torch.zeros((q_head.shape[0], self.vocab_size), dtype=q_head.dtype, device=q_head.device)
+        return q.index_copy_(1, head, q_head)
 
     def propose(
         self,
@@ -36,16 +47,18 @@ class ModelDraft:
         if gamma <= 0:
             return Proposal([[] for _ in contexts])
         rows = [list(c) for c in contexts]
+        head = self.head_ids
         tokens, probs = [], []
         for _ in range(gamma):
-            logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, V]
-            q = probs_from_logits(logits, sampling)  # [B, V]
+            logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, V] or [B, K]
+            q = probs_from_logits(logits, sampling)  # same shape
             if sampling.greedy:
-                token = q.argmax(-1)
+                pick = q.argmax(-1)
             else:
-                token = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+                pick = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            token = pick if head is None else head[pick]  # [B]
             tokens.append(token)
-            probs.append(q)
+            probs.append(q if head is None else self._full_q(q, head))
             for row, t in zip(rows, token.tolist()):
                 row.append(t)
         drafted = torch.stack(tokens, dim=1).tolist()  # [B, γ]

@@ -16,26 +16,27 @@ import torch
 from transformers import PreTrainedModel
 
 from flashspec_core.distill.model import DraftNetwork, IncompatibleDraft, load_draft
-from flashspec_core.kv import CachedModel
+from flashspec_core.drafts.model import ModelDraft
 from flashspec_core.models import LoadedModel
-from flashspec_core.sampling import SamplingParams, probs_from_logits
-from flashspec_core.types import Proposal
 
 WEIGHTS_DIR = Path(__file__).with_name("weights")
 
 
-class TrainedDraft:
+class TrainedDraft(ModelDraft):
     """Autoregressive draft from a distilled network, with its own KV cache."""
-
-    deterministic = False
 
     def __init__(self, network: DraftNetwork, name: str, pad_token_id: int = 0, prompt_vocab: bool = True,
                  domain: str = "all"):
-        self.name = name
+        super().__init__(network.lm, name=name, pad_token_id=pad_token_id)
         self.domain = domain
         self.network = network
         self.prompt_vocab = prompt_vocab
-        self._runner = CachedModel(network.lm, pad_token_id)
+        self.vocab_size = network.target_vocab
+
+    @property
+    def head_ids(self) -> torch.Tensor:
+        """[K'] sorted token ids the draft can propose (the trained subset plus the prompt's tokens)."""
+        return self.network.head_ids
 
     @classmethod
     def from_file(cls, path: str | Path, target: PreTrainedModel, pad_token_id: int = 0, name: str | None = None,
@@ -50,39 +51,7 @@ class TrainedDraft:
         head = net.head_with([t for p in prompts for t in p]) if self.prompt_vocab else net.vocab_ids
         if not torch.equal(head, net.head_ids):
             net.set_head(head)
-        self._runner.reset(len(prompts))
-
-    def propose(
-        self,
-        contexts: Sequence[Sequence[int]],
-        gamma: int,
-        sampling: SamplingParams,
-        generator: torch.Generator | None = None,
-    ) -> Proposal:
-        if gamma <= 0:
-            return Proposal([[] for _ in contexts])
-        rows = [list(c) for c in contexts]
-        head = self.network.head_ids  # [K'] sorted token ids the draft can propose
-        tokens, probs = [], []
-        for _ in range(gamma):
-            logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, K']
-            q_head = probs_from_logits(logits, sampling)  # [B, K']
-            if sampling.greedy:
-                pick = q_head.argmax(-1)
-            else:
-                pick = torch.multinomial(q_head, 1, generator=generator).squeeze(-1)
-            token = head[pick]  # [B]
-            q = torch.zeros((len(rows), self.network.target_vocab), dtype=q_head.dtype, device=q_head.device)
-            q.index_copy_(1, head, q_head)  # [B, V]: zero outside the head
-            tokens.append(token)
-            probs.append(q)
-            for row, t in zip(rows, token.tolist()):
-                row.append(t)
-        drafted = torch.stack(tokens, dim=1).tolist()  # [B, γ]
-        return Proposal(drafted, torch.stack(probs, dim=1))  # probs: [B, γ, V]
-
-    def end(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
-        """The cache is rebuilt per request; nothing to keep."""
+        super().begin(prompts)
 
 
 def shipped_drafts(target: LoadedModel, folder: str | Path = WEIGHTS_DIR) -> list[TrainedDraft]:
