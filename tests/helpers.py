@@ -10,6 +10,7 @@ sampling function cannot hide behind an expected value computed by the same func
 from __future__ import annotations
 
 import os
+import random
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -25,6 +26,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
 
 from flashspec_core.models import LoadedModel
 from flashspec_core.sampling import SamplingParams
+from flashspec_core.types import Arm
 
 ALPHA = 0.01  # significance level of every exactness test
 MIN_EXPECTED = 5.0  # cells expected to see fewer samples are pooled (the chi-square approximation)
@@ -253,3 +255,19 @@ def check_rejects(run, label: str = "") -> None:
             f"{label}: a broken residual went unnoticed (replicate {replicate}): "
             f"p(first token) = {p_first:.2e}, p(first two) = {p_joint:.2e}"
         )
+
+
+class RandomRouter:
+    """Picks an arm uniformly at random every step, from its own seeded generator (it ignores the past)."""
+
+    def __init__(self, arms: list[Arm], seed: int):
+        self.arms = arms
+        self._rng = random.Random(seed)
+        self.chosen: list[Arm] = []
+
+    def select(self, domain: str) -> Arm:
+        self.chosen.append(self._rng.choice(self.arms))
+        return self.chosen[-1]
+
+    def update(self, record) -> None:
+        """Past steps are irrelevant to a random choice."""

@@ -18,7 +18,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from helpers import check_exact, check_rejects, count_outcomes, g_test, next_logits, reference_probs
+from helpers import RandomRouter, check_exact, check_rejects, count_outcomes, g_test, next_logits, reference_probs
 
 from flashspec_core.constrained import Constraint, Grammar, GrammarForcedDraft
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
@@ -103,22 +103,6 @@ def constrained_law(model, sampling: SamplingParams) -> dict[tuple[int, ...], fl
         frontier = nxt
     assert abs(sum(law.values()) - 1.0) < 1e-9
     return law
-
-
-class RandomRouter:
-    """Picks an arm uniformly at random every step (from past steps only: it ignores them all)."""
-
-    def __init__(self, arms: list[Arm], seed: int):
-        self.arms = arms
-        self._rng = random.Random(seed)
-        self.chosen: list[Arm] = []
-
-    def select(self, domain: str) -> Arm:
-        self.chosen.append(self._rng.choice(self.arms))
-        return self.chosen[-1]
-
-    def update(self, record) -> None:
-        """A random choice needs no statistics."""
 
 
 def _engine(tiny_target, tiny_draft_model, router_seed: int) -> SpecEngine:

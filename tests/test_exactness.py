@@ -14,14 +14,13 @@ Every random draw is seeded, so each case is deterministic. The power checks bre
 """
 from __future__ import annotations
 
-import random
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
-from helpers import (break_residual, check_exact, check_rejects, count_outcomes, first_two_distribution, g_test,
+from helpers import (RandomRouter, break_residual, check_exact, check_rejects, count_outcomes, first_two_distribution, g_test,
                      greedy_ids, next_logits, one_thread, reference_probs)
 
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
@@ -163,22 +162,6 @@ def test_verify_tests_reject_a_broken_residual(tables, monkeypatch, name, gamma,
 
 
 # ------------------------------------------------------------------------------ engine level
-
-
-class RandomRouter:
-    """Picks an arm uniformly at random every step, from its own seeded generator."""
-
-    def __init__(self, arms: list[Arm], seed: int):
-        self.arms = arms
-        self._rng = random.Random(seed)
-        self.chosen: list[Arm] = []
-
-    def select(self, domain: str) -> Arm:
-        self.chosen.append(self._rng.choice(self.arms))
-        return self.chosen[-1]
-
-    def update(self, record) -> None:
-        """Past steps are irrelevant to a random choice."""
 
 
 def _drafts(kind: str, tiny_target, tiny_draft_model):
