@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from flashspec_core.drafts.prompt_lookup import PromptLookupDraft
 from flashspec_core.drafts.trained import WEIGHTS_DIR, shipped_drafts
+from flashspec_core.demo import hf_generate
 from flashspec_core.engine import SpecEngine
 from flashspec_core.pool import load_target
 from flashspec_core.routing.router import FixedRouter
@@ -45,16 +46,6 @@ def dev_prompts(domain: str, n: int) -> list[list[dict[str, str]]]:
         if len(out) == n:
             break
     return out
-
-
-def hf_generate(engine: SpecEngine, messages, max_new_tokens: int, **kwargs) -> tuple[list[int], float]:
-    ids = engine._encode_all([messages], max_new_tokens)[0]
-    x = torch.tensor([ids])
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = engine.target_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                           do_sample=False, pad_token_id=engine.tokenizer.pad_token_id, **kwargs)
-    return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
 def run(args: argparse.Namespace) -> dict:

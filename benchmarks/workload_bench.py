@@ -16,10 +16,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from flashspec_core.demo import ADAPTER_HINTS
+from flashspec_core.demo import ADAPTER_HINTS, hf_generate
 from flashspec_core.engine import SpecEngine
 from flashspec_core.pool import default_drafts, load_target
 from flashspec_core.routing.router import FixedRouter
@@ -28,15 +27,9 @@ from flashspec_core.workload import dev_workload
 
 
 def hf_run(engine: SpecEngine, steps, **generate_kwargs):
-    model, pad = engine.target_model, engine.tokenizer.pad_token_id
     for step in steps:
-        ids = engine._encode_all([step.messages], step.max_new_tokens)[0]
-        inputs = torch.tensor([ids], device=model.device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=step.max_new_tokens,
-                                 do_sample=False, pad_token_id=pad, **generate_kwargs)
-        yield out[0, len(ids):].tolist(), time.perf_counter() - start, None
+        tokens, seconds = hf_generate(engine, step.messages, step.max_new_tokens, **generate_kwargs)
+        yield tokens, seconds, None
 
 
 def engine_run(engine: SpecEngine, steps):

@@ -19,14 +19,18 @@ from flashspec_core.workload import demo_workload
 ADAPTER_HINTS = {"tool", "rag"}
 
 
-def _hf_generate(engine: SpecEngine, messages, max_new_tokens: int) -> tuple[list[int], float]:
+def hf_generate(engine: SpecEngine, messages, max_new_tokens: int, **generate_kwargs) -> tuple[list[int], float]:
+    """Plain HF `generate` (greedy) on the engine's target: the new tokens and the seconds taken.
+
+    `generate_kwargs` reach `generate` (e.g. `prompt_lookup_num_tokens` for HF's own assisted mode).
+    """
     ids = engine._encode_all([messages], max_new_tokens)[0]
     model = engine.target_model
     inputs = torch.tensor([ids], device=model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=engine.tokenizer.pad_token_id)
+                             do_sample=False, pad_token_id=engine.tokenizer.pad_token_id, **generate_kwargs)
     return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
@@ -52,7 +56,7 @@ def run_demo(max_new_tokens: int = 64, baseline: bool = True) -> None:
         return
     hf_tokens, hf_seconds, same = 0, 0.0, 0
     for step, ours in tqdm(list(zip(steps, outputs)), desc="HF generate", unit="step"):
-        theirs, seconds = _hf_generate(engine, step.messages, step.max_new_tokens)
+        theirs, seconds = hf_generate(engine, step.messages, step.max_new_tokens)
         hf_tokens += len(theirs)
         hf_seconds += seconds
         same += theirs == ours
