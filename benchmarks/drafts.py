@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from flashspec_core.drafts.prompt_lookup import PromptLookupDraft
 from flashspec_core.drafts.trained import WEIGHTS_DIR, shipped_drafts
-from flashspec_core.demo import hf_generate
+from flashspec_core.demo import hf_generate, stock_default_model
 from flashspec_core.engine import SpecEngine
 from flashspec_core.pool import load_target
 from flashspec_core.routing.router import FixedRouter
@@ -56,17 +56,18 @@ def run(args: argparse.Namespace) -> dict:
     engines = {f"{d.name}@{g}": SpecEngine(target, [d], router=FixedRouter(Arm(d.name, g)), verify_backend="torch")
                for d in drafts for g in ([args.lookup_gamma] if d.name == "prompt_lookup" else gammas)}
     base = next(iter(engines.values()))
+    stock = stock_default_model()
     totals: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for domain in args.domains.split(","):
         prompts = dev_prompts(domain, args.prompts)
         for messages in tqdm(prompts, desc=f"{domain} prompts", unit="prompt"):
-            ref, seconds = hf_generate(base, messages, args.max_new_tokens)
+            ref, seconds = hf_generate(base, stock, messages, args.max_new_tokens)
             cell = totals[("hf_generate", domain)]
             cell["tokens"] += len(ref)
             cell["seconds"] += seconds
             cell["same"] += 1
             cell["runs"] += 1
-            out, seconds = hf_generate(base, messages, args.max_new_tokens, prompt_lookup_num_tokens=args.lookup_gamma)
+            out, seconds = hf_generate(base, stock, messages, args.max_new_tokens, prompt_lookup_num_tokens=args.lookup_gamma)
             cell = totals[("hf_prompt_lookup", domain)]
             for k, v in (("tokens", len(out)), ("seconds", seconds), ("same", out == ref), ("runs", 1)):
                 cell[k] += v

@@ -1,12 +1,19 @@
 """Side-by-side tokens/s on the mixed agent dev workload, in one run on one machine.
 
 Configurations: plain HF `generate`, HF prompt-lookup assisted generation, the engine with each
-fixed arm (a draft source and γ), and the engine with the router. All decode greedily, so every
-configuration must produce the same tokens; the table says how many steps matched HF exactly.
+fixed arm (a draft source and γ), and the engine with the Thompson router, once with fresh
+statistics ("router (cold)") and once after an untimed warm-up on the `--warmup` steps that
+precede the measured ones in the same stream ("router (warm)"). The router's statistics persist
+across runs by default, so the warm figure is the steady state and the cold one the first minutes
+after installation. Warm-up prompts are disjoint from the measured ones, and the fixed
+suffix-cache arms get the same warm-up (their cache also persists across requests), so the warm
+router gets no head start on copies. The HF baselines run a separate stock copy of the model
+(the engine swaps its CPU linear layers). All decode greedily, so every configuration must
+produce the same tokens; the table says how many steps matched HF exactly.
 Tool and RAG steps get the domain hint an adapter would pass (demo.ADAPTER_HINTS); chat and
 code are classified.
 
-    python benchmarks/workload_bench.py --steps 16 --max-new-tokens 64 --out bench_out/workload
+    python benchmarks/workload_bench.py --steps 16 --warmup 12 --max-new-tokens 64 --out bench_out/workload
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from flashspec_core.demo import ADAPTER_HINTS, hf_generate
+from flashspec_core.demo import ADAPTER_HINTS, hf_generate, stock_default_model
 from flashspec_core.engine import SpecEngine
 from flashspec_core.pool import default_drafts, load_target
 from flashspec_core.routing.router import FixedRouter
@@ -26,9 +33,9 @@ from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_core.workload import dev_workload
 
 
-def hf_run(engine: SpecEngine, steps, **generate_kwargs):
+def hf_run(engine: SpecEngine, stock, steps, **generate_kwargs):
     for step in steps:
-        tokens, seconds = hf_generate(engine, step.messages, step.max_new_tokens, **generate_kwargs)
+        tokens, seconds = hf_generate(engine, stock, step.messages, step.max_new_tokens, **generate_kwargs)
         yield tokens, seconds, None
 
 
@@ -44,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=12, help="untimed steps before the measured ones (0: none)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gammas", default="2,4,8")
     parser.add_argument("--fixed", default=None, help="comma list of draft names to pin as fixed arms (default: the whole pool)")
@@ -51,7 +59,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out/workload")
     args = parser.parse_args()
 
-    steps = dev_workload(args.steps, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    stream = dev_workload(args.warmup + args.steps, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    warmup, steps = stream[:args.warmup], stream[args.warmup:]
     gammas = [int(g) for g in args.gammas.split(",")]
     target = load_target(None)
     names = args.fixed.split(",") if args.fixed else [d.name for d in default_drafts(target)]
@@ -59,9 +68,10 @@ def main() -> None:
     def pool():
         return default_drafts(target)
 
+    stock = stock_default_model()
     configs = {
-        "hf_generate": lambda e: hf_run(e, steps),
-        "hf_prompt_lookup": lambda e: hf_run(e, steps, prompt_lookup_num_tokens=10),
+        "hf_generate": lambda e: hf_run(e, stock, steps),
+        "hf_prompt_lookup": lambda e: hf_run(e, stock, steps, prompt_lookup_num_tokens=10),
     }
     engines = {"hf_generate": SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)))}
     engines["hf_prompt_lookup"] = engines["hf_generate"]
@@ -70,8 +80,13 @@ def main() -> None:
             key = f"fixed:{arm}"
             engines[key] = SpecEngine(target, pool(), router=FixedRouter(arm), gammas=gammas)
             configs[key] = lambda e: engine_run(e, steps)
-    engines["router"] = SpecEngine(target, pool(), router="thompson", gammas=gammas)
-    configs["router"] = lambda e: engine_run(e, steps)
+    for key in ("router (cold)", "router (warm)"):
+        engines[key] = SpecEngine(target, pool(), router="thompson", gammas=gammas)
+        configs[key] = lambda e: engine_run(e, steps)
+    for key, engine in engines.items():
+        if warmup and (key == "router (warm)" or key.startswith("fixed:suffix_cache")):
+            for _ in tqdm(engine_run(engine, warmup), total=len(warmup), desc=f"warm-up {key}"):
+                pass
 
     results: dict[str, list[dict]] = {}
     for key, run in configs.items():
@@ -104,8 +119,8 @@ def report(results, steps, out: Path, args) -> None:
         print(f"{key:<26}" + "".join(f"{rates[d]:>9.1f}" for d in domains)
               + f"{overall:>9.1f}{overall / base['overall']:>6.2f}x{same:>4}/{len(rows)}")
     (out / "results.json").write_text(json.dumps({"table": table, "router_arms": [
-        {"domain": r["domain"], "resolved": r["resolved"], "arms": r["arms"]} for r in results["router"]]}, indent=1))
-    plot(table, results["router"], domains, out)
+        {"domain": r["domain"], "resolved": r["resolved"], "arms": r["arms"]} for r in results["router (warm)"]]}, indent=1))
+    plot(table, results["router (warm)"], domains, out)
 
 
 def plot(table, router_rows, domains, out: Path) -> None:
@@ -134,7 +149,7 @@ def plot(table, router_rows, domains, out: Path) -> None:
         ax2.scatter([], [], color=colors[d], label=d)
     ax2.set_yticks(range(len(arms)), arms, fontsize=7)
     ax2.set_xlabel("decode step")
-    ax2.set_title("Router: arm chosen per step, coloured by workload domain")
+    ax2.set_title("Warm router: arm chosen per step, coloured by workload domain")
     ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "workload.png", dpi=110)

@@ -10,8 +10,10 @@ from collections import Counter
 
 import torch
 from tqdm import tqdm
+from transformers import PreTrainedModel
 
 from flashspec_core.engine import SpecEngine
+from flashspec_core.models import load_model
 from flashspec_core.workload import demo_workload
 
 # What the LangChain and LlamaIndex adapters pass for these steps (tools bound, retrieval
@@ -19,13 +21,23 @@ from flashspec_core.workload import demo_workload
 ADAPTER_HINTS = {"tool", "rag"}
 
 
-def hf_generate(engine: SpecEngine, messages, max_new_tokens: int, **generate_kwargs) -> tuple[list[int], float]:
-    """Plain HF `generate` (greedy) on the engine's target: the new tokens and the seconds taken.
+def stock_default_model() -> PreTrainedModel:
+    """A fresh copy of the default target as transformers builds it, for the HF baselines.
 
-    `generate_kwargs` reach `generate` (e.g. `prompt_lookup_num_tokens` for HF's own assisted mode).
+    The engine swaps the CPU linear layers of the model it runs (cpu_linear.py), so the baseline
+    must not share that object: it measures stock transformers.
+    """
+    return load_model(None).model
+
+
+def hf_generate(engine: SpecEngine, model: PreTrainedModel, messages, max_new_tokens: int,
+                **generate_kwargs) -> tuple[list[int], float]:
+    """Plain HF `generate` (greedy) of `model` on the engine's encoding of `messages`.
+
+    Returns the new tokens and the seconds taken. `generate_kwargs` reach `generate` (e.g.
+    `prompt_lookup_num_tokens` for HF's own assisted mode).
     """
     ids = engine._encode_all([messages], max_new_tokens)[0]
-    model = engine.target_model
     inputs = torch.tensor([ids], device=model.device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -55,8 +67,9 @@ def run_demo(max_new_tokens: int = 64, baseline: bool = True) -> None:
     if not baseline:
         return
     hf_tokens, hf_seconds, same = 0, 0.0, 0
+    stock = stock_default_model()
     for step, ours in tqdm(list(zip(steps, outputs)), desc="HF generate", unit="step"):
-        theirs, seconds = hf_generate(engine, step.messages, step.max_new_tokens)
+        theirs, seconds = hf_generate(engine, stock, step.messages, step.max_new_tokens)
         hf_tokens += len(theirs)
         hf_seconds += seconds
         same += theirs == ours

@@ -127,7 +127,7 @@ def test_shipped_weights_are_small_and_have_cards():
     from flashspec_core.drafts.trained import WEIGHTS_DIR
 
     files = sorted(WEIGHTS_DIR.glob("*.safetensors"))
-    assert {f.stem for f in files} >= {"distill_general", "distill_code"}
+    assert {f.stem for f in files} >= {"distill_chat", "distill_code"}
     for f in files:
         assert f.stat().st_size <= 15_000_000
         card = f.with_suffix(".md").read_text()
@@ -136,7 +136,7 @@ def test_shipped_weights_are_small_and_have_cards():
 
 @pytest.mark.slow
 def test_default_engine_loads_the_shipped_drafts_and_stays_exact(default_target, default_engine):
-    assert {"distill_general", "distill_code"} <= set(default_engine.drafts)
+    assert {"distill_chat", "distill_code"} <= set(default_engine.drafts)
     drafts = {d.name: d for d in shipped_drafts(default_target)}
     messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
     engine = SpecEngine(default_target, [drafts["distill_code"]], router=FixedRouter(Arm("distill_code", 3)))
