@@ -3,7 +3,9 @@
 For each domain (chat, code) and each prompt, every configuration decodes greedily in turn
 (interleaved, so drifting load on a shared machine hits all of them alike): plain HF `generate`,
 HF prompt-lookup assisted generation, and the engine with a FixedRouter on one arm per run
-(prompt lookup and each shipped trained draft at each γ). All must produce the same tokens.
+(plain decoding, prompt lookup and each shipped trained draft at each γ). All must produce the
+same tokens. The engine's plain arm ("none") separates what the engine's CPU linear layers gain
+(cpu_linear.py) from what speculation gains on top.
 
 Reported per arm and domain: mean accepted length (draft tokens accepted per step), acceptance
 rate α = accepted / drafted, cost ratio c = draft seconds per drafted token / plain HF seconds per
@@ -11,8 +13,8 @@ token, the verify step's cost in plain-token units, tokens/s and the speedup ove
 
     python benchmarks/drafts.py --prompts 4 --max-new-tokens 64 --gammas 2,4 --out bench_out/drafts
 
-Runs with one torch thread by default: on a shared two-core machine, two threads spin against
-other processes and every configuration slows down several times (measured 5-10×).
+Uses torch's default thread count; on a machine shared with other busy processes pass
+`--threads 1` (there two threads spin against the other processes: measured 5-10× slower).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from flashspec_core.demo import hf_generate, stock_default_model
 from flashspec_core.engine import SpecEngine
 from flashspec_core.pool import load_target
 from flashspec_core.routing.router import FixedRouter
-from flashspec_core.types import Arm
+from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_core.workload import sharegpt_conversations
 
 PROMPT_CHARS = (40, 600)
@@ -49,11 +51,13 @@ def dev_prompts(domain: str, n: int) -> list[list[dict[str, str]]]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     target = load_target(None)
     drafts = [PromptLookupDraft()] + [d for d in shipped_drafts(target) if not args.drafts or d.name in args.drafts]
     gammas = [int(g) for g in args.gammas.split(",")]
-    engines = {f"{d.name}@{g}": SpecEngine(target, [d], router=FixedRouter(Arm(d.name, g)), verify_backend="torch")
+    engines = {"none": SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), verify_backend="torch")}
+    engines |= {f"{d.name}@{g}": SpecEngine(target, [d], router=FixedRouter(Arm(d.name, g)), verify_backend="torch")
                for d in drafts for g in ([args.lookup_gamma] if d.name == "prompt_lookup" else gammas)}
     base = next(iter(engines.values()))
     stock = stock_default_model()
@@ -94,9 +98,10 @@ def summarise(totals) -> dict:
                "tokens": int(c["tokens"]), "tok_s": c["tokens"] / c["seconds"],
                "speedup": (c["tokens"] / c["seconds"]) / (hf["tokens"] / hf["seconds"])}
         if c.get("steps"):
-            row.update({"accept_len": c["accepted"] / c["steps"], "alpha": c["accepted"] / max(c["drafted"], 1),
-                        "c": (c["draft_seconds"] / max(c["drafted"], 1)) / hf_tok,
-                        "verify_cost": (c["verify_seconds"] / c["steps"]) / hf_tok})
+            row["verify_cost"] = (c["verify_seconds"] / c["steps"]) / hf_tok
+        if c.get("drafted"):
+            row.update({"accept_len": c["accepted"] / c["steps"], "alpha": c["accepted"] / c["drafted"],
+                        "c": (c["draft_seconds"] / c["drafted"]) / hf_tok})
         rows.append(row)
     return {"rows": rows}
 
@@ -105,8 +110,8 @@ def table(result: dict) -> str:
     lines = ["| domain | configuration | tok/s | speedup vs HF generate | identical | mean accepted length | α | c | verify cost (× one plain token) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(result["rows"], key=lambda r: (r["domain"], -r["speedup"])):
-        extra = (f"{r['accept_len']:.2f} | {r['alpha']:.3f} | {r['c']:.3f} | {r['verify_cost']:.2f}"
-                 if "alpha" in r else "– | – | – | –")
+        extra = (f"{r['accept_len']:.2f} | {r['alpha']:.3f} | {r['c']:.3f}" if "alpha" in r else "– | – | –")
+        extra += f" | {r['verify_cost']:.2f}" if "verify_cost" in r else " | –"
         lines.append(f"| {r['domain']} | {r['arm']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | "
                      f"{r['identical']}/{r['runs']} | {extra} |")
     return "\n".join(lines)
@@ -151,7 +156,7 @@ def main() -> None:
     parser.add_argument("--gammas", default="2,4")
     parser.add_argument("--lookup-gamma", type=int, default=3, help="γ of prompt lookup (HF and engine)")
     parser.add_argument("--drafts", default="", help="comma list of shipped draft names (default: all)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: least contention on a shared CPU)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default; 1 on a busy shared CPU)")
     parser.add_argument("--out", default="bench_out/drafts")
     parser.add_argument("--update-cards", action="store_true", help="write the results into the shipped model cards")
     parser.add_argument("--from-json", help="re-render table, plot and cards from an earlier drafts.json; run nothing")

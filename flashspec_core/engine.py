@@ -16,6 +16,7 @@ import torch
 from flashspec_core.drafts import DraftSource
 from flashspec_core.kv import CachedModel
 from flashspec_core.models import LoadedModel, vocab_size
+from flashspec_core.penalty import penalize_paths
 from flashspec_core.prompts import PromptLike, encode_prompt, is_batch, prompt_text
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import resolve_domain
@@ -69,6 +70,7 @@ class SpecEngine:
         self.context_window = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)
         self._lock = threading.Lock()
         self._owner: int | None = None
+        self._kept: CachedModel | None = None  # the last single-prompt request's KV cache (prefix reuse)
 
     @classmethod
     def from_default(cls) -> "SpecEngine":
@@ -253,10 +255,40 @@ class SpecEngine:
         probs = None if proposal.probs is None else proposal.probs[:, :g].to(device)
         return tokens.view(len(seqs), g), probs
 
-    def _decode(self, prompts, max_new_tokens, sampling, stops, domain, constraint=None):
+    def _target_cache(self, batch_size: int) -> CachedModel:
+        """The target's cache for a request; a single prompt reuses the previous one's.
+
+        Agent steps resend the same system prompt, tool list or document at every call, so the
+        next request usually starts with what the last one held: `forward_to` keeps the common
+        prefix and feeds only the rest (the reused keys and values are those of the same tokens at
+        the same positions). Batches get a fresh cache and are not kept.
+        """
+        kept, self._kept = self._kept, None
+        if batch_size == 1 and kept is not None:
+            return kept
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         target = CachedModel(self.target_model, pad)
-        target.reset(len(prompts))
+        target.reset(batch_size)
+        return target
+
+    def _prefill(self, target: CachedModel, prompts, stats) -> None:
+        """Feed each prompt but its last token before the first step, timed apart from the steps.
+
+        The router then scores arms on decode steps only: a long prompt's prefill would otherwise
+        land on whichever arm the first step happened to pick.
+        """
+        active = [len(p) > 1 for p in prompts]
+        reused = [target.prefix_len(b, p) for b, p in enumerate(prompts)]
+        start = time.perf_counter()
+        if any(active):
+            target.forward_to([p[:-1] if a else p for p, a in zip(prompts, active)], active, keep_logits=1)
+        seconds = time.perf_counter() - start
+        for st, n in zip(stats, reused):
+            st.cached_prompt_tokens = min(n, st.prompt_tokens - 1)
+            st.prefill_seconds = st.seconds = seconds
+
+    def _decode(self, prompts, max_new_tokens, sampling, stops, domain, constraint=None):
+        target = self._target_cache(len(prompts))
         for d in self.drafts.values():
             d.begin(prompts)
             if hasattr(d, "bind_constraint"):  # drafts that read the grammar state (constrained/)
@@ -266,6 +298,7 @@ class SpecEngine:
         stats = [GenerationStats(domain, prompt_tokens=len(p)) for p in prompts]
         gen = self._generator(sampling)
         try:
+            self._prefill(target, prompts, stats)
             while True:
                 active = [not r.finished for r in rows]
                 if not any(active):
@@ -278,6 +311,7 @@ class SpecEngine:
                 t1 = time.perf_counter()
                 dl = draft_tokens.tolist()
                 logits = target.forward_to([s + d for s, d in zip(seqs, dl)], active, keep_logits=g + 1)
+                logits = penalize_paths(logits, seqs, dl, sampling.repetition_penalty)
                 if constraint is not None:  # -inf where the grammar forbids, along each draft path
                     logits = constraint.mask_logits(logits, dl, active)
                 n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=self.verify_backend, generator=gen)
@@ -310,6 +344,13 @@ class SpecEngine:
                     stats[b].seconds += record.seconds
                     stats[b].records.append(record)
                 yield rows, new, stats
+        except GeneratorExit:  # a stream closed early, between steps: the cache is consistent
+            raise
+        except BaseException:  # mid-forward: the cache may hold half a step; never reuse it
+            target = None
+            raise
         finally:
+            if target is not None and len(prompts) == 1:
+                self._kept = target
             for d in self.drafts.values():
                 d.end(prompts, [r.token_ids for r in rows])

@@ -64,6 +64,10 @@ class CachedModel:
             self.cache.crop(-drop)
             self.slot_mask = self.slot_mask[:, :new_len]
 
+    def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
+        """How many leading tokens of `sequence` row `row` already holds (reusable as they are)."""
+        return _common_prefix(self.held[row], sequence) if row < len(self.held) else 0
+
     @torch.inference_mode()
     def forward_to(
         self, sequences: Sequence[Sequence[int]], active: Sequence[bool] | None = None, keep_logits: int = 1

@@ -14,7 +14,9 @@ class GenerationStats:
     prompt_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # prefill + every step's draft and verify time
+    prefill_seconds: float = 0.0  # feeding the prompt before the first step
+    cached_prompt_tokens: int = 0  # prompt tokens reused from the previous request's cache
     records: list[StepRecord] = field(default_factory=list, repr=False)
 
     @property
@@ -38,6 +40,8 @@ class GenerationStats:
             "accepted": self.accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "seconds": round(self.seconds, 6),
+            "prefill_seconds": round(self.prefill_seconds, 6),
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "arms": self.arms,
         }
 

@@ -2,7 +2,8 @@
 
 The target and every draft go through `logprobs_from_logits`, so the p the verifier tests against
 and the q a draft claims are processed identically: temperature on the logits before the softmax,
-then top-k, then top-p (nucleus) on what remains. Temperature 0 means greedy: a one-hot
+then top-k, then top-p (nucleus) on what remains. The repetition penalty depends on the prefix,
+so the engine applies it to the target's logits along each draft path first (penalty.py). Temperature 0 means greedy: a one-hot
 distribution at the argmax (first index on ties, as `torch.argmax` and HF `generate` pick).
 """
 from __future__ import annotations
@@ -20,6 +21,9 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=0, description="0 disables; otherwise keep the k most likely tokens")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]; 1 disables")
     seed: int | None = Field(None, description="seeds every random draw of a request")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, description="HF's CTRL penalty on tokens already in the sequence; 1 disables (penalty.py)"
+    )
 
     @property
     def greedy(self) -> bool:

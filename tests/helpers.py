@@ -21,8 +21,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 from flashspec_core.models import LoadedModel
 from flashspec_core.sampling import SamplingParams
@@ -139,12 +139,24 @@ def greedy_ids(model: LlamaForCausalLM, prompt: Sequence[int], n: int) -> list[i
     return ids[len(prompt):]
 
 
+def penalized_logits(model: LlamaForCausalLM, contexts: Sequence[Sequence[int]], penalty: float) -> torch.Tensor:
+    """`next_logits` after HF's own repetition-penalty processor over each context: [N, V]."""
+    logits = next_logits(model, contexts)
+    if penalty == 1.0:
+        return logits
+    return RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([list(c) for c in contexts]), logits)
+
+
 def first_two_distribution(model: LlamaForCausalLM, prompt: Sequence[int], sampling: SamplingParams,
                            eos_ids: frozenset[int]) -> dict[tuple[int, ...], float]:
-    """Exact law of the first two generated tokens: p(t1) p(t2 | t1); (eos,) is a terminal outcome."""
-    p1 = reference_probs(next_logits(model, [prompt]), sampling)[0]
+    """Exact law of the first two generated tokens: p(t1) p(t2 | t1); (eos,) is a terminal outcome.
+
+    With HF's processors in HF's order: repetition penalty over the whole prefix, then the warpers.
+    """
+    pen = sampling.repetition_penalty
+    p1 = reference_probs(penalized_logits(model, [prompt], pen), sampling)[0]
     vocab = p1.shape[0]
-    p2 = reference_probs(next_logits(model, [list(prompt) + [t] for t in range(vocab)]), sampling)
+    p2 = reference_probs(penalized_logits(model, [list(prompt) + [t] for t in range(vocab)], pen), sampling)
     law: dict[tuple[int, ...], float] = {}
     for t1 in range(vocab):
         if t1 in eos_ids:

@@ -219,3 +219,45 @@ def test_unknown_draft_name_lists_the_valid_ones(tiny_target):
     assert all(name in str(err.value) for name in DRAFT_NAMES)
     with pytest.raises(ValueError, match="drafts"):
         build_drafts([42], tiny_target, None)
+
+
+def test_a_single_prompt_reuses_the_previous_requests_prefix(tiny_target, tiny_draft_model):
+    """Agent steps resend their system prompt: the second request feeds only what is new, and its
+    output is still HF's."""
+    system = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
+    first, second = system + [2, 7], system + [8, 2, 8]
+    engine = make_engine(tiny_target, Arm("model", 3), tiny_draft_model)
+    a = engine.generate(first, max_new_tokens=12)
+    b = engine.generate(second, max_new_tokens=12)
+    assert a.stats.cached_prompt_tokens == 0
+    assert b.stats.cached_prompt_tokens == len(system)
+    assert b.token_ids == hf_greedy(tiny_target, second, 12)
+    again = engine.generate(second, max_new_tokens=12)
+    assert again.stats.cached_prompt_tokens == len(second) - 1
+    assert again.token_ids == b.token_ids
+    batch = engine.generate([second, first], max_new_tokens=12)
+    assert [r.stats.cached_prompt_tokens for r in batch] == [0, 0], "a batch starts from a fresh cache"
+    assert [r.token_ids for r in batch] == [b.token_ids, a.token_ids]
+
+
+def test_a_request_that_fails_mid_forward_leaves_no_cache_behind(tiny_target, monkeypatch):
+    engine = make_engine(tiny_target, Arm("prompt_lookup", 4))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    expected = engine.generate(prompt, max_new_tokens=10).token_ids
+    model = tiny_target.model
+    real_forward = model.forward
+    calls = {"n": 0}
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated failure inside the target forward")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", failing_forward)
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate(prompt + [7], max_new_tokens=10)
+    monkeypatch.setattr(model, "forward", real_forward)
+    after = engine.generate(prompt, max_new_tokens=10)
+    assert after.stats.cached_prompt_tokens == 0
+    assert after.token_ids == expected

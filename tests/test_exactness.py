@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from helpers import (RandomRouter, break_residual, check_exact, check_rejects, count_outcomes, first_two_distribution, g_test,
+from helpers import (ALPHA, RandomRouter, break_residual, check_exact, check_rejects, count_outcomes, first_two_distribution, g_test,
                      greedy_ids, next_logits, one_thread, reference_probs)
 
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
@@ -39,7 +39,10 @@ SAMPLINGS = {
     "T1-topk4": SamplingParams(temperature=1.0, top_k=4),
     "T1-topp0.7": SamplingParams(temperature=1.0, top_p=0.7),
     "T1.5-topk6-topp0.9": SamplingParams(temperature=1.5, top_k=6, top_p=0.9),
+    "T1-rep2": SamplingParams(temperature=1.0, repetition_penalty=2.0),
+    "T1-rep3": SamplingParams(temperature=1.0, repetition_penalty=3.0),
 }
+VERIFY_SAMPLINGS = [name for name in SAMPLINGS if SAMPLINGS[name].repetition_penalty == 1.0]
 # Ends in a token seen before, so prompt lookup drafts [7, 7, 8, ...]; the tiny target gives that
 # first draft token p ≈ 0.4 at T = 1, so both acceptance and the residual matter.
 PROMPT = [5, 7, 7, 8, 9, 10, 11, 12, 13, 5]
@@ -141,7 +144,7 @@ def _verify_pvalues(tab: Tables, sampling: SamplingParams, gamma: int, onehot: b
 
 
 # Every sampling at γ = 3 with both draft kinds; γ = 1 and γ = 8 over a spread of samplings.
-VERIFY_CASES = [(s, 3, onehot) for s in SAMPLINGS for onehot in (False, True)]
+VERIFY_CASES = [(s, 3, onehot) for s in VERIFY_SAMPLINGS for onehot in (False, True)]
 VERIFY_CASES += [(s, 1, False) for s in ("T0.5", "T1.5", "T1-topp0.7")] + [("T1", 1, True)]
 VERIFY_CASES += [(s, 8, False) for s in ("T1", "T1-topk4", "T1.5-topk6-topp0.9")] + [("T1", 8, True)]
 
@@ -175,7 +178,7 @@ def _drafts(kind: str, tiny_target, tiny_draft_model):
 
 
 def _engine_pvalues(tiny_target, tiny_draft_model, kind: str, gamma: int, sampling_name: str, replicate: int,
-                    calls: int = 1) -> tuple[float, float, SpecEngine]:
+                    calls: int = 1, prompt: list[int] = PROMPT) -> tuple[float, float, SpecEngine]:
     """G-test p-values of the engine's first token and first two tokens over N_ENGINE rows.
 
     Rows run with max_new_tokens = γ + 1, so the first step drafts a full γ, and with the stop
@@ -193,11 +196,11 @@ def _engine_pvalues(tiny_target, tiny_draft_model, kind: str, gamma: int, sampli
     outputs = []
     for call in range(calls):
         sampling = SAMPLINGS[sampling_name].model_copy(update={"seed": seed + call})
-        results = engine.generate([PROMPT] * (N_ENGINE // calls), max_new_tokens=gamma + 1, sampling=sampling,
+        results = engine.generate([prompt] * (N_ENGINE // calls), max_new_tokens=gamma + 1, sampling=sampling,
                                   stop=" t")
         outputs += [r.token_ids for r in results]
     sampling = SAMPLINGS[sampling_name]
-    law = first_two_distribution(tiny_target.model, PROMPT, sampling, engine.eos_ids)
+    law = first_two_distribution(tiny_target.model, prompt, sampling, engine.eos_ids)
     law1: dict[tuple[int, ...], float] = {}
     for key, prob in law.items():
         law1[key[:1]] = law1.get(key[:1], 0.0) + prob
@@ -210,7 +213,17 @@ ENGINE_CASES = [
     ("model", 3, "T1"), ("model", 8, "T0.5"), ("model", 1, "T1.5-topk6-topp0.9"),
     ("prompt_lookup", 3, "T1"), ("prompt_lookup", 8, "T1-topk4"),
     ("suffix_cache", 8, "T1-topp0.7"), ("suffix_cache", 1, "T0.5"),
+    ("model", 3, "T1-rep2"), ("prompt_lookup", 3, "T1-rep2"),
 ]
+# One token, so every drafted token but one is new: what the penalty must track along the path.
+# The draft is the unpenalised target itself, so its first token is often accepted and the
+# positions after it, whose penalty depends on it, decide the second token.
+SHORT_PROMPT = [3]
+
+
+def test_engine_exact_with_a_penalty_on_a_short_prompt(tiny_target):
+    check_exact(lambda rep: _engine_pvalues(tiny_target, tiny_target.model, "model", 3, "T1-rep3", rep,
+                                            prompt=SHORT_PROMPT)[:2], "engine model γ=3 T1-rep3 short prompt")
 
 
 @pytest.mark.parametrize("kind, gamma, sampling_name", ENGINE_CASES, ids=[f"{k}-g{g}-{s}" for k, g, s in ENGINE_CASES])
@@ -231,6 +244,25 @@ def test_engine_exact_under_a_router_switching_arms_at_random(tiny_target, tiny_
     check_exact(run, f"engine random router {sampling_name}")
     assert len(set(routers[0].chosen)) >= 6, "the router should have tried many arms"
     assert any(a.draft == NO_DRAFT for a in routers[0].chosen)
+
+
+def test_engine_tests_reject_a_penalty_blind_to_the_draft_path(tiny_target, monkeypatch):
+    """The planted bug: penalise every verify position by the verified context only, so a drafted
+    token does not count as seen at the positions after it. The first token is unaffected (its
+    prefix is the context), so the joint test of the first two tokens must reject, on two samples."""
+    from flashspec_core import engine as engine_module
+    from flashspec_core.penalty import penalize_paths
+
+    def blind(logits, contexts, drafts, penalty):
+        per_position = [penalize_paths(logits[:, j:j + 1], contexts, [[] for _ in contexts], penalty)
+                        for j in range(logits.shape[1])]
+        return torch.cat(per_position, dim=1)
+
+    monkeypatch.setattr(engine_module, "penalize_paths", blind)
+    for rep in (0, 1):
+        p_first, p_joint, _ = _engine_pvalues(tiny_target, tiny_target.model, "model", 3, "T1-rep3", rep,
+                                              prompt=SHORT_PROMPT)
+        assert p_joint < ALPHA, f"a path-blind penalty went unnoticed (replicate {rep}): p(first two) = {p_joint:.2e}"
 
 
 @pytest.mark.parametrize("kind, gamma, sampling_name", [("model", 3, "T1"), ("prompt_lookup", 3, "T1")])

@@ -50,7 +50,11 @@ class ModelDraft:
         head = self.head_ids
         tokens, probs = [], []
         for _ in range(gamma):
-            logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, V] or [B, K]
+            try:
+                logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, V] or [B, K]
+            except BaseException:  # the cache may hold half a forward: start the next call afresh
+                self._runner.reset(len(rows))
+                raise
             q = probs_from_logits(logits, sampling)  # same shape
             if sampling.greedy:
                 pick = q.argmax(-1)
@@ -65,7 +69,10 @@ class ModelDraft:
         return Proposal(drafted, torch.stack(probs, dim=1))  # probs: [B, γ, V]
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
-        self._runner.reset(len(prompts))
+        """A single prompt keeps the previous request's cache: its common prefix is reused (an agent's
+        steps resend the same system prompt and tools); a batch starts afresh."""
+        if len(prompts) != 1 or len(self._runner.held) != 1:
+            self._runner.reset(len(prompts))
 
     def end(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
-        """The cache is rebuilt per request; nothing to keep."""
+        """The cache stays for the next request's common prefix (see `begin`)."""
