@@ -9,8 +9,8 @@ high quantile of that domain's measured goodput (robust to one freak fast step, 
 
 Deterministic drafts (prompt lookup, suffix cache) are cheap to run and have no side effects, so
 after every step the router also asks each of them what it would have proposed from the same
-context and scores that against the tokens the step verified (full-information updates): their
-arms learn on every step, whichever arm ran. Only the finished step is used, never the current
+context and scores that against the tokens verified from there on, once enough of them are
+known (full-information updates): their arms learn on every step, whichever arm ran. Only the finished step is used, never the current
 one (exactness invariant): `update` runs after the step's tokens are final.
 
 `FixedRouter` always returns one arm; it is the engine's baseline and fallback.
@@ -36,6 +36,7 @@ from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 DEFAULT_DISCOUNT = 0.995
 ALGORITHMS = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted")
 _SCALE_WINDOW = 256
+_MAX_PENDING = 64  # free-arm scorings waiting for verified tokens; older ones are scored as they stand
 _SCALE_QUANTILE = 0.95
 
 
@@ -117,6 +118,18 @@ class _Tally:
 
 
 @dataclass
+class _Pending:
+    """Free arms' proposals from one step's context, waiting for the tokens that will score them."""
+
+    domain: str
+    sequence: Sequence[int]  # the step's live token list: later steps of the request extend it
+    context_len: int
+    rows: int
+    seconds: float  # the step's time: the stand-in for an arm with no measured time of its own
+    proposals: dict[int, list[int]]  # arm index -> proposed tokens
+
+
+@dataclass
 class _Domain:
     bandit: Bandit
     scale: _GoodputScale
@@ -191,6 +204,7 @@ class BanditRouter:
         self._free = [(i, free_drafts[a.draft], a.gamma)
                       for i, a in enumerate(self.arms) if a.draft in free_drafts]
         self._domains: dict[str, _Domain] = {}
+        self._pending: deque[_Pending] = deque()
         self._lock = threading.Lock()
         self._store_failed = False
         if store is not None:
@@ -252,71 +266,117 @@ class BanditRouter:
             return self.arms[self._domain(domain).bandit.select()]
 
     def _step_seconds(self, domain: _Domain, i: int, fallback: float) -> float:
-        """Mean measured step time of arm i: this domain's, else all domains', else `fallback`."""
+        """Mean measured step time of arm i: this domain's; else that of this domain's free arms of
+        the same γ (copy drafts cost next to nothing, so their steps cost what verifying γ + 1
+        tokens does); else arm i's in all domains; else `fallback`."""
         t = domain.tallies[i]
         if t.pulls:
             return t.seconds_sum / t.pulls
+        gamma = self.arms[i].gamma
+        peers = [domain.tallies[j] for j, _, g in self._free if g == gamma and domain.tallies[j].pulls]
+        if peers:
+            return sum(p.seconds_sum for p in peers) / sum(p.pulls for p in peers)
         pulls = sum(d.tallies[i].pulls for d in self._domains.values())
         if pulls:
             return sum(d.tallies[i].seconds_sum for d in self._domains.values()) / pulls
         return fallback
 
-    def _free_estimates(self, record: StepRecord) -> dict[int, int]:
-        """Tokens each free arm would have emitted on this (finished) step.
-
-        Emitted = matched + 1: the verifier accepts the matching prefix and then emits one
-        target token (the correction, or the bonus after a full match). When the draft matched
-        every verified token the estimate is a lower bound, not capped at `record.emitted`:
-        capping would score every draft at 1 token on a plain-decoding step and lock speculation
-        out once plain decoding leads.
-        """
-        ctx = record.context_len
-        seq = record.sequence
+    def _propose_free(self, record: StepRecord) -> _Pending | None:
+        """What each free arm would have proposed from this step's context, to score later."""
+        ctx, seq = record.context_len, record.sequence
         if not self._free or ctx <= 0 or len(seq) <= ctx:
-            return {}
+            return None
         context = [int(t) for t in seq[:ctx]]  # a copy: drafts must not see or touch the live list
-        verified = [int(t) for t in seq[ctx:]]
         sampling = SamplingParams()
-        out: dict[int, int] = {}
-        for i, draft, gamma in self._free:
-            if self.arms[i] == record.arm:
-                continue  # the arm that ran has its real measurement
-            proposal = draft.propose([list(context)], gamma, sampling).tokens[0][:gamma]
+        proposals = {i: [int(t) for t in draft.propose([list(context)], gamma, sampling).tokens[0][:gamma]]
+                     for i, draft, gamma in self._free if self.arms[i] != record.arm}
+        return _Pending(record.domain, seq, ctx, record.rows, record.seconds, proposals) if proposals else None
+
+    def _resolve(self, pending: _Pending, final: bool) -> dict[int, int]:
+        """Tokens each free arm of `pending` would have emitted, for the arms whose count is known.
+
+        Emitted = matched + 1: the verifier accepts the matching prefix and then emits one target
+        token (the correction, or the bonus after a full match). The count is known once a
+        mismatch shows or every proposed token has been verified. The tokens after the step's own
+        come from later steps of the same request, which is why scoring waits for them: scored at
+        once, a draft would be capped at the one token a plain step verifies. `final` (the
+        request has moved on) scores what is left against what was verified.
+        """
+        verified = [int(t) for t in pending.sequence[pending.context_len:]]
+        out = {}
+        for i, proposal in list(pending.proposals.items()):
             matched = 0
             for p, v in zip(proposal, verified):
-                if int(p) != v:
+                if p != v:
                     break
                 matched += 1
-            # One row is scored; a batch step emits for every active row, so scale alike.
-            out[i] = (matched + 1) * record.rows
+            if final or matched < min(len(proposal), len(verified)) or len(verified) >= len(proposal):
+                out[i] = (matched + 1) * pending.rows  # a batch step emits for every active row
+                del pending.proposals[i]
+        return out
+
+    def _free_rewards(self, record: StepRecord) -> dict[str, list[tuple[int, int, float]]]:
+        """Resolve pending free-arm scorings: domain -> [(arm index, tokens emitted, stand-in seconds)]."""
+        new = self._propose_free(record)
+        if new is not None:
+            self._pending.append(new)
+        out: dict[str, list[tuple[int, int, float]]] = {}
+        keep: deque[_Pending] = deque()
+        for pending in self._pending:
+            final = pending.sequence is not record.sequence or len(self._pending) > _MAX_PENDING
+            for i, emitted in self._resolve(pending, final).items():
+                out.setdefault(pending.domain, []).append((i, emitted, pending.seconds))
+            if pending.proposals:
+                keep.append(pending)
+        self._pending = keep
         return out
 
     def update(self, record: StepRecord) -> None:
         """Learn from a finished step: its own goodput, plus free drafts scored after the fact."""
         _check_record(record, self._index)
-        estimates = self._free_estimates(record)
         with self._lock:
-            state = self._domain(record.domain)
+            free = self._free_rewards(record)
+            for domain in sorted(set(free) | {record.domain}, key=lambda d: d != record.domain):
+                self._learn(domain, record if domain == record.domain else None, free.get(domain, []))
+
+    def _learn(self, domain: str, record: StepRecord | None, free: list[tuple[int, int, float]]) -> None:
+        """Bandit rounds of `domain`: the arm that ran (if `record`) and the free scorings resolved
+        now, one reward per arm per round (an arm resolved twice gets a second round)."""
+        state = self._domain(domain)
+        rounds: list[dict[int, float]] = [{}]
+        deltas: dict[str, ArmDelta] = {}
+        if record is not None:
             goodput = record.emitted / record.seconds
             state.scale.add(goodput)
             ran = self._index[record.arm]
-            rewards = {ran: state.scale.reward(goodput)}
-            deltas = {str(record.arm): ArmDelta(pulls=1, goodput_sum=goodput, seconds_sum=record.seconds)}
-            for i, emitted in estimates.items():
-                seconds = self._step_seconds(state, i, record.seconds)
-                rewards[i] = state.scale.reward(emitted / seconds)
-                deltas[str(self.arms[i])] = ArmDelta(scored=1)
-                state.tallies[i].scored += 1
-            state.bandit.update_many(rewards)
-            for i, r in rewards.items():
-                d = deltas[str(self.arms[i])]
-                d.reward_n, d.reward_sum, d.reward_sumsq = 1.0, r, r * r
+            rounds[0][ran] = state.scale.reward(goodput)
+            deltas[str(record.arm)] = ArmDelta(pulls=1, goodput_sum=goodput, seconds_sum=record.seconds)
             t = state.tallies[ran]
             t.pulls += 1
             t.goodput_sum += goodput
             t.seconds_sum += record.seconds
             state.steps += 1
-            self._persist(record.domain, deltas, state.scale.scale)
+        for i, emitted, seconds in free:
+            reward = state.scale.reward(emitted / self._step_seconds(state, i, seconds))
+            slot = next((r for r in rounds if i not in r), None)
+            if slot is None:
+                slot = {}
+                rounds.append(slot)
+            slot[i] = reward
+            state.tallies[i].scored += 1
+        for rewards in rounds:
+            if not rewards:
+                continue
+            state.bandit.update_many(rewards)
+            for i, r in rewards.items():
+                d = deltas.setdefault(str(self.arms[i]), ArmDelta())
+                d.reward_n += 1.0
+                d.reward_sum += r
+                d.reward_sumsq += r * r
+        for i, _, _ in free:
+            deltas[str(self.arms[i])].scored += 1
+        if deltas:
+            self._persist(domain, deltas, state.scale.scale)
 
     def _persist(self, domain: str, deltas: dict[str, ArmDelta], scale: float | None) -> None:
         if self.store is None or self._store_failed:

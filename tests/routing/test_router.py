@@ -1,6 +1,8 @@
 """BanditRouter and FixedRouter: per-domain learning, shared prior, full-information scoring."""
 from __future__ import annotations
 
+import dataclasses
+
 import random
 import warnings
 
@@ -252,3 +254,29 @@ def test_fixed_router_always_returns_its_arm_and_tallies():
     assert router.summary() == {"tool": {"ngram@4": {"pulls": 1, "mean_goodput": pytest.approx(40.0)}}}
     with pytest.raises(ValueError, match="arm"):
         FixedRouter("ngram")
+
+
+def test_full_information_waits_for_the_tokens_that_score_a_proposal():
+    """A plain step verifies one token; a copy draft that matches it may match more. Scored at
+    once it would be capped at 2 tokens; the router waits for later steps of the request."""
+    script = list(range(200, 260))
+    draft = CopyDraft(script)  # proposes the script's continuation: always right here
+    router = BanditRouter([Arm("ngram", 4)], free_drafts={"ngram": draft})
+    seq = script[:10]
+
+    def live(ctx):  # the engine passes the request's live token list, not a copy
+        return dataclasses.replace(record("rag", NONE, 1, 0.05, context_len=ctx), sequence=seq)
+
+    router.update(live(9))
+    assert router.summary()["rag"]["ngram@4"]["scored"] == 0, "1 of 4 proposed tokens verified: not scored yet"
+    for ctx in range(10, 13):  # three more plain steps of the same request extend the live list
+        seq.append(script[ctx])
+        router.update(live(ctx))
+    s = router.summary()["rag"]["ngram@4"]
+    assert s["scored"] == 1, "the first step's proposal is scored once its 4 tokens are verified"
+    # It would have emitted 5 tokens in a 0.05 s step (100 tok/s) against plain decoding's 20.
+    assert s["mean_reward"] == pytest.approx(1.0)
+    # A new request (another token list) scores the three proposals left of the old one as they
+    # stand, and its own at once: its first verified token already contradicts it.
+    router.update(record("rag", NONE, 1, 0.05, context_len=3, sequence=[1, 2, 3, 4]))
+    assert router.summary()["rag"]["ngram@4"]["scored"] == 1 + 3 + 1
