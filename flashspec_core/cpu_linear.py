@@ -1,11 +1,11 @@
 """A CPU linear layer whose cost grows slowly with the number of rows, so verifying γ+1 tokens pays.
 
 Why: with fp32 weights on CPU, `F.linear` on 1–4 rows runs as row-by-row GEMV on one thread and
-streams the whole weight matrix from memory once per row; a decode step of the default model then
-costs ~47 ms of matmul for 1 token and ~95 ms for 3 (2 cores, MKL, measured in BENCHMARKS.md). Read as
-blocks of output rows, `[out/c, c, in]`, the same weight goes through one batched matmul that splits
-the blocks over the cores and reuses each block, in cache, for every row: ~28 ms for 1 token and
-~40 ms for 5. The reduction over `in` is the same dot product; only the BLAS kernel changes, which
+streams the whole weight matrix from memory once per row; a forward of the default model then
+costs 61 ms for 1 token and 121 ms for 3 (2 cores, MKL; BENCHMARKS.md, "CPU forward cost"). Read
+as blocks of output rows, `[out/c, c, in]`, the same weight goes through one batched matmul that
+splits the blocks over the cores and reuses each block, in cache, for every row: 40 ms for 1
+token, 57 ms for 3. The reduction over `in` is the same dot product; only the BLAS kernel changes, which
 moves results by float rounding (the greedy tests against `generate` cover it).
 
 Only plain `nn.Linear` modules with fp32 CPU weights are swapped (quantized subclasses, GPUs and
@@ -50,13 +50,14 @@ class BlockedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
 
 
-def _block_for(linear: nn.Linear) -> int | None:
-    w = linear.weight
-    if type(linear) is not nn.Linear or w.device.type != "cpu" or w.dtype != torch.float32:
+def _block_for(module: nn.Module) -> int | None:
+    """The block size for a plain fp32 CPU `nn.Linear` whose rows it divides; None for anything else."""
+    if type(module) is not nn.Linear:
         return None
-    if not w.is_contiguous():
+    w = module.weight
+    if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
         return None
-    return next((c for c in BLOCK_ROWS if linear.out_features % c == 0 and linear.out_features > c), None)
+    return next((c for c in BLOCK_ROWS if module.out_features % c == 0 and module.out_features > c), None)
 
 
 def use_blocked_linear(model: nn.Module) -> int:
@@ -64,7 +65,7 @@ def use_blocked_linear(model: nn.Module) -> int:
     swaps = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            block = _block_for(child) if isinstance(child, nn.Linear) else None
+            block = _block_for(child)
             if block is not None:
                 swaps.append((parent, name, BlockedLinear(child, block)))
     for parent, name, blocked in swaps:

@@ -70,7 +70,8 @@ class SpecEngine:
         self.context_window = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)
         self._lock = threading.Lock()
         self._owner: int | None = None
-        self._kept: CachedModel | None = None  # the last single-prompt request's KV cache (prefix reuse)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._target_runner = CachedModel(target.model, pad)  # kept across requests: prefix reuse
 
     @classmethod
     def from_default(cls) -> "SpecEngine":
@@ -255,22 +256,6 @@ class SpecEngine:
         probs = None if proposal.probs is None else proposal.probs[:, :g].to(device)
         return tokens.view(len(seqs), g), probs
 
-    def _target_cache(self, batch_size: int) -> CachedModel:
-        """The target's cache for a request; a single prompt reuses the previous one's.
-
-        Agent steps resend the same system prompt, tool list or document at every call, so the
-        next request usually starts with what the last one held: `forward_to` keeps the common
-        prefix and feeds only the rest (the reused keys and values are those of the same tokens at
-        the same positions). Batches get a fresh cache and are not kept.
-        """
-        kept, self._kept = self._kept, None
-        if batch_size == 1 and kept is not None:
-            return kept
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        target = CachedModel(self.target_model, pad)
-        target.reset(batch_size)
-        return target
-
     def _prefill(self, target: CachedModel, prompts, stats) -> None:
         """Feed each prompt but its last token before the first step, timed apart from the steps.
 
@@ -288,7 +273,8 @@ class SpecEngine:
             st.prefill_seconds = st.seconds = seconds
 
     def _decode(self, prompts, max_new_tokens, sampling, stops, domain, constraint=None):
-        target = self._target_cache(len(prompts))
+        target = self._target_runner
+        target.begin(len(prompts))  # a single prompt reuses the previous request's common prefix
         for d in self.drafts.values():
             d.begin(prompts)
             if hasattr(d, "bind_constraint"):  # drafts that read the grammar state (constrained/)
@@ -347,10 +333,8 @@ class SpecEngine:
         except GeneratorExit:  # a stream closed early, between steps: the cache is consistent
             raise
         except BaseException:  # mid-forward: the cache may hold half a step; never reuse it
-            target = None
+            target.reset(1)
             raise
         finally:
-            if target is not None and len(prompts) == 1:
-                self._kept = target
             for d in self.drafts.values():
                 d.end(prompts, [r.token_ids for r in rows])

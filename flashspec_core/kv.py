@@ -44,6 +44,14 @@ class CachedModel:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.reset(1)
 
+    def begin(self, batch_size: int) -> None:
+        """Start a request. A single prompt keeps what the previous single-prompt request left,
+        so `forward_to` reuses their common prefix (an agent's steps resend the same system
+        prompt, tools and document; the kept keys and values are those of the same tokens at the
+        same positions); a batch, or a single prompt after a batch, starts afresh."""
+        if batch_size != 1 or len(self.held) != 1:
+            self.reset(batch_size)
+
     def reset(self, batch_size: int) -> None:
         self.cache = DynamicCache()
         self.held: list[list[int]] = [[] for _ in range(batch_size)]
@@ -66,7 +74,7 @@ class CachedModel:
 
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
         """How many leading tokens of `sequence` row `row` already holds (reusable as they are)."""
-        return _common_prefix(self.held[row], sequence) if row < len(self.held) else 0
+        return _common_prefix(self.held[row], sequence)
 
     @torch.inference_mode()
     def forward_to(

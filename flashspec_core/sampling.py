@@ -3,8 +3,9 @@
 The target and every draft go through `logprobs_from_logits`, so the p the verifier tests against
 and the q a draft claims are processed identically: temperature on the logits before the softmax,
 then top-k, then top-p (nucleus) on what remains. The repetition penalty depends on the prefix,
-so the engine applies it to the target's logits along each draft path first (penalty.py). Temperature 0 means greedy: a one-hot
-distribution at the argmax (first index on ties, as `torch.argmax` and HF `generate` pick).
+so the engine applies it to the target's logits along each draft path first (penalty.py).
+Temperature 0 means greedy: a one-hot distribution at the argmax (first index on ties, as
+`torch.argmax` and HF `generate` pick).
 """
 from __future__ import annotations
 

@@ -69,10 +69,7 @@ class ModelDraft:
         return Proposal(drafted, torch.stack(probs, dim=1))  # probs: [B, γ, V]
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
-        """A single prompt keeps the previous request's cache: its common prefix is reused (an agent's
-        steps resend the same system prompt and tools); a batch starts afresh."""
-        if len(prompts) != 1 or len(self._runner.held) != 1:
-            self._runner.reset(len(prompts))
+        self._runner.begin(len(prompts))
 
     def end(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
-        """The cache stays for the next request's common prefix (see `begin`)."""
+        """The cache stays for the next request's common prefix (CachedModel.begin)."""

@@ -10,8 +10,9 @@ high quantile of that domain's measured goodput (robust to one freak fast step, 
 Deterministic drafts (prompt lookup, suffix cache) are cheap to run and have no side effects, so
 after every step the router also asks each of them what it would have proposed from the same
 context and scores that against the tokens verified from there on, once enough of them are
-known (full-information updates): their arms learn on every step, whichever arm ran. Only the finished step is used, never the current
-one (exactness invariant): `update` runs after the step's tokens are final.
+known (full-information updates): their arms learn on every step, whichever arm ran. Only
+finished steps are used, never the current one (exactness invariant): `update` runs after the
+step's tokens are final.
 
 `FixedRouter` always returns one arm; it is the engine's baseline and fallback.
 """
@@ -36,7 +37,7 @@ from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 DEFAULT_DISCOUNT = 0.995
 ALGORITHMS = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted")
 _SCALE_WINDOW = 256
-_MAX_PENDING = 64  # free-arm scorings waiting for verified tokens; older ones are scored as they stand
+_MAX_PENDING = 64  # free-arm scorings waiting for verified tokens; past this, all are scored as they stand
 _SCALE_QUANTILE = 0.95
 
 
@@ -364,6 +365,7 @@ class BanditRouter:
                 rounds.append(slot)
             slot[i] = reward
             state.tallies[i].scored += 1
+            deltas.setdefault(str(self.arms[i]), ArmDelta()).scored += 1
         for rewards in rounds:
             if not rewards:
                 continue
@@ -373,8 +375,6 @@ class BanditRouter:
                 d.reward_n += 1.0
                 d.reward_sum += r
                 d.reward_sumsq += r * r
-        for i, _, _ in free:
-            deltas[str(self.arms[i])].scored += 1
         if deltas:
             self._persist(domain, deltas, state.scale.scale)
 
