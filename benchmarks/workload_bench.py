@@ -13,7 +13,10 @@ produce the same tokens; the table says how many steps matched HF exactly.
 Tool and RAG steps get the domain hint an adapter would pass (demo.ADAPTER_HINTS); chat and
 code are classified.
 
-    python benchmarks/workload_bench.py --steps 16 --warmup 12 --max-new-tokens 64 --out bench_out/workload
+    python benchmarks/workload_bench.py --steps 16 --warmup 48 --max-new-tokens 48 --out bench_out/workload
+    python benchmarks/workload_bench.py --fixed prompt_lookup@4,distill_chat@2 ...   # plain + these fixed arms
+
+results.json keeps the table, the warm router's arm per step and its `router_summary()`.
 """
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=12, help="untimed steps before the measured ones (0: none)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gammas", default="2,4,8")
-    parser.add_argument("--fixed", default=None, help="comma list of draft names to pin as fixed arms (default: the whole pool)")
+    parser.add_argument("--fixed", default=None,
+                        help="comma list of drafts (every γ) or arms (name@γ) to pin as fixed arms (default: the whole pool)")
     parser.add_argument("--no-fixed", action="store_true", help="skip the fixed-arm configurations")
     parser.add_argument("--out", default="bench_out/workload")
     args = parser.parse_args()
@@ -64,6 +68,12 @@ def main() -> None:
     gammas = [int(g) for g in args.gammas.split(",")]
     target = load_target(None)
     names = args.fixed.split(",") if args.fixed else [d.name for d in default_drafts(target)]
+    fixed = [Arm(NO_DRAFT, 0)]
+    for name in names:
+        draft, _, gamma = name.partition("@")
+        if draft == NO_DRAFT:
+            continue  # always a fixed arm
+        fixed += [Arm(draft, int(gamma))] if gamma else [Arm(draft, g) for g in gammas]
 
     def pool():
         return default_drafts(target)
@@ -76,7 +86,7 @@ def main() -> None:
     engines = {"hf_generate": SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)))}
     engines["hf_prompt_lookup"] = engines["hf_generate"]
     if not args.no_fixed:
-        for arm in [Arm(NO_DRAFT, 0)] + [Arm(n, g) for n in names for g in gammas]:
+        for arm in fixed:
             key = f"fixed:{arm}"
             engines[key] = SpecEngine(target, pool(), router=FixedRouter(arm), gammas=gammas)
             configs[key] = lambda e: engine_run(e, steps)
@@ -95,10 +105,10 @@ def main() -> None:
             rows.append({"domain": step.domain, "tokens": tokens, "seconds": seconds,
                          "arms": stats.arms if stats else None, "resolved": stats.domain if stats else None})
         results[key] = rows
-    report(results, steps, Path(args.out), args)
+    report(results, steps, Path(args.out), args, engines["router (warm)"].router_summary())
 
 
-def report(results, steps, out: Path, args) -> None:
+def report(results, steps, out: Path, args, router_summary) -> None:
     out.mkdir(parents=True, exist_ok=True)
     reference = [r["tokens"] for r in results["hf_generate"]]
     domains = sorted({s.domain for s in steps})
@@ -119,7 +129,8 @@ def report(results, steps, out: Path, args) -> None:
         print(f"{key:<26}" + "".join(f"{rates[d]:>9.1f}" for d in domains)
               + f"{overall:>9.1f}{overall / base['overall']:>6.2f}x{same:>4}/{len(rows)}")
     (out / "results.json").write_text(json.dumps({"table": table, "router_arms": [
-        {"domain": r["domain"], "resolved": r["resolved"], "arms": r["arms"]} for r in results["router (warm)"]]}, indent=1))
+        {"domain": r["domain"], "resolved": r["resolved"], "arms": r["arms"]} for r in results["router (warm)"]],
+        "router_summary": router_summary}, indent=1))
     plot(table, results["router (warm)"], domains, out)
 
 

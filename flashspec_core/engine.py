@@ -246,15 +246,16 @@ class SpecEngine:
         return gen
 
     def _propose(self, arm: Arm, seqs, active, gamma: int, sampling, gen):
-        """Returns draft tokens [B, g] (g = shortest active proposal) and q [B, g, V] or None."""
+        """Returns draft tokens [B, g] (g = shortest active proposal), q [B, g, V] or None, and
+        the draft's catch-up seconds."""
         device = self.target_model.get_output_embeddings().weight.device
         if arm.draft == NO_DRAFT or gamma <= 0:
-            return torch.empty((len(seqs), 0), dtype=torch.long, device=device), None
+            return torch.empty((len(seqs), 0), dtype=torch.long, device=device), None, 0.0
         proposal = self.drafts[arm.draft].propose(seqs, gamma, sampling, gen)
         g = min(len(t) for t, a in zip(proposal.tokens, active) if a)
         tokens = torch.tensor([(t[:g] + [0] * g)[:g] for t in proposal.tokens], dtype=torch.long, device=device)
         probs = None if proposal.probs is None else proposal.probs[:, :g].to(device)
-        return tokens.view(len(seqs), g), probs
+        return tokens.view(len(seqs), g), probs, proposal.catchup_seconds
 
     def _prefill(self, target: CachedModel, prompts, stats) -> None:
         """Feed each prompt but its last token before the first step, timed apart from the steps.
@@ -292,7 +293,8 @@ class SpecEngine:
                 arm = self.router.select(domain)
                 remaining = min(r.max_new_tokens - len(r.token_ids) for r, a in zip(rows, active) if a)
                 t0 = time.perf_counter()
-                draft_tokens, draft_probs = self._propose(arm, seqs, active, min(arm.gamma, remaining - 1), sampling, gen)
+                draft_tokens, draft_probs, catchup = self._propose(
+                    arm, seqs, active, min(arm.gamma, remaining - 1), sampling, gen)
                 g = draft_tokens.shape[1]
                 t1 = time.perf_counter()
                 dl = draft_tokens.tolist()
@@ -322,6 +324,7 @@ class SpecEngine:
                     context_len=context_len,
                     sequence=seqs[context_row],
                     rows=sum(active),
+                    catchup_seconds=catchup,
                 )
                 self.router.update(record)
                 for b in (b for b, a in enumerate(active) if a):

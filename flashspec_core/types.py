@@ -38,6 +38,9 @@ class Proposal:
 
     tokens: list[list[int]]
     probs: torch.Tensor | None = None
+    # Seconds a model draft spent feeding context it had not seen since it last ran (the prompt,
+    # or the steps other drafts took): the price of switching to it, not of its steps.
+    catchup_seconds: float = 0.0
 
 
 @dataclass
@@ -59,10 +62,16 @@ class StepRecord:
     context_len: int = 0
     sequence: Sequence[int] = field(default_factory=list, repr=False)
     rows: int = 1  # active rows of the batch; drafted/accepted/emitted are summed over them
+    catchup_seconds: float = 0.0  # part of draft_seconds: see Proposal.catchup_seconds
 
     @property
     def seconds(self) -> float:
         return self.draft_seconds + self.verify_seconds
+
+    @property
+    def steady_seconds(self) -> float:
+        """What the step would have cost had its draft also run the step before."""
+        return self.seconds - self.catchup_seconds
 
 
 class Router(Protocol):

@@ -141,3 +141,19 @@ def _check_model_draft(tiny_draft_model, contexts, gamma, steps, sampling, seed)
             assert all(q[b, j, t] > 0 for j, t in enumerate(tokens[b]))
             if sampling.greedy:
                 assert tokens[b] == q[b].argmax(-1).tolist()
+
+
+def test_model_draft_times_catching_up_apart_from_drafting(tiny_draft_model):
+    """Feeding context the draft has not seen (the prompt; steps other drafts took) is reported
+    as catch-up, which the router does not charge to the arm; a step after its own is not."""
+    draft = ModelDraft(tiny_draft_model, name="tiny", pad_token_id=15)
+    context = [1, 2, 3, 4, 5, 6, 7, 8]
+    draft.begin([context])
+    first = draft.propose([context], 3, SamplingParams())
+    assert first.catchup_seconds > 0
+    # The engine's next step: two of the three accepted plus the target's token.
+    context = context + first.tokens[0][:2] + [9]
+    assert draft.propose([context], 3, SamplingParams()).catchup_seconds == 0.0
+    # Another arm ran for a few steps: five tokens the draft never saw.
+    context = context + [10, 11, 12, 13, 14]
+    assert draft.propose([context], 3, SamplingParams()).catchup_seconds > 0

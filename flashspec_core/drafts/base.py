@@ -18,8 +18,9 @@ from flashspec_core.types import Proposal
 @runtime_checkable
 class DraftSource(Protocol):
     name: str
-    # True when q is one-hot and proposing has no side effects: the router may then score this
-    # draft after the fact on every step, whichever arm ran (full-information updates).
+    # True when q is one-hot, proposing has no side effects and a γ proposal is the head of the
+    # proposal for any larger γ: the router may then score this draft after the fact on every
+    # step, whichever arm ran, from one call at its largest γ (full-information updates).
     deterministic: bool
 
     def propose(

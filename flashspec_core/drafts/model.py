@@ -6,6 +6,7 @@ cache follows the verified sequence: whatever the verifier rejected is rolled ba
 """
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -49,24 +50,33 @@ class ModelDraft:
         rows = [list(c) for c in contexts]
         head = self.head_ids
         tokens, probs = [], []
-        for _ in range(gamma):
-            try:
+        catchup = 0.0
+        try:
+            # A draft that ran the step before has at most that step's last draft token and the
+            # target's token to feed; more (the prompt, or steps other drafts took) is fed first,
+            # timed apart, so the router can tell the price of switching from that of drafting.
+            behind = [len(r) - self._runner.prefix_len(b, r) > 2 for b, r in enumerate(rows)]
+            if any(behind):
+                start = time.perf_counter()
+                self._runner.forward_to([r[:-1] for r in rows], behind, keep_logits=1)
+                catchup = time.perf_counter() - start
+            for _ in range(gamma):
                 logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, V] or [B, K]
-            except BaseException:  # the cache may hold half a forward: start the next call afresh
-                self._runner.reset(len(rows))
-                raise
-            q = probs_from_logits(logits, sampling)  # same shape
-            if sampling.greedy:
-                pick = q.argmax(-1)
-            else:
-                pick = torch.multinomial(q, 1, generator=generator).squeeze(-1)
-            token = pick if head is None else head[pick]  # [B]
-            tokens.append(token)
-            probs.append(q if head is None else self._full_q(q, head))
-            for row, t in zip(rows, token.tolist()):
-                row.append(t)
+                q = probs_from_logits(logits, sampling)  # same shape
+                if sampling.greedy:
+                    pick = q.argmax(-1)
+                else:
+                    pick = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+                token = pick if head is None else head[pick]  # [B]
+                tokens.append(token)
+                probs.append(q if head is None else self._full_q(q, head))
+                for row, t in zip(rows, token.tolist()):
+                    row.append(t)
+        except BaseException:  # the cache may hold half a forward: start the next call afresh
+            self._runner.reset(len(rows))
+            raise
         drafted = torch.stack(tokens, dim=1).tolist()  # [B, γ]
-        return Proposal(drafted, torch.stack(probs, dim=1))  # probs: [B, γ, V]
+        return Proposal(drafted, torch.stack(probs, dim=1), catchup)  # probs: [B, γ, V]
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
         self._runner.begin(len(prompts))

@@ -268,26 +268,32 @@ class ThompsonSampling(Bandit):
     """
 
     algorithm = "thompson"
-    # Normal-Gamma prior: mean 0.5 worth one observation; Gamma(1, 0.25) on the precision, so an
-    # unseen arm's mean is drawn with a spread comparable to the whole [0, 1] range.
-    _MU0, _KAPPA0, _ALPHA0, _BETA0 = 0.5, 1.0, 1.0, 0.25
+    # Normal-Gamma prior: mean 0.5 worth one observation; Gamma(1, prior_sd**2) on the precision.
+    _MU0, _KAPPA0, _ALPHA0 = 0.5, 1.0, 1.0
 
     def __init__(
         self,
         n_arms: int,
         *,
         posterior: str = "auto",
+        prior_sd: float = 0.5,
         discount: float = 1.0,
         window: int | None = None,
         seed: int | None = None,
     ) -> None:
+        """prior_sd: the spread of one reward that the Normal-Gamma prior expects. The default
+        0.5 spans the whole [0, 1] range; rewards that vary less (goodput on a fixed scale) want
+        a smaller value, or the prior keeps the posterior wide for hundreds of pulls."""
         super().__init__(n_arms, discount=discount, window=window, seed=seed)
         if posterior not in _POSTERIORS:
             raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
+        if isinstance(prior_sd, bool) or not isinstance(prior_sd, (int, float)) or not prior_sd > 0:
+            raise ValueError(f"prior_sd must be a number > 0, got {prior_sd!r}")
         self.posterior = posterior
+        self.prior_sd = float(prior_sd)
 
     def _params(self) -> dict[str, Any]:
-        return {"posterior": self.posterior}
+        return {"posterior": self.posterior, "prior_sd": self.prior_sd}
 
     def _uses_beta(self) -> bool:
         return self.posterior == "beta" or (self.posterior == "auto" and self.binary)
@@ -300,7 +306,8 @@ class ThompsonSampling(Bandit):
                 rng.betavariate(1.0 + s, 1.0 + max(0.0, c - s))
                 for s, c in zip(self.sums, self.counts)
             ]
-        mu0, k0, a0, b0 = self._MU0, self._KAPPA0, self._ALPHA0, self._BETA0
+        mu0, k0, a0 = self._MU0, self._KAPPA0, self._ALPHA0
+        b0 = a0 * self.prior_sd ** 2
         draws = []
         for s, q, c in zip(self.sums, self.sumsqs, self.counts):
             kn = k0 + c

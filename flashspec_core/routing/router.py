@@ -4,15 +4,22 @@
 a schema) is rarely the one that pays for chat. The reward is goodput, tokens emitted per second
 of step time (draft + verify), because acceptance alone ignores what drafting costs: a long γ
 with a slow draft can accept more and still be slower than plain decoding, which is why
-`Arm(NO_DRAFT, 0)` is always an arm. Goodput is normalised per domain into [0, 1] by a running
-high quantile of that domain's measured goodput (robust to one freak fast step, unlike a max).
+`Arm(NO_DRAFT, 0)` is always an arm. A step's goodput is its tokens emitted over the arm's mean
+step time in the domain, so that the rewards average to the arm's throughput (Σ emitted /
+Σ seconds, what the user waits on); emitted / own seconds would also carry the timer's jitter.
+Goodput is normalised per domain into [0, 1] in units of plain decoding's goodput there (one
+token per measured one-token verify pass): a fixed yardstick, so an arm's rewards do not drift
+with what the other arms happened to do while it ran.
 
-Deterministic drafts (prompt lookup, suffix cache) are cheap to run and have no side effects, so
-after every step the router also asks each of them what it would have proposed from the same
-context and scores that against the tokens verified from there on, once enough of them are
-known (full-information updates): their arms learn on every step, whichever arm ran. Only
-finished steps are used, never the current one (exactness invariant): `update` runs after the
-step's tokens are final.
+Deterministic drafts (prompt lookup, suffix cache) are scored after the fact on every step,
+whichever arm ran (full-information updates, copy_scoring.py). Such a step is charged what
+proposing took plus the domain's measured time of a verify pass over as many tokens, so a copy
+draft that found nothing costs what plain decoding does. A model draft's step also scores the
+same draft at every smaller γ: its first γ' proposals and their
+accept decisions are exactly what a γ' step would have drafted and decided, so the smaller arm
+would have emitted min(accepted, γ') + 1 tokens, in a γ'/γ share of the drafting time plus the
+measured time of verifying γ' + 1 tokens. Only finished steps are used, never the current one
+(exactness invariant): `update` runs after the step's tokens are final.
 
 `FixedRouter` always returns one arm; it is the engine's baseline and fallback.
 """
@@ -22,23 +29,23 @@ import sqlite3
 import threading
 import warnings
 import zlib
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.routing.bandits import UCB1, ThompsonSampling, Bandit
+from flashspec_core.routing.copy_scoring import CopyScorer
 from flashspec_core.routing.store import ArmDelta, RouterStore
-from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 
 # Evidence half-life of ~140 steps within a domain: on the switching simulation (benchmarks/
 # bandit_sim.py) 0.995 lost less than 0.98 or 0.99 (more exploration) and no more than 0.998.
 DEFAULT_DISCOUNT = 0.995
 ALGORITHMS = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted")
-_SCALE_WINDOW = 256
-_MAX_PENDING = 64  # free-arm scorings waiting for verified tokens; past this, all are scored as they stand
-_SCALE_QUANTILE = 0.95
+# Goodput maps to reward 1 at this many tokens per plain step's time: plain decoding scores 1/4,
+# a step four times as productive scores 1 (rarer, richer copy steps are clipped there), which
+# keeps rewards near the middle of [0, 1] where the Thompson prior is centred.
+_TOKENS_AT_REWARD_ONE = 4.0
 
 
 def _check_record(record: StepRecord, index: Mapping[Arm, int]) -> None:
@@ -50,6 +57,11 @@ def _check_record(record: StepRecord, index: Mapping[Arm, int]) -> None:
         raise ValueError(f"record.arm {record.arm} is not one of the router's arms {list(index)}")
     if record.emitted < 0:
         raise ValueError(f"record.emitted must be >= 0, got {record.emitted}")
+    if not 0.0 <= record.catchup_seconds <= record.draft_seconds:
+        raise ValueError(
+            f"record.catchup_seconds must be within [0, draft_seconds={record.draft_seconds}], "
+            f"got {record.catchup_seconds}"
+        )
     if not record.seconds > 0:
         raise ValueError(
             f"record.seconds (draft_seconds + verify_seconds) must be > 0, got {record.seconds}; "
@@ -83,31 +95,6 @@ class FixedRouter:
         }
 
 
-class _GoodputScale:
-    """Per-domain reward scale: a high quantile of the last few hundred measured goodputs."""
-
-    def __init__(self, initial: float | None = None) -> None:
-        self.values: deque[float] = deque(maxlen=_SCALE_WINDOW)
-        if initial is not None and initial > 0:
-            self.values.append(float(initial))
-
-    def add(self, goodput: float) -> None:
-        self.values.append(goodput)
-
-    @property
-    def scale(self) -> float | None:
-        if not self.values:
-            return None
-        ordered = sorted(self.values)
-        return ordered[min(len(ordered) - 1, int(_SCALE_QUANTILE * len(ordered)))]
-
-    def reward(self, goodput: float) -> float:
-        scale = self.scale
-        if not scale or scale <= 0:
-            return 1.0 if goodput > 0 else 0.0
-        return min(1.0, max(0.0, goodput / scale))
-
-
 @dataclass
 class _Tally:
     """Raw (un-normalised) per-(domain, arm) counters for `summary()` and step-time estimates."""
@@ -116,26 +103,24 @@ class _Tally:
     scored: int = 0
     goodput_sum: float = 0.0
     seconds_sum: float = 0.0
+    cost_n: int = 0  # steps run or scored, with
+    cost_sum: float = 0.0  # their measured or estimated seconds
 
-
-@dataclass
-class _Pending:
-    """Free arms' proposals from one step's context, waiting for the tokens that will score them."""
-
-    domain: str
-    sequence: Sequence[int]  # the step's live token list: later steps of the request extend it
-    context_len: int
-    rows: int
-    seconds: float  # the step's time: the stand-in for an arm with no measured time of its own
-    proposals: dict[int, list[int]]  # arm index -> proposed tokens
+    def mean_seconds(self, seconds: float) -> float:
+        """Add one step's (measured or estimated) seconds; the arm's mean step time so far."""
+        self.cost_n += 1
+        self.cost_sum += seconds
+        return self.cost_sum / self.cost_n
 
 
 @dataclass
 class _Domain:
     bandit: Bandit
-    scale: _GoodputScale
     tallies: list[_Tally]
     steps: int = 0
+    stored_scale: float | None = None  # the store's scale, until this process measures its own
+    # Tokens fed by a single-row verify pass -> [passes, seconds]: the verify cost of a γ never run.
+    verify: dict[int, list[float]] = field(default_factory=dict)
 
 
 class BanditRouter:
@@ -201,11 +186,9 @@ class BanditRouter:
         self.prior_weight = float(prior_weight)
         self.seed = seed
         self._index = {a: i for i, a in enumerate(self.arms)}
-        # Arms scored for free on every step: (arm index, draft, γ).
-        self._free = [(i, free_drafts[a.draft], a.gamma)
-                      for i, a in enumerate(self.arms) if a.draft in free_drafts]
+        self._copies = CopyScorer(self.arms, free_drafts)
+        self._free_names = frozenset(free_drafts) | {NO_DRAFT}
         self._domains: dict[str, _Domain] = {}
-        self._pending: deque[_Pending] = deque()
         self._lock = threading.Lock()
         self._store_failed = False
         if store is not None:
@@ -213,8 +196,14 @@ class BanditRouter:
 
     def _new_bandit(self, domain: str) -> Bandit:
         seed = None if self.seed is None else (self.seed * 1_000_003 + zlib.crc32(domain.encode())) % 2**63
-        cls = ThompsonSampling if self.algorithm.startswith("thompson") else UCB1
-        return cls(len(self.arms), discount=self.discount, seed=seed)
+        if self.algorithm.startswith("thompson"):
+            # One step's reward on this scale varies by about 0.1 (plain decoding earns 0.25, a
+            # draft step 0.1-0.5): a prior sized for [0, 1] would keep posteriors wide for
+            # hundreds of steps and the router exploring.
+            return ThompsonSampling(len(self.arms), prior_sd=0.1, discount=self.discount, seed=seed)
+        # UCB1's bonus is sized for rewards spread over [0, 1]; these spread over about [0, 0.5],
+        # so the bonus is halved: exploration 2 * 0.5**2.
+        return UCB1(len(self.arms), exploration=0.5, discount=self.discount, seed=seed)
 
     def _cap(self) -> float:
         """Most evidence a discounted bandit can hold per arm (its effective memory)."""
@@ -224,8 +213,7 @@ class BanditRouter:
         names = {str(a): i for i, a in enumerate(self.arms)}
         for domain, stats in store.load().items():
             state = self._domains[domain] = _Domain(
-                self._new_bandit(domain), _GoodputScale(stats.scale),
-                [_Tally() for _ in self.arms], stats.steps,
+                self._new_bandit(domain), [_Tally() for _ in self.arms], stats.steps, stats.scale,
             )
             n, s, q = [0.0] * len(self.arms), [0.0] * len(self.arms), [0.0] * len(self.arms)
             for arm_name, d in stats.arms.items():
@@ -234,7 +222,7 @@ class BanditRouter:
                     continue  # an arm this router was not configured with
                 shrink = min(1.0, self._cap() / d.reward_n)
                 n[i], s[i], q[i] = d.reward_n * shrink, d.reward_sum * shrink, d.reward_sumsq * shrink
-                state.tallies[i] = _Tally(d.pulls, d.scored, d.goodput_sum, d.seconds_sum)
+                state.tallies[i] = _Tally(d.pulls, d.scored, d.goodput_sum, d.seconds_sum, d.pulls, d.seconds_sum)
             state.bandit.add_prior(n, s, q)
             state.bandit.steps = min(max(state.bandit.steps, float(stats.steps)), self._cap())
 
@@ -256,7 +244,7 @@ class BanditRouter:
                 n[i], s[i], q[i] = n[i] * shrink, s[i] * shrink, q[i] * shrink
         if any(n):
             bandit.add_prior(n, s, q)
-        state = self._domains[domain] = _Domain(bandit, _GoodputScale(), [_Tally() for _ in range(k)])
+        state = self._domains[domain] = _Domain(bandit, [_Tally() for _ in range(k)])
         return state
 
     def select(self, domain: str) -> Arm:
@@ -266,79 +254,67 @@ class BanditRouter:
         with self._lock:
             return self.arms[self._domain(domain).bandit.select()]
 
-    def _step_seconds(self, domain: _Domain, i: int, fallback: float) -> float:
-        """Mean measured step time of arm i: this domain's; else that of this domain's free arms of
-        the same γ (copy drafts cost next to nothing, so their steps cost what verifying γ + 1
-        tokens does); else arm i's in all domains; else `fallback`."""
+    def _free_seconds(self, domain: _Domain, i: int, proposed: int, draft_seconds: float, fallback: float) -> float:
+        """What a step of free arm i proposing `proposed` tokens would have cost: its measured
+        drafting time plus this domain's mean single-row verify pass over `proposed` + 1 tokens.
+        Before such a pass has been measured: arm i's mean step time in this domain, else in all
+        domains, else `fallback` (the step's own time)."""
+        n, total = domain.verify.get(proposed + 1, (0, 0.0))
+        if n:
+            return draft_seconds + total / n
         t = domain.tallies[i]
         if t.pulls:
             return t.seconds_sum / t.pulls
-        gamma = self.arms[i].gamma
-        peers = [domain.tallies[j] for j, _, g in self._free if g == gamma and domain.tallies[j].pulls]
-        if peers:
-            return sum(p.seconds_sum for p in peers) / sum(p.pulls for p in peers)
         pulls = sum(d.tallies[i].pulls for d in self._domains.values())
         if pulls:
             return sum(d.tallies[i].seconds_sum for d in self._domains.values()) / pulls
         return fallback
 
-    def _propose_free(self, record: StepRecord) -> _Pending | None:
-        """What each free arm would have proposed from this step's context, to score later."""
-        ctx, seq = record.context_len, record.sequence
-        if not self._free or ctx <= 0 or len(seq) <= ctx:
-            return None
-        context = [int(t) for t in seq[:ctx]]  # a copy: drafts must not see or touch the live list
-        sampling = SamplingParams()
-        proposals = {i: [int(t) for t in draft.propose([list(context)], gamma, sampling).tokens[0][:gamma]]
-                     for i, draft, gamma in self._free if self.arms[i] != record.arm}
-        return _Pending(record.domain, seq, ctx, record.rows, record.seconds, proposals) if proposals else None
-
-    def _resolve(self, pending: _Pending, final: bool) -> dict[int, int]:
-        """Tokens each free arm of `pending` would have emitted, for the arms whose count is known.
-
-        Emitted = matched + 1: the verifier accepts the matching prefix and then emits one target
-        token (the correction, or the bonus after a full match). The count is known once a
-        mismatch shows or every proposed token has been verified. The tokens after the step's own
-        come from later steps of the same request, which is why scoring waits for them: scored at
-        once, a draft would be capped at the one token a plain step verifies. `final` (the
-        request has moved on) scores what is left against what was verified.
-        """
-        verified = [int(t) for t in pending.sequence[pending.context_len:]]
-        out = {}
-        for i, proposal in list(pending.proposals.items()):
-            matched = 0
-            for p, v in zip(proposal, verified):
-                if p != v:
-                    break
-                matched += 1
-            if final or matched < min(len(proposal), len(verified)) or len(verified) >= len(proposal):
-                out[i] = (matched + 1) * pending.rows  # a batch step emits for every active row
-                del pending.proposals[i]
-        return out
-
-    def _free_rewards(self, record: StepRecord) -> dict[str, list[tuple[int, int, float]]]:
-        """Resolve pending free-arm scorings: domain -> [(arm index, tokens emitted, stand-in seconds)]."""
-        new = self._propose_free(record)
-        if new is not None:
-            self._pending.append(new)
-        out: dict[str, list[tuple[int, int, float]]] = {}
-        keep: deque[_Pending] = deque()
-        for pending in self._pending:
-            final = pending.sequence is not record.sequence or len(self._pending) > _MAX_PENDING
-            for i, emitted in self._resolve(pending, final).items():
-                out.setdefault(pending.domain, []).append((i, emitted, pending.seconds))
-            if pending.proposals:
-                keep.append(pending)
-        self._pending = keep
+    def _shorter_gamma(self, state: _Domain, record: StepRecord) -> list[tuple[int, int, float]]:
+        """The same model draft at each smaller γ, scored from this step: [(arm, emitted, seconds)]."""
+        drafted = record.drafted
+        if record.rows != 1 or drafted < 2 or record.arm.draft in self._free_names:
+            return []
+        out = []
+        for i, arm in enumerate(self.arms):
+            if arm.draft == record.arm.draft and arm.gamma < drafted:
+                n, total = state.verify.get(arm.gamma + 1, (0, 0.0))
+                verify = total / n if n else record.verify_seconds  # unmeasured: the longer pass's time
+                seconds = (record.draft_seconds - record.catchup_seconds) * arm.gamma / drafted + verify
+                out.append((i, min(record.accepted, arm.gamma) + 1, seconds))
         return out
 
     def update(self, record: StepRecord) -> None:
-        """Learn from a finished step: its own goodput, plus free drafts scored after the fact."""
+        """Learn from a finished step: its own goodput, the same draft at smaller γ, and free
+        drafts scored after the fact."""
         _check_record(record, self._index)
         with self._lock:
-            free = self._free_rewards(record)
+            state = self._domain(record.domain)
+            if record.rows == 1:
+                v = state.verify.setdefault(record.drafted + 1, [0, 0.0])
+                v[0] += 1
+                v[1] += record.verify_seconds
+            free: dict[str, list[tuple[int, int, float]]] = {}
+            for c in self._copies.step(record):
+                seconds = self._free_seconds(self._domain(c.domain), c.arm, c.proposed, c.draft_seconds, c.step_seconds)
+                free.setdefault(c.domain, []).append((c.arm, c.emitted, seconds))
+            free.setdefault(record.domain, []).extend(self._shorter_gamma(state, record))
             for domain in sorted(set(free) | {record.domain}, key=lambda d: d != record.domain):
                 self._learn(domain, record if domain == record.domain else None, free.get(domain, []))
+
+    @staticmethod
+    def _scale(state: _Domain) -> float | None:
+        """The goodput that earns reward 1 in this domain (tokens/s), None before any evidence."""
+        n, total = state.verify.get(1, (0, 0.0))
+        if n and total > 0:
+            return _TOKENS_AT_REWARD_ONE * n / total
+        return state.stored_scale
+
+    def _reward(self, state: _Domain, goodput: float) -> float:
+        scale = self._scale(state)
+        if not scale:  # no plain step measured yet: every arm alike (the first steps of a domain)
+            return 0.5
+        return min(1.0, goodput / scale)
 
     def _learn(self, domain: str, record: StepRecord | None, free: list[tuple[int, int, float]]) -> None:
         """Bandit rounds of `domain`: the arm that ran (if `record`) and the free scorings resolved
@@ -348,17 +324,18 @@ class BanditRouter:
         deltas: dict[str, ArmDelta] = {}
         if record is not None:
             goodput = record.emitted / record.seconds
-            state.scale.add(goodput)
             ran = self._index[record.arm]
-            rounds[0][ran] = state.scale.reward(goodput)
-            deltas[str(record.arm)] = ArmDelta(pulls=1, goodput_sum=goodput, seconds_sum=record.seconds)
             t = state.tallies[ran]
+            # Steady seconds: a model draft's catch-up is the price of switching to it, which a
+            # router that keeps the arm stops paying; charged to the arm it would bury it.
+            rounds[0][ran] = self._reward(state, record.emitted / t.mean_seconds(record.steady_seconds))
+            deltas[str(record.arm)] = ArmDelta(pulls=1, goodput_sum=goodput, seconds_sum=record.seconds)
             t.pulls += 1
             t.goodput_sum += goodput
             t.seconds_sum += record.seconds
             state.steps += 1
         for i, emitted, seconds in free:
-            reward = state.scale.reward(emitted / self._step_seconds(state, i, seconds))
+            reward = self._reward(state, emitted / state.tallies[i].mean_seconds(seconds))
             slot = next((r for r in rounds if i not in r), None)
             if slot is None:
                 slot = {}
@@ -376,7 +353,7 @@ class BanditRouter:
                 d.reward_sum += r
                 d.reward_sumsq += r * r
         if deltas:
-            self._persist(domain, deltas, state.scale.scale)
+            self._persist(domain, deltas, self._scale(state))
 
     def _persist(self, domain: str, deltas: dict[str, ArmDelta], scale: float | None) -> None:
         if self.store is None or self._store_failed:
