@@ -16,6 +16,7 @@ import torch
 from flashspec_core.drafts import DraftSource
 from flashspec_core.kv import CachedModel
 from flashspec_core.models import LoadedModel, vocab_size
+from flashspec_core.ngram_ban import ban_repeated_ngrams, json_punctuation_tokens
 from flashspec_core.penalty import penalize_paths
 from flashspec_core.prompts import PromptLike, encode_prompt, is_batch, prompt_text
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
@@ -72,6 +73,7 @@ class SpecEngine:
         self._owner: int | None = None
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._target_runner = CachedModel(target.model, pad)  # kept across requests: prefix reuse
+        self._json_tokens: torch.Tensor | None = None  # [V] bool, built on the first ban under a schema
 
     @classmethod
     def from_default(cls) -> "SpecEngine":
@@ -257,6 +259,12 @@ class SpecEngine:
         probs = None if proposal.probs is None else proposal.probs[:, :g].to(device)
         return tokens.view(len(seqs), g), probs, proposal.catchup_seconds
 
+    def _json_punctuation(self, vocab: int) -> torch.Tensor:
+        """[V] bool: tokens the n-gram ban leaves alone under a JSON schema (ngram_ban.py); built once."""
+        if self._json_tokens is None or self._json_tokens.shape[0] != vocab:
+            self._json_tokens = json_punctuation_tokens(self.tokenizer, vocab)
+        return self._json_tokens
+
     def _prefill(self, target: CachedModel, prompts, stats) -> None:
         """Feed each prompt but its last token before the first step, timed apart from the steps.
 
@@ -302,6 +310,10 @@ class SpecEngine:
                 logits = penalize_paths(logits, seqs, dl, sampling.repetition_penalty)
                 if constraint is not None:  # -inf where the grammar forbids, along each draft path
                     logits = constraint.mask_logits(logits, dl, active)
+                if sampling.no_repeat_ngram_size:
+                    outputs = [s[len(p):] for s, p in zip(seqs, prompts)]
+                    exempt = None if constraint is None else self._json_punctuation(logits.shape[-1])
+                    logits = ban_repeated_ngrams(logits, outputs, dl, sampling.no_repeat_ngram_size, exempt)
                 n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=self.verify_backend, generator=gen)
                 n_acc, out = n_acc.tolist(), out.tolist()
                 t2 = time.perf_counter()

@@ -3,7 +3,8 @@
 The target and every draft go through `logprobs_from_logits`, so the p the verifier tests against
 and the q a draft claims are processed identically: temperature on the logits before the softmax,
 then top-k, then top-p (nucleus) on what remains. The repetition penalty depends on the prefix,
-so the engine applies it to the target's logits along each draft path first (penalty.py).
+so the engine applies it to the target's logits along each draft path first (penalty.py), and
+so with the n-gram ban (ngram_ban.py).
 Temperature 0 means greedy: a one-hot distribution at the argmax (first index on ties, as
 `torch.argmax` and HF `generate` pick).
 """
@@ -24,6 +25,9 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, description="seeds every random draw of a request")
     repetition_penalty: float = Field(
         1.0, gt=0.0, description="HF's CTRL penalty on tokens already in the sequence; 1 disables (penalty.py)"
+    )
+    no_repeat_ngram_size: int = Field(
+        0, ge=0, description="ban tokens that would repeat an n-gram of the output; 0 disables (ngram_ban.py)"
     )
 
     @property

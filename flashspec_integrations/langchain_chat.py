@@ -16,6 +16,7 @@ from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 
 from flashspec_core.constrained.tool_schema import tool_call_schema
@@ -50,13 +51,16 @@ from flashspec_integrations.langchain_tools import (
 _CALL_KWARGS = ("tools", "tool_choice", "response_format", "structured_output")
 
 
-def _parse_json_reply(model: type[BaseModel] | None, message: AIMessage) -> Any:
+def _parse_json_reply(model: type | None, message: AIMessage) -> Any:
     """The first JSON object of a reply (prose or code fences around it allowed), validated into
-    `model` when given; OutputParserException otherwise, so `include_raw` can report it."""
+    `model` (a pydantic v2 or v1 class) when given; OutputParserException otherwise, so
+    `include_raw` can report it."""
     text = content_text(message.content, "reply")
     try:
         value = first_json_value(text)
-        return model.model_validate(value) if model is not None else value
+        if model is None:
+            return value
+        return model.model_validate(value) if issubclass(model, BaseModel) else model.parse_obj(value)
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         raise OutputParserException(f"the reply is not the requested JSON: {exc}", llm_output=text) from exc
 
@@ -133,7 +137,7 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         """
         if kwargs:
             raise ValueError(f"with_structured_output: unsupported arguments {sorted(kwargs)}")
-        is_model = isinstance(schema, type) and issubclass(schema, BaseModel)
+        is_model = is_basemodel_subclass(schema)  # pydantic v2 or v1 (pydantic.v1.BaseModel)
         if method == "function_calling":
             if schema is None:
                 raise ValueError("schema: function_calling needs a schema; pass one or use method='json_mode'")

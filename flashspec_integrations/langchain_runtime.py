@@ -34,7 +34,7 @@ _engines_lock = threading.Lock()
 
 # Call keywords that LangChain or agent frameworks pass and that need no action here.
 _IGNORED_KWARGS = frozenset({"model", "stream", "parallel_tool_calls", "ls_structured_output_format"})
-_SAMPLING_KWARGS = ("temperature", "top_k", "top_p", "seed", "repetition_penalty")
+_SAMPLING_KWARGS = ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "no_repeat_ngram_size")
 
 
 def engine_for(target: str | None, drafts: Sequence[str] | None, router: str, device: str | None) -> SpecEngine:
@@ -177,6 +177,7 @@ class FlashSpecParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     repetition_penalty: float = Field(1.0, gt=0.0, description="HF's penalty on repeated tokens; 1 disables")
+    no_repeat_ngram_size: int = Field(0, ge=0, description="ban repeating an n-gram of the output; 0 disables")
     max_tokens: int = Field(256, gt=0, alias="max_new_tokens", description="new tokens per call")
     stop: list[str] | None = Field(None, alias="stop_sequences")
     timeout: float | None = Field(None, gt=0, description="seconds per call; TimeoutError past it")
@@ -211,7 +212,7 @@ class FlashSpecParams(BaseModel):
         if unknown:
             raise ValueError(
                 f"unsupported call arguments {sorted(unknown)}; use max_tokens, temperature, top_k, top_p, "
-                f"seed, repetition_penalty, domain{', ' + ', '.join(allowed) if allowed else ''}"
+                f"seed, repetition_penalty, no_repeat_ngram_size, domain{', ' + ', '.join(allowed) if allowed else ''}"
             )
         max_new = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new <= 0:
@@ -253,7 +254,8 @@ class FlashSpecParams(BaseModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {
             "model_name": self.model_name, "temperature": self.temperature, "top_k": self.top_k,
-            "top_p": self.top_p, "repetition_penalty": self.repetition_penalty, "max_tokens": self.max_tokens,
+            "top_p": self.top_p, "repetition_penalty": self.repetition_penalty,
+            "no_repeat_ngram_size": self.no_repeat_ngram_size, "max_tokens": self.max_tokens,
             "router": self.router, "drafts": self.drafts,
         }
 

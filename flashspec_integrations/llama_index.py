@@ -85,6 +85,7 @@ class FlashSpecLLM(FunctionCallingLLM, CustomLLM):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="1 disables nucleus sampling.")
     seed: int | None = Field(default=None, description="Seeds every random draw of a call.")
     repetition_penalty: float = Field(default=1.0, gt=0.0, description="HF's penalty on repeated tokens; 1 disables.")
+    no_repeat_ngram_size: int = Field(default=0, ge=0, description="Ban repeating an n-gram of the output; 0 disables.")
     stop: list[str] = Field(default_factory=list, description="Stop strings for every call.")
     domain: str | None = Field(default=None, description="Router domain for every call (call kwargs and tags win).")
     context_window: int | None = Field(default=None, gt=0, description="None: the model's own.")
@@ -148,6 +149,7 @@ class FlashSpecLLM(FunctionCallingLLM, CustomLLM):
             top_p=kwargs.get("top_p", self.top_p),
             seed=kwargs.get("seed", self.seed),
             repetition_penalty=kwargs.get("repetition_penalty", self.repetition_penalty),
+            no_repeat_ngram_size=kwargs.get("no_repeat_ngram_size", self.no_repeat_ngram_size),
         )
         call_stop = kwargs.get("stop") or []
         call_stop = [call_stop] if isinstance(call_stop, str) else list(call_stop)

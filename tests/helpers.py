@@ -21,7 +21,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+from transformers.generation.logits_process import (NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from flashspec_core.models import LoadedModel
@@ -151,12 +152,18 @@ def first_two_distribution(model: LlamaForCausalLM, prompt: Sequence[int], sampl
                            eos_ids: frozenset[int]) -> dict[tuple[int, ...], float]:
     """Exact law of the first two generated tokens: p(t1) p(t2 | t1); (eos,) is a terminal outcome.
 
-    With HF's processors in HF's order: repetition penalty over the whole prefix, then the warpers.
+    With HF's processors in HF's order: repetition penalty over the whole prefix, the n-gram ban
+    over the output only (the engine's choice, ngram_ban.py; the first token has no output before
+    it), then the warpers.
     """
     pen = sampling.repetition_penalty
     p1 = reference_probs(penalized_logits(model, [prompt], pen), sampling)[0]
     vocab = p1.shape[0]
-    p2 = reference_probs(penalized_logits(model, [list(prompt) + [t] for t in range(vocab)], pen), sampling)
+    second = penalized_logits(model, [list(prompt) + [t] for t in range(vocab)], pen)  # [V, V]
+    if sampling.no_repeat_ngram_size:
+        outputs = torch.arange(vocab).unsqueeze(1)  # [V, 1]: the output before the second token
+        second = NoRepeatNGramLogitsProcessor(sampling.no_repeat_ngram_size)(outputs, second)
+    p2 = reference_probs(second, sampling)
     law: dict[tuple[int, ...], float] = {}
     for t1 in range(vocab):
         if t1 in eos_ids:

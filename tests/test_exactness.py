@@ -41,8 +41,11 @@ SAMPLINGS = {
     "T1.5-topk6-topp0.9": SamplingParams(temperature=1.5, top_k=6, top_p=0.9),
     "T1-rep2": SamplingParams(temperature=1.0, repetition_penalty=2.0),
     "T1-rep3": SamplingParams(temperature=1.0, repetition_penalty=3.0),
+    # Size 1: the output never repeats a token, so the second token's ban is the first token,
+    # which the engine must read from the draft path when the first token was drafted.
+    "T1-ng1": SamplingParams(temperature=1.0, no_repeat_ngram_size=1),
 }
-VERIFY_SAMPLINGS = [name for name in SAMPLINGS if SAMPLINGS[name].repetition_penalty == 1.0]
+VERIFY_SAMPLINGS = [name for name, s in SAMPLINGS.items() if s.repetition_penalty == 1.0 and not s.no_repeat_ngram_size]
 # Ends in a token seen before, so prompt lookup drafts [7, 7, 8, ...]; the tiny target gives that
 # first draft token p ≈ 0.4 at T = 1, so both acceptance and the residual matter.
 PROMPT = [5, 7, 7, 8, 9, 10, 11, 12, 13, 5]
@@ -214,6 +217,7 @@ ENGINE_CASES = [
     ("prompt_lookup", 3, "T1"), ("prompt_lookup", 8, "T1-topk4"),
     ("suffix_cache", 8, "T1-topp0.7"), ("suffix_cache", 1, "T0.5"),
     ("model", 3, "T1-rep2"), ("prompt_lookup", 3, "T1-rep2"),
+    ("model", 3, "T1-ng1"), ("prompt_lookup", 3, "T1-ng1"),
 ]
 # One token, so every drafted token but one is new: what the penalty must track along the path.
 # The draft is the unpenalised target itself, so its first token is often accepted and the
@@ -263,6 +267,29 @@ def test_engine_tests_reject_a_penalty_blind_to_the_draft_path(tiny_target, monk
         p_first, p_joint, _ = _engine_pvalues(tiny_target, tiny_target.model, "model", 3, "T1-rep3", rep,
                                               prompt=SHORT_PROMPT)
         assert p_joint < ALPHA, f"a path-blind penalty went unnoticed (replicate {rep}): p(first two) = {p_joint:.2e}"
+
+
+def test_engine_exact_with_an_ngram_ban_on_a_short_prompt(tiny_target):
+    check_exact(lambda rep: _engine_pvalues(tiny_target, tiny_target.model, "model", 3, "T1-ng1", rep,
+                                            prompt=SHORT_PROMPT)[:2], "engine model γ=3 T1-ng1 short prompt")
+
+
+def test_engine_tests_reject_an_ngram_ban_blind_to_the_draft_path(tiny_target, monkeypatch):
+    """The planted bug: ban by the verified output only, so a drafted first token is not banned at
+    the position after it; the second token may then repeat the first, which the law forbids."""
+    from flashspec_core import engine as engine_module
+    from flashspec_core.ngram_ban import ban_repeated_ngrams
+
+    def blind(logits, outputs, drafts, size):
+        per_position = [ban_repeated_ngrams(logits[:, j:j + 1], outputs, [[] for _ in outputs], size)
+                        for j in range(logits.shape[1])]
+        return torch.cat(per_position, dim=1)
+
+    monkeypatch.setattr(engine_module, "ban_repeated_ngrams", blind)
+    for rep in (0, 1):
+        p_first, p_joint, _ = _engine_pvalues(tiny_target, tiny_target.model, "model", 3, "T1-ng1", rep,
+                                              prompt=SHORT_PROMPT)
+        assert p_joint < ALPHA, f"a path-blind n-gram ban went unnoticed (replicate {rep}): p(first two) = {p_joint:.2e}"
 
 
 @pytest.mark.parametrize("kind, gamma, sampling_name", [("model", 3, "T1"), ("prompt_lookup", 3, "T1")])
