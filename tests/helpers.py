@@ -25,7 +25,10 @@ from transformers.generation.logits_process import (NoRepeatNGramLogitsProcessor
                                                     TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
+from flashspec_core.drafts import ModelDraft, PromptLookupDraft
+from flashspec_core.engine import SpecEngine
 from flashspec_core.models import LoadedModel
+from flashspec_core.routing.router import FixedRouter
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import Arm
 
@@ -290,3 +293,13 @@ class RandomRouter:
 
     def update(self, record) -> None:
         """Past steps are irrelevant to a random choice."""
+
+
+def looping_engine(arm: Arm) -> tuple[LoadedModel, SpecEngine, list[list[int]]]:
+    """A tiny target pinned to `arm` (prompt lookup or a tiny model draft), and a batch of two
+    unequal prompts, one of them a loop, on which repetition controls change greedy output."""
+    loaded = tiny_loaded(16, seed=0)
+    pad = loaded.tokenizer.pad_token_id
+    drafts = [PromptLookupDraft(), ModelDraft(tiny_llama(16, seed=1), name="model", pad_token_id=pad)]
+    engine = SpecEngine(loaded, drafts, router=FixedRouter(arm), verify_backend="torch")
+    return loaded, engine, [[8, 2, 8, 1, 8, 2, 8, 1, 8, 2], [3, 1, 4, 1, 5, 9, 2, 6]]

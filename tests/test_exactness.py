@@ -225,9 +225,10 @@ ENGINE_CASES = [
 SHORT_PROMPT = [3]
 
 
-def test_engine_exact_with_a_penalty_on_a_short_prompt(tiny_target):
-    check_exact(lambda rep: _engine_pvalues(tiny_target, tiny_target.model, "model", 3, "T1-rep3", rep,
-                                            prompt=SHORT_PROMPT)[:2], "engine model γ=3 T1-rep3 short prompt")
+@pytest.mark.parametrize("sampling_name", ["T1-rep3", "T1-ng1"])
+def test_engine_exact_with_a_path_processor_on_a_short_prompt(tiny_target, sampling_name):
+    check_exact(lambda rep: _engine_pvalues(tiny_target, tiny_target.model, "model", 3, sampling_name, rep,
+                                            prompt=SHORT_PROMPT)[:2], f"engine model γ=3 {sampling_name} short prompt")
 
 
 @pytest.mark.parametrize("kind, gamma, sampling_name", ENGINE_CASES, ids=[f"{k}-g{g}-{s}" for k, g, s in ENGINE_CASES])
@@ -250,46 +251,26 @@ def test_engine_exact_under_a_router_switching_arms_at_random(tiny_target, tiny_
     assert any(a.draft == NO_DRAFT for a in routers[0].chosen)
 
 
-def test_engine_tests_reject_a_penalty_blind_to_the_draft_path(tiny_target, monkeypatch):
-    """The planted bug: penalise every verify position by the verified context only, so a drafted
-    token does not count as seen at the positions after it. The first token is unaffected (its
-    prefix is the context), so the joint test of the first two tokens must reject, on two samples."""
+@pytest.mark.parametrize("name, sampling_name", [("penalize_paths", "T1-rep3"), ("ban_repeated_ngrams", "T1-ng1")])
+def test_engine_tests_reject_a_processor_blind_to_the_draft_path(tiny_target, monkeypatch, name, sampling_name):
+    """The planted bug: penalise (or ban) every verify position by the verified tokens only, so a
+    drafted token does not count at the positions after it (with the ban, the second token may
+    then repeat the first, which the law forbids). The first token is unaffected (its prefix is
+    the verified context), so the joint test of the first two tokens must reject, on two samples."""
     from flashspec_core import engine as engine_module
-    from flashspec_core.penalty import penalize_paths
 
-    def blind(logits, contexts, drafts, penalty):
-        per_position = [penalize_paths(logits[:, j:j + 1], contexts, [[] for _ in contexts], penalty)
+    original = getattr(engine_module, name)
+
+    def blind(logits, history, drafts, *args):
+        per_position = [original(logits[:, j:j + 1], history, [[] for _ in history], *args)
                         for j in range(logits.shape[1])]
         return torch.cat(per_position, dim=1)
 
-    monkeypatch.setattr(engine_module, "penalize_paths", blind)
+    monkeypatch.setattr(engine_module, name, blind)
     for rep in (0, 1):
-        p_first, p_joint, _ = _engine_pvalues(tiny_target, tiny_target.model, "model", 3, "T1-rep3", rep,
+        p_first, p_joint, _ = _engine_pvalues(tiny_target, tiny_target.model, "model", 3, sampling_name, rep,
                                               prompt=SHORT_PROMPT)
-        assert p_joint < ALPHA, f"a path-blind penalty went unnoticed (replicate {rep}): p(first two) = {p_joint:.2e}"
-
-
-def test_engine_exact_with_an_ngram_ban_on_a_short_prompt(tiny_target):
-    check_exact(lambda rep: _engine_pvalues(tiny_target, tiny_target.model, "model", 3, "T1-ng1", rep,
-                                            prompt=SHORT_PROMPT)[:2], "engine model γ=3 T1-ng1 short prompt")
-
-
-def test_engine_tests_reject_an_ngram_ban_blind_to_the_draft_path(tiny_target, monkeypatch):
-    """The planted bug: ban by the verified output only, so a drafted first token is not banned at
-    the position after it; the second token may then repeat the first, which the law forbids."""
-    from flashspec_core import engine as engine_module
-    from flashspec_core.ngram_ban import ban_repeated_ngrams
-
-    def blind(logits, outputs, drafts, size):
-        per_position = [ban_repeated_ngrams(logits[:, j:j + 1], outputs, [[] for _ in outputs], size)
-                        for j in range(logits.shape[1])]
-        return torch.cat(per_position, dim=1)
-
-    monkeypatch.setattr(engine_module, "ban_repeated_ngrams", blind)
-    for rep in (0, 1):
-        p_first, p_joint, _ = _engine_pvalues(tiny_target, tiny_target.model, "model", 3, "T1-ng1", rep,
-                                              prompt=SHORT_PROMPT)
-        assert p_joint < ALPHA, f"a path-blind n-gram ban went unnoticed (replicate {rep}): p(first two) = {p_joint:.2e}"
+        assert p_joint < ALPHA, f"a path-blind {name} went unnoticed (replicate {rep}): p(first two) = {p_joint:.2e}"
 
 
 @pytest.mark.parametrize("kind, gamma, sampling_name", [("model", 3, "T1"), ("prompt_lookup", 3, "T1")])

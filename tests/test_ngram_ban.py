@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_llama, tiny_loaded
+from helpers import looping_engine
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
-from flashspec_core.drafts import ModelDraft, PromptLookupDraft
-from flashspec_core.engine import SpecEngine
 from flashspec_core.ngram_ban import ban_repeated_ngrams, json_punctuation_tokens
-from flashspec_core.routing.router import FixedRouter
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 
@@ -71,11 +68,8 @@ class _OutputOnly:
 @pytest.mark.parametrize("arm", [Arm(NO_DRAFT, 0), Arm("prompt_lookup", 4), Arm("model", 3)], ids=str)
 def test_greedy_with_the_ban_equals_hf_generate_with_it(arm):
     """A looping prompt, where the ban changes the output, in a batch of unequal rows."""
-    loaded = tiny_loaded(16, seed=0)
-    prompts = [[8, 2, 8, 1, 8, 2, 8, 1, 8, 2], [3, 1, 4, 1, 5, 9, 2, 6]]
+    loaded, engine, prompts = looping_engine(arm)
     pad = loaded.tokenizer.pad_token_id
-    drafts = [PromptLookupDraft(), ModelDraft(tiny_llama(16, seed=1), name="model", pad_token_id=pad)]
-    engine = SpecEngine(loaded, drafts, router=FixedRouter(arm), verify_backend="torch")
     results = engine.generate(prompts, max_new_tokens=20, sampling=SamplingParams(no_repeat_ngram_size=2))
     changed = 0
     with torch.no_grad():

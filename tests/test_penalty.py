@@ -3,13 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_llama, tiny_loaded
+from helpers import looping_engine
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from flashspec_core.drafts import ModelDraft, PromptLookupDraft
-from flashspec_core.engine import SpecEngine
 from flashspec_core.penalty import penalize_paths
-from flashspec_core.routing.router import FixedRouter
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 
@@ -48,11 +45,8 @@ def test_sampling_params_reject_a_non_positive_penalty():
 @pytest.mark.parametrize("arm", [Arm(NO_DRAFT, 0), Arm("prompt_lookup", 4), Arm("model", 3)], ids=str)
 def test_greedy_with_penalty_equals_hf_generate(arm):
     """A looping prompt, where the penalty changes the output, in a batch of unequal rows."""
-    loaded = tiny_loaded(16, seed=0)
-    prompts = [[8, 2, 8, 1, 8, 2, 8, 1, 8, 2], [3, 1, 4, 1, 5, 9, 2, 6]]
+    loaded, engine, prompts = looping_engine(arm)
     pad = loaded.tokenizer.pad_token_id
-    drafts = [PromptLookupDraft(), ModelDraft(tiny_llama(16, seed=1), name="model", pad_token_id=pad)]
-    engine = SpecEngine(loaded, drafts, router=FixedRouter(arm), verify_backend="torch")
     sampling = SamplingParams(repetition_penalty=1.8)
     results = engine.generate(prompts, max_new_tokens=20, sampling=sampling)
     with torch.no_grad():
