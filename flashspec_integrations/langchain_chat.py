@@ -132,7 +132,9 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         """Replies parsed into `schema` (a pydantic class, TypedDict or JSON schema dict).
 
         method: "function_calling" forces a call of a tool shaped like the schema; "json_schema"
-        asks for a JSON reply matching the schema; "json_mode" for any JSON object. `strict` is
+        asks for a JSON reply matching the schema; "json_mode" for a JSON object, decoded under the
+        schema when one is given (an API's JSON mode only promises some object; here the reply
+        always parses into what was asked). `strict` is
         accepted for compatibility: the parser validates either way.
         """
         if kwargs:
@@ -151,7 +153,9 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         elif method in ("json_mode", "json_schema"):
             if method == "json_schema" and schema is None:
                 raise ValueError("schema: json_schema needs a schema; pass one or use method='json_mode'")
-            fmt = {"type": "json_object"} if method == "json_mode" else {
+            # JSON mode given a schema to parse into decodes under it too: a reply the parser would
+            # reject is never produced (an API's JSON mode only promises some object).
+            fmt = {"type": "json_object"} if schema is None else {
                 "type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}}
             llm = self.bind(response_format=fmt, ls_structured_output_format={
                 "kwargs": {"method": method, "strict": strict}, "schema": schema})

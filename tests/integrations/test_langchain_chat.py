@@ -41,6 +41,14 @@ class Person(BaseModel):
     age: int
 
 
+class ConstrainedEngine(ScriptedEngine):
+    """A scripted engine whose `stream` takes `json_schema` (the constraint seam) and records it."""
+
+    def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, json_schema=None):
+        self.schemas = getattr(self, "schemas", []) + [json_schema]
+        yield from super().stream(prompt, max_new_tokens, sampling, stop, domain, hint)
+
+
 def chat(script, **kw) -> tuple[ChatFlashSpec, ScriptedEngine]:
     engine = ScriptedEngine(script)
     return ChatFlashSpec(engine=engine, **kw), engine
@@ -194,6 +202,15 @@ def test_with_structured_output(method):
         assert "JSON object" in engine.calls[0]["prompt"] and '"type"' not in engine.calls[0]["prompt"]
 
 
+def test_json_mode_with_a_schema_decodes_under_it():
+    engine = ConstrainedEngine(['{"name": "Ada Lovelace", "age": 36}'] * 2)
+    model = ChatFlashSpec(engine=engine)
+    assert model.with_structured_output(Person, method="json_mode").invoke("x") == Person(name="Ada Lovelace", age=36)
+    assert engine.schemas[0]["required"] == ["name", "age"]
+    model.with_structured_output(None, method="json_mode").invoke("x")
+    assert engine.schemas[1] == {"type": "object"}
+
+
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
 def test_with_structured_output_takes_a_pydantic_v1_model(method):
     body = '{"name": "Ada Lovelace", "age": 36}'
@@ -210,11 +227,6 @@ def test_structured_output_include_raw_reports_parse_errors():
 
 
 def test_constraint_seam_sends_the_schema_instead_of_a_prefix():
-    class ConstrainedEngine(ScriptedEngine):
-        def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, json_schema=None):
-            self.schemas = getattr(self, "schemas", []) + [json_schema]
-            yield from super().stream(prompt, max_new_tokens, sampling, stop, domain, hint)
-
     engine = ConstrainedEngine(['{"name": "add", "arguments": {"a": 1, "b": 2}}'])
     msg = ChatFlashSpec(engine=engine).bind_tools([add, shout], tool_choice="add").invoke("1+2")
     assert engine.calls[0]["prompt"].endswith("<|im_start|>assistant\n")

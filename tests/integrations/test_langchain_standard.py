@@ -14,17 +14,11 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from flashspec_integrations.langchain import ChatFlashSpec
 
-JSON_MODE_KEYS = (
-    "JSON mode guarantees a JSON object, not its keys: the 135M model's object has 'setup' and no "
-    "'punchline', so it does not validate as the test's Joke (with a schema, keys are constrained: the "
-    "structured-output tests pass)"
-)
 AUTO_TOOL_CHOICE = (
     "tool_choice is 'auto' here, so nothing forces a call: the 135M model answers in prose instead of "
     "calling get_weather (forced calls are schema-constrained and pass: test_tool_calling, test_tool_choice)"
 )
 KNOWN_LIMITS = {
-    "test_json_mode": JSON_MODE_KEYS,
     "test_agent_loop": AUTO_TOOL_CHOICE,
 }
 
