@@ -261,7 +261,7 @@ class SpecEngine:
 
     def _json_punctuation(self, vocab: int) -> torch.Tensor:
         """[V] bool: tokens the n-gram ban leaves alone under a JSON schema (ngram_ban.py); built once."""
-        if self._json_tokens is None or self._json_tokens.shape[0] != vocab:
+        if self._json_tokens is None:
             self._json_tokens = json_punctuation_tokens(self.tokenizer, vocab)
         return self._json_tokens
 

@@ -52,6 +52,7 @@ def ban_repeated_ngrams(
     if size <= 0:
         return logits
     processor = NoRepeatNGramLogitsProcessor(size)
+    exempt = None if exempt is None else exempt.to(logits.device)
     out = logits.clone()
     positions = logits.shape[1]
     for b in range(logits.shape[0]):
@@ -63,7 +64,7 @@ def ban_repeated_ngrams(
             ids = torch.tensor([path[: start + j]], dtype=torch.long, device=logits.device)  # [1, L]
             banned = processor(ids, logits[b, j : j + 1])[0]  # [V]
             if exempt is not None:
-                banned = torch.where(exempt.to(banned.device), logits[b, j], banned)
+                banned = torch.where(exempt, logits[b, j], banned)
             if torch.isfinite(banned).any():
                 out[b, j] = banned
     return out

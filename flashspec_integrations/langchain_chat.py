@@ -207,10 +207,7 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
             roles=message_roles(messages),
             prompt_text="\n".join(content_text(m.content, "messages") for m in messages),
         )
-        # JSON mode has no schema to show: its {"type": "object"} constraint, printed, reads as
-        # an example, and the model copied a "type" key into its replies.
-        shown_schema = None if response_format == {"type": "json_object"} else schema
-        extra = json_instruction(shown_schema) if response_format is not None else ""
+        extra = json_instruction(schema) if response_format is not None else ""
         text = render_chat(engine.tokenizer, messages, shown, extra)
         constrained = schema is not None and engine_takes_json_schema(engine)
         prefix = "" if constrained or template_supports_tools(engine.tokenizer) else forced_prefix(choice)

@@ -138,8 +138,11 @@ def _with_system(dicts: list[dict], extra: str) -> list[dict]:
 
 
 def json_instruction(schema: dict | None) -> str:
-    """The system-prompt line asking for one JSON object (matching `schema` when given)."""
-    shown = f" matching this JSON schema:\n{json.dumps(schema, ensure_ascii=False)}" if schema else ""
+    """The system-prompt line asking for one JSON object (matching `schema` when it says more
+    than "an object": printed, a bare {"type": "object"} reads as an example, and the model copied
+    a "type" key)."""
+    shown = "" if not schema or schema == {"type": "object"} else (
+        f" matching this JSON schema:\n{json.dumps(schema, ensure_ascii=False)}")
     return _JSON_HEADER.format(schema=shown)
 
 

@@ -13,7 +13,7 @@ from helpers import one_thread, tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashspec_core.kv import CachedModel
+from flashspec_core.kv import CachedModel, _common_prefix
 
 VOCAB = 16
 
@@ -100,3 +100,10 @@ def test_any_history_of_rollbacks_matches_a_fresh_forward(model, history):
                 else:
                     passed.append(seqs[b][:1] + add)  # junk: an inactive row's input is ignored
             _check(model, runner, passed, active, keep)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))
+def test_common_prefix_is_the_length_of_the_longest_shared_head(a, b):
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert _common_prefix(a, b) == _common_prefix(tuple(a), b) == n

@@ -122,6 +122,11 @@ class _Domain:
     # Tokens fed by a single-row verify pass -> [passes, seconds]: the verify cost of a γ never run.
     verify: dict[int, list[float]] = field(default_factory=dict)
 
+    def verify_seconds(self, tokens: int) -> float | None:
+        """Mean seconds of a single-row verify pass over `tokens` tokens; None before one ran."""
+        n, total = self.verify.get(tokens, (0, 0.0))
+        return total / n if n else None
+
 
 class BanditRouter:
     """One bandit per domain over `arms`, rewarded by normalised goodput.
@@ -187,7 +192,7 @@ class BanditRouter:
         self.seed = seed
         self._index = {a: i for i, a in enumerate(self.arms)}
         self._copies = CopyScorer(self.arms, free_drafts)
-        self._free_names = frozenset(free_drafts) | {NO_DRAFT}
+        self._free_names = frozenset(free_drafts)
         self._domains: dict[str, _Domain] = {}
         self._lock = threading.Lock()
         self._store_failed = False
@@ -259,9 +264,9 @@ class BanditRouter:
         drafting time plus this domain's mean single-row verify pass over `proposed` + 1 tokens.
         Before such a pass has been measured: arm i's mean step time in this domain, else in all
         domains, else `fallback` (the step's own time)."""
-        n, total = domain.verify.get(proposed + 1, (0, 0.0))
-        if n:
-            return draft_seconds + total / n
+        verify = domain.verify_seconds(proposed + 1)
+        if verify is not None:
+            return draft_seconds + verify
         t = domain.tallies[i]
         if t.pulls:
             return t.seconds_sum / t.pulls
@@ -278,8 +283,9 @@ class BanditRouter:
         out = []
         for i, arm in enumerate(self.arms):
             if arm.draft == record.arm.draft and arm.gamma < drafted:
-                n, total = state.verify.get(arm.gamma + 1, (0, 0.0))
-                verify = total / n if n else record.verify_seconds  # unmeasured: the longer pass's time
+                verify = state.verify_seconds(arm.gamma + 1)
+                if verify is None:
+                    verify = record.verify_seconds  # unmeasured: the longer pass's time
                 seconds = (record.draft_seconds - record.catchup_seconds) * arm.gamma / drafted + verify
                 out.append((i, min(record.accepted, arm.gamma) + 1, seconds))
         return out
@@ -305,10 +311,8 @@ class BanditRouter:
     @staticmethod
     def _scale(state: _Domain) -> float | None:
         """The goodput that earns reward 1 in this domain (tokens/s), None before any evidence."""
-        n, total = state.verify.get(1, (0, 0.0))
-        if n and total > 0:
-            return _TOKENS_AT_REWARD_ONE * n / total
-        return state.stored_scale
+        plain = state.verify_seconds(1)
+        return _TOKENS_AT_REWARD_ONE / plain if plain else state.stored_scale
 
     def _reward(self, state: _Domain, goodput: float) -> float:
         scale = self._scale(state)
