@@ -1,9 +1,9 @@
-"""What one target forward costs on CPU by the number of tokens fed, stock vs BlockedLinear.
+"""What one target forward costs on CPU by the number of tokens fed, stock vs PackedLinear.
 
 Speculation pays when scoring γ + 1 tokens costs little more than one. This measures a forward of
 n new tokens on top of a 300-token KV cache of the default model (median of repeats, cache
 cropped back after each), for the model as transformers builds it and after
-`use_blocked_linear` (flashspec_core/cpu_linear.py), at each thread count given.
+`use_packed_linear` (flashspec_core/cpu_linear.py), at each thread count given.
 
     python benchmarks/cpu_linear.py --threads 1,2 --out bench_out/cpu_linear
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from flashspec_core.cpu_linear import use_blocked_linear
+from flashspec_core.cpu_linear import use_packed_linear
 from flashspec_core.models import load_model
 
 TOKENS = (1, 2, 3, 5, 9, 17)
@@ -48,12 +48,12 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out/cpu_linear")
     args = parser.parse_args()
     stock = load_model(None).model
-    blocked = load_model(None).model
-    use_blocked_linear(blocked)
+    packed = load_model(None).model
+    use_packed_linear(packed)
     rows = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        for name, model in (("stock", stock), ("blocked", blocked)):
+        for name, model in (("stock", stock), ("packed", packed)):
             forward_ms(model, args.context, 1, 2)  # warm-up
             ms = {n: forward_ms(model, args.context, n, args.repeats) for n in TOKENS}
             rows.append({"threads": threads, "model": name, "ms": ms})
@@ -76,11 +76,11 @@ def plot(rows, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        ax.plot(TOKENS, [r["ms"][n] for n in TOKENS], marker="o", linestyle="-" if r["model"] == "blocked" else "--",
+        ax.plot(TOKENS, [r["ms"][n] for n in TOKENS], marker="o", linestyle="-" if r["model"] == "packed" else "--",
                 label=f"{r['model']}, {r['threads']} thread(s)")
     ax.set_xlabel("tokens fed in one forward (γ + 1 when verifying)")
     ax.set_ylabel("ms per forward")
-    ax.set_title("SmolLM2-135M forward on CPU: stock nn.Linear vs BlockedLinear")
+    ax.set_title("SmolLM2-135M forward on CPU: stock nn.Linear vs PackedLinear")
     ax.set_ylim(bottom=0)
     ax.legend()
     fig.tight_layout()

@@ -1,16 +1,20 @@
-"""A CPU linear layer whose cost grows slowly with the number of rows, so verifying γ+1 tokens pays.
+"""A CPU linear layer whose cost barely grows with the number of rows, so verifying γ+1 tokens pays.
 
 Why: with fp32 weights on CPU, `F.linear` on 1–4 rows runs as row-by-row GEMV on one thread and
 streams the whole weight matrix from memory once per row; a forward of the default model then
-costs 61 ms for 1 token and 121 ms for 3 (2 cores, MKL; BENCHMARKS.md, "CPU forward cost"). Read
-as blocks of output rows, `[out/c, c, in]`, the same weight goes through one batched matmul that
-splits the blocks over the cores and reuses each block, in cache, for every row: 40 ms for 1
-token, 57 ms for 3. The reduction over `in` is the same dot product; only the BLAS kernel changes, which
-moves results by float rounding (the greedy tests against `generate` cover it).
+costs 61 ms for 1 token and 121 ms for 3 (2 cores, MKL; BENCHMARKS.md, "CPU forward cost"). The
+same weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
+the packing torch.compile's CPU backend uses for frozen linears) is read once per call whatever the
+row count, split over the cores: 39 ms for 1 token, 40 ms for 5 and 46 ms for 9. The reduction
+over `in` is the same dot product; only the kernel changes, which moves results by float rounding
+(the greedy tests against a stock model's `generate` cover it).
 
-Only plain `nn.Linear` modules with fp32 CPU weights are swapped (quantized subclasses, GPUs and
-bf16 keep their own kernels), and only small row counts take the blocked path: prefill and large
-batches stay on one GEMM, which is already efficient.
+The packed copy is extra memory (one more copy of each swapped weight: +0.54 GB for the default
+model). It is rebuilt when the module's weight is replaced or modified in place (a trained draft
+swaps its head rows per request), and autograd always takes `F.linear`, so training through a
+swapped model stays correct. Only plain `nn.Linear` modules with fp32 CPU weights are swapped
+(quantized subclasses, GPUs and bf16 keep their own kernels), and only where this torch build has
+oneDNN.
 """
 from __future__ import annotations
 
@@ -18,56 +22,63 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BLOCK_ROWS = (64, 32, 16)
-MAX_ROWS = 16
+
+def packing_available() -> bool:
+    """Whether this torch build can pack linear weights for oneDNN (x86 and ARM CPU builds can)."""
+    ops = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight") and hasattr(
+        ops, "_linear_pointwise")
 
 
-class BlockedLinear(nn.Module):
-    """`nn.Linear` computed as one batched matmul over blocks of output rows for up to MAX_ROWS rows.
+class PackedLinear(nn.Module):
+    """`nn.Linear` computed by oneDNN from a weight copy packed once into its blocked layout.
 
-    Shares the original module's parameters (tied embeddings stay tied), so the swap costs no memory.
+    Shares the original module's parameters (tied embeddings stay tied; `state_dict` is unchanged).
     """
 
-    def __init__(self, linear: nn.Linear, block: int):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight = linear.weight  # [out, in]
         self.bias = linear.bias  # [out] or None
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.block = block
+        self._packed: torch.Tensor | None = None  # opaque oneDNN tensor, [out, in] logically
+        self._packed_from: tuple[torch.Tensor, int] | None = None  # the weight it was packed from, its version
+
+    def _packed_weight(self) -> torch.Tensor:
+        """The packed copy of the current weight (a held reference, not an id, tells a replaced weight)."""
+        version = -1 if self.weight.is_inference() else self.weight._version  # inference tensors keep none
+        source = self._packed_from
+        if source is None or source[0] is not self.weight or source[1] != version:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            self._packed_from = (self.weight, version)
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]."""
-        rows = x.numel() // self.in_features
-        if rows > MAX_ROWS or x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
-        blocks = self.weight.view(-1, self.block, self.in_features)  # [out/c, c, in]
-        y = torch.matmul(x.reshape(1, rows, self.in_features), blocks.transpose(1, 2))  # [out/c, rows, c]
-        y = y.transpose(0, 1).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def _block_for(module: nn.Module) -> int | None:
-    """The block size for a plain fp32 CPU `nn.Linear` whose rows it divides; None for anything else."""
+def _swappable(module: nn.Module) -> bool:
+    """A plain fp32 CPU `nn.Linear` (subclasses such as bitsandbytes' Linear4bit have their own kernel)."""
     if type(module) is not nn.Linear:
-        return None
+        return False
     w = module.weight
-    if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
-        return None
-    return next((c for c in BLOCK_ROWS if module.out_features % c == 0 and module.out_features > c), None)
+    return w.device.type == "cpu" and w.dtype == torch.float32
 
 
-def use_blocked_linear(model: nn.Module) -> int:
-    """Swap every eligible `nn.Linear` of `model` for a BlockedLinear in place; returns how many."""
-    swaps = []
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            block = _block_for(child)
-            if block is not None:
-                swaps.append((parent, name, BlockedLinear(child, block)))
-    for parent, name, blocked in swaps:
-        setattr(parent, name, blocked)
+def use_packed_linear(model: nn.Module) -> int:
+    """Swap every eligible `nn.Linear` of `model` for a PackedLinear in place; returns how many."""
+    if not packing_available():
+        return 0
+    swaps = [(parent, name, PackedLinear(child)) for parent in model.modules()
+             for name, child in parent.named_children() if _swappable(child)]
+    for parent, name, packed in swaps:
+        setattr(parent, name, packed)
     return len(swaps)

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from flashspec_core.cpu_linear import use_blocked_linear
+from flashspec_core.cpu_linear import use_packed_linear
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -37,13 +37,13 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class CachedModel:
     """One HF causal LM plus the cache and slot mask of a batch of rows.
 
-    On CPU the model's fp32 linear layers are swapped in place for `BlockedLinear`, whose cost
-    grows slowly with the number of tokens fed (see cpu_linear.py): that is what lets a verify
-    pass over γ+1 tokens cost little more than one decode step there.
+    On CPU the model's fp32 linear layers are swapped in place for `PackedLinear`, whose cost
+    barely grows with the number of tokens fed (see cpu_linear.py): that is what lets a verify
+    pass over γ+1 tokens cost about one decode step there.
     """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int):
-        use_blocked_linear(model)
+        use_packed_linear(model)
         self.model = model
         self.pad_token_id = pad_token_id
         self.device = model.get_output_embeddings().weight.device
