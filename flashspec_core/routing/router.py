@@ -103,7 +103,7 @@ class _Tally:
     scored: int = 0
     goodput_sum: float = 0.0
     seconds_sum: float = 0.0
-    cost_n: int = 0  # steps run or scored, with
+    cost_n: float = 0  # steps run or scored (fewer when resumed: stored_weight), with
     cost_sum: float = 0.0  # their measured or estimated seconds
 
     def mean_seconds(self, seconds: float) -> float:
@@ -127,6 +127,15 @@ class _Domain:
         n, total = self.verify.get(tokens, (0, 0.0))
         return total / n if n else None
 
+    def verify_estimate(self, tokens: int) -> float | None:
+        """`verify_seconds(tokens)`, else that of the nearest size measured in this domain (the
+        larger on a tie); None before any pass. A pass costs about the same for a few more or
+        fewer tokens, and an arm whose cost this misjudges gets picked and measured."""
+        if not self.verify:
+            return None
+        nearest = min(self.verify, key=lambda n: (abs(n - tokens), -n))
+        return self.verify_seconds(nearest)
+
 
 class BanditRouter:
     """One bandit per domain over `arms`, rewarded by normalised goodput.
@@ -141,6 +150,10 @@ class BanditRouter:
     prior_weight: a domain seen for the first time starts from the other domains' pooled
         statistics, shrunk to at most this many pseudo-observations per arm: enough to start
         on the arm that usually wins, little enough that its own steps overrule it quickly.
+    stored_weight: the store's statistics count for at most this many steps per arm (rewards
+        and step times alike). They were learned by earlier processes, maybe by an earlier
+        version, on a machine under another load: a warm start, not a verdict, so this many
+        steps of the present outweigh them whatever the store has piled up.
     seed: makes arm selection reproducible (each domain's bandit derives its own seed).
     """
 
@@ -153,6 +166,7 @@ class BanditRouter:
         store: RouterStore | None = None,
         free_drafts: Mapping[str, DraftSource] | None = None,
         prior_weight: float = 2.0,
+        stored_weight: float = 10.0,
         seed: int | None = None,
     ) -> None:
         arms = list(arms) if isinstance(arms, Sequence) and not isinstance(arms, str) else None
@@ -177,6 +191,8 @@ class BanditRouter:
             raise ValueError(f"store must be a RouterStore or None, got {type(store).__name__}")
         if not isinstance(prior_weight, (int, float)) or prior_weight < 0:
             raise ValueError(f"prior_weight must be a number >= 0, got {prior_weight!r}")
+        if not isinstance(stored_weight, (int, float)) or stored_weight <= 0:
+            raise ValueError(f"stored_weight must be a number > 0, got {stored_weight!r}")
         free_drafts = dict(free_drafts or {})
         for name, draft in free_drafts.items():
             if not isinstance(draft, DraftSource) or not getattr(draft, "deterministic", False):
@@ -189,6 +205,7 @@ class BanditRouter:
         self.discount = float(discount)
         self.store = store
         self.prior_weight = float(prior_weight)
+        self.stored_weight = float(stored_weight)
         self.seed = seed
         self._index = {a: i for i, a in enumerate(self.arms)}
         self._copies = CopyScorer(self.arms, free_drafts)
@@ -211,8 +228,10 @@ class BanditRouter:
         return UCB1(len(self.arms), exploration=0.5, discount=self.discount, seed=seed)
 
     def _cap(self) -> float:
-        """Most evidence a discounted bandit can hold per arm (its effective memory)."""
-        return float("inf") if self.discount >= 1.0 else 1.0 / (1.0 - self.discount)
+        """Most evidence per arm taken from the store: `stored_weight`, or a discounted
+        bandit's effective memory when that is shorter."""
+        memory = float("inf") if self.discount >= 1.0 else 1.0 / (1.0 - self.discount)
+        return min(self.stored_weight, memory)
 
     def _load(self, store: RouterStore) -> None:
         names = {str(a): i for i, a in enumerate(self.arms)}
@@ -227,7 +246,9 @@ class BanditRouter:
                     continue  # an arm this router was not configured with
                 shrink = min(1.0, self._cap() / d.reward_n)
                 n[i], s[i], q[i] = d.reward_n * shrink, d.reward_sum * shrink, d.reward_sumsq * shrink
-                state.tallies[i] = _Tally(d.pulls, d.scored, d.goodput_sum, d.seconds_sum, d.pulls, d.seconds_sum)
+                timed = min(float(d.pulls), self._cap())  # the step-time mean, shrunk alike
+                cost_sum = d.seconds_sum * timed / d.pulls if d.pulls else 0.0
+                state.tallies[i] = _Tally(d.pulls, d.scored, d.goodput_sum, d.seconds_sum, timed, cost_sum)
             state.bandit.add_prior(n, s, q)
             state.bandit.steps = min(max(state.bandit.steps, float(stats.steps)), self._cap())
 
@@ -261,10 +282,10 @@ class BanditRouter:
 
     def _free_seconds(self, domain: _Domain, i: int, proposed: int, draft_seconds: float, fallback: float) -> float:
         """What a step of free arm i proposing `proposed` tokens would have cost: its measured
-        drafting time plus this domain's mean single-row verify pass over `proposed` + 1 tokens.
-        Before such a pass has been measured: arm i's mean step time in this domain, else in all
-        domains, else `fallback` (the step's own time)."""
-        verify = domain.verify_seconds(proposed + 1)
+        drafting time plus this domain's mean single-row verify pass over `proposed` + 1 tokens
+        (or the nearest size measured). Before any pass in this domain: arm i's mean step time in
+        this domain, else in all domains, else `fallback` (the step's own time)."""
+        verify = domain.verify_estimate(proposed + 1)
         if verify is not None:
             return draft_seconds + verify
         t = domain.tallies[i]
@@ -283,7 +304,7 @@ class BanditRouter:
         out = []
         for i, arm in enumerate(self.arms):
             if arm.draft == record.arm.draft and arm.gamma < drafted:
-                verify = state.verify_seconds(arm.gamma + 1)
+                verify = state.verify_estimate(arm.gamma + 1)
                 if verify is None:
                     verify = record.verify_seconds  # unmeasured: the longer pass's time
                 seconds = (record.draft_seconds - record.catchup_seconds) * arm.gamma / drafted + verify
