@@ -11,8 +11,8 @@ over `in` is the same dot product; only the kernel changes, which moves results 
 
 The packed copy is extra memory (one more copy of each swapped weight: +0.54 GB for the default
 model). It is rebuilt when the module's weight is replaced or modified in place (a trained draft
-swaps its head rows per request), and autograd always takes `F.linear`, so training through a
-swapped model stays correct. Only plain `nn.Linear` modules with fp32 CPU weights are swapped
+swaps its head rows per request), and autograd, a module cast or moved off the CPU after the swap
+always take `F.linear`, so training through a swapped model or moving it stays correct. Only plain `nn.Linear` modules with fp32 CPU weights are swapped
 (quantized subclasses, GPUs and bf16 keep their own kernels), and only where this torch build has
 oneDNN.
 """
@@ -56,8 +56,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]."""
-        if x.dtype != self.weight.dtype or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
-            return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        fp32_cpu = w.device.type == "cpu" and w.dtype == x.dtype == torch.float32
+        if not fp32_cpu or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+            return F.linear(x, w, self.bias)  # moved, cast or training since the swap: the stock kernel
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), bias, "none", [], "")
 

@@ -51,6 +51,16 @@ def test_autograd_takes_f_linear():
     assert linear.weight.grad is not None and linear.weight.grad.abs().sum() > 0
 
 
+def test_a_cast_after_the_swap_takes_f_linear():
+    packed = PackedLinear(nn.Linear(8, 16))
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        packed(x)
+    packed.to(torch.float64)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x.double()), x.double() @ packed.weight.T + packed.bias)
+
+
 def test_swap_shares_parameters_and_keeps_the_model_output():
     model = tiny_llama(vocab=64, hidden=64, layers=2, seed=3)
     x = torch.randint(0, 64, (2, 7))
