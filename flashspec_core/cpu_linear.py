@@ -12,9 +12,9 @@ over `in` is the same dot product; only the kernel changes, which moves results 
 The packed copy is extra memory (one more copy of each swapped weight: +0.54 GB for the default
 model). It is rebuilt when the module's weight is replaced or modified in place (a trained draft
 swaps its head rows per request), and autograd, a module cast or moved off the CPU after the swap
-always take `F.linear`, so training through a swapped model or moving it stays correct. Only plain `nn.Linear` modules with fp32 CPU weights are swapped
-(quantized subclasses, GPUs and bf16 keep their own kernels), and only where this torch build has
-oneDNN.
+always take `F.linear`, so training through a swapped model or moving it stays correct. Only plain
+`nn.Linear` modules with fp32 CPU weights are swapped (quantized subclasses, GPUs and bf16 keep
+their own kernels), and only where this torch build has oneDNN.
 """
 from __future__ import annotations
 
@@ -42,17 +42,17 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias  # [out] or None
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self._packed: torch.Tensor | None = None  # opaque oneDNN tensor, [out, in] logically
-        self._packed_from: tuple[torch.Tensor, int] | None = None  # the weight it was packed from, its version
+        # (weight packed from, its version, the opaque oneDNN tensor): a held reference, not an id,
+        # tells a replaced weight.
+        self._packed: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
     def _packed_weight(self) -> torch.Tensor:
-        """The packed copy of the current weight (a held reference, not an id, tells a replaced weight)."""
-        version = -1 if self.weight.is_inference() else self.weight._version  # inference tensors keep none
-        source = self._packed_from
-        if source is None or source[0] is not self.weight or source[1] != version:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-            self._packed_from = (self.weight, version)
-        return self._packed
+        """The packed copy of the current weight, re-packed when it was replaced or edited."""
+        w = self.weight
+        version = -1 if w.is_inference() else w._version  # inference tensors keep no version
+        if self._packed is None or self._packed[0] is not w or self._packed[1] != version:
+            self._packed = (w, version, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+        return self._packed[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]."""
