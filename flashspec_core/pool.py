@@ -6,18 +6,16 @@ The embedded default target is loaded once per process and shared by every defau
 from __future__ import annotations
 
 import threading
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 
 from flashspec_core.constrained.forced_draft import GrammarForcedDraft
 from flashspec_core.drafts import DraftSource, ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.models import LoadedModel, check_vocab, load_model
-from flashspec_core.types import Arm, Router
 
 # Names accepted in `drafts=[...]`; anything else is taken as a model path or cached HF id.
 DRAFT_NAMES = ("prompt_lookup", "suffix_cache", "grammar", "nf4")
-ROUTER_NAMES = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted", "fixed")
 
 _loaded: dict[tuple, LoadedModel] = {}
 _loaded_lock = threading.Lock()
@@ -95,29 +93,3 @@ def default_drafts(target: LoadedModel | None = None) -> list[DraftSource]:
     return pool
 
 
-def make_router(
-    name: str, arms: Sequence[Arm], drafts: Mapping[str, DraftSource], persist: bool = False
-) -> Router:
-    """A router by name; `persist` keeps its statistics in the SQLite store across restarts."""
-    if name not in ROUTER_NAMES:
-        raise ValueError(f"router must be one of {list(ROUTER_NAMES)} or a Router object; got {name!r}")
-    from flashspec_core.routing.router import BanditRouter, FixedRouter
-    from flashspec_core.routing.store import RouterStore
-
-    if name == "fixed":
-        speculative = [a for a in arms if a.gamma > 0]
-        return FixedRouter(speculative[len(speculative) // 2] if speculative else arms[0])
-    free = {n: d for n, d in drafts.items() if d.deterministic}
-    return BanditRouter(arms, algorithm=name, free_drafts=free, store=RouterStore() if persist else None)
-
-
-def default_engine():
-    """The embedded target, the default pool, and a Thompson router whose statistics persist."""
-    from flashspec_core.engine import DEFAULT_GAMMAS, SpecEngine
-    from flashspec_core.types import NO_DRAFT
-
-    target = load_target(None)
-    drafts = default_drafts(target)
-    arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in DEFAULT_GAMMAS]
-    router = make_router("thompson", arms, {d.name: d for d in drafts}, persist=True)
-    return SpecEngine(target, drafts, router=router)
