@@ -9,22 +9,30 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import Proposal
 
 
 def lookup_continuation(context: Sequence[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Up to `gamma` tokens after the most recent earlier match of the longest matching tail n-gram."""
+    """Up to `gamma` tokens after the most recent earlier match of the longest matching tail n-gram.
+
+    Runs on every step (and again when the router scores the draft after the fact), over contexts
+    of thousands of tokens: one vectorised comparison finds where the last token occurred before,
+    and only those candidates are extended backwards, instead of comparing every window.
+    """
     if gamma <= 0 or len(context) < min_ngram + 1:
         return []
     arr = np.asarray(context, dtype=np.int64)
-    for n in range(min(max_ngram, len(arr) - 1), min_ngram - 1, -1):
-        windows = sliding_window_view(arr[:-1], n)  # windows[i] = arr[i:i+n], never the tail itself
-        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
+    last = len(arr) - 1
+    ends = np.flatnonzero(arr[:-1] == arr[-1])  # candidate ends of an earlier copy of the tail
+    for n in range(min(max_ngram, last), min_ngram - 1, -1):
+        cand = ends[ends >= n - 1]
+        ok = np.ones(cand.size, dtype=bool)
+        for k in range(1, n):
+            ok &= arr[cand - k] == arr[last - k]
+        if ok.any():
+            start = int(cand[ok][-1]) + 1
             return arr[start:start + gamma].tolist()
     return []
 

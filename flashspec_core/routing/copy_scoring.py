@@ -19,6 +19,7 @@ from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import Arm, StepRecord
 
 MAX_PENDING = 64  # steps whose proposals wait for verified tokens; past this, all are scored as they stand
+_GREEDY = SamplingParams()  # deterministic drafts ignore sampling; built once, not per step
 
 
 @dataclass
@@ -64,8 +65,7 @@ class CopyScorer:
         ctx, seq = record.context_len, record.sequence
         if not self._drafts or ctx <= 0 or len(seq) <= ctx:
             return None
-        context = [int(t) for t in seq[:ctx]]  # a copy: drafts must not see or touch the live list
-        sampling = SamplingParams()
+        context = list(seq[:ctx])  # a copy: drafts must not see or touch the live list
         proposals, seconds = {}, {}
         for draft, arms in self._drafts:
             arms = [(i, g) for i, g in arms if self.arms[i] != record.arm]  # the arm that ran has its own
@@ -74,7 +74,7 @@ class CopyScorer:
             # A deterministic draft's γ proposal is the head of its longer one (DraftSource):
             # one call at the largest γ serves every γ, each charged that call's time.
             start = time.perf_counter()
-            longest = [int(t) for t in draft.propose([list(context)], max(g for _, g in arms), sampling).tokens[0]]
+            longest = [int(t) for t in draft.propose([context], max(g for _, g in arms), _GREEDY).tokens[0]]
             elapsed = time.perf_counter() - start
             for i, gamma in arms:
                 proposals[i], seconds[i] = longest[:gamma], elapsed

@@ -42,6 +42,10 @@ from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 # bandit_sim.py) 0.995 lost less than 0.98 or 0.99 (more exploration) and no more than 0.998.
 DEFAULT_DISCOUNT = 0.995
 ALGORITHMS = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted")
+# Updates queued in memory before the store is written (and at every request's end): one SQLite
+# transaction per step cost about a tenth of a CPU decode step.
+FLUSH_EVERY = 64
+_DELTA_FIELDS = tuple(ArmDelta.__dataclass_fields__)
 # Goodput maps to reward 1 at this many tokens per plain step's time: plain decoding scores 1/4,
 # a step four times as productive scores 1 (rarer, richer copy steps are clipped there), which
 # keeps rewards near the middle of [0, 1] where the Thompson prior is centred.
@@ -121,19 +125,28 @@ class _Domain:
     stored_scale: float | None = None  # the store's scale, until this process measures its own
     # Tokens fed by a single-row verify pass -> [passes, seconds]: the verify cost of a γ never run.
     verify: dict[int, list[float]] = field(default_factory=dict)
+    # Tokens -> seconds of one target forward as calibrated on this machine (one dict shared by
+    # all domains): what a pass costs until this domain has measured its own.
+    calibrated: dict[int, float] = field(default_factory=dict)
 
     def verify_seconds(self, tokens: int) -> float | None:
-        """Mean seconds of a single-row verify pass over `tokens` tokens; None before one ran."""
+        """Mean seconds of a single-row verify pass over `tokens` tokens, else the calibrated
+        forward cost at that width; None when neither is known."""
         n, total = self.verify.get(tokens, (0, 0.0))
-        return total / n if n else None
+        return total / n if n else self.calibrated.get(tokens)
 
     def verify_estimate(self, tokens: int) -> float | None:
-        """`verify_seconds(tokens)`, else that of the nearest size measured in this domain (the
-        larger on a tie); None before any pass. A pass costs about the same for a few more or
-        fewer tokens, and an arm whose cost this misjudges gets picked and measured."""
-        if not self.verify:
+        """`verify_seconds(tokens)`, else that of the nearest size measured in this domain, else
+        of the nearest calibrated width (the larger on a tie); None when nothing is known. A pass
+        costs about the same for a few more or fewer tokens, and an arm whose cost this
+        misjudges gets picked and measured."""
+        known = self.verify_seconds(tokens)
+        if known is not None:
+            return known
+        sizes = self.verify or self.calibrated
+        if not sizes:
             return None
-        nearest = min(self.verify, key=lambda n: (abs(n - tokens), -n))
+        nearest = min(sizes, key=lambda n: (abs(n - tokens), -n))
         return self.verify_seconds(nearest)
 
 
@@ -211,8 +224,11 @@ class BanditRouter:
         self._copies = CopyScorer(self.arms, free_drafts)
         self._free_names = frozenset(free_drafts)
         self._domains: dict[str, _Domain] = {}
+        self._calibrated: dict[int, float] = {}  # shared by every _Domain (set_forward_costs)
         self._lock = threading.Lock()
         self._store_failed = False
+        self._unsaved: dict[str, tuple[int, dict[str, ArmDelta], float | None]] = {}  # see _persist
+        self._unsaved_updates = 0
         if store is not None:
             self._load(store)
 
@@ -238,6 +254,7 @@ class BanditRouter:
         for domain, stats in store.load().items():
             state = self._domains[domain] = _Domain(
                 self._new_bandit(domain), [_Tally() for _ in self.arms], stats.steps, stats.scale,
+                calibrated=self._calibrated,
             )
             n, s, q = [0.0] * len(self.arms), [0.0] * len(self.arms), [0.0] * len(self.arms)
             for arm_name, d in stats.arms.items():
@@ -270,8 +287,17 @@ class BanditRouter:
                 n[i], s[i], q[i] = n[i] * shrink, s[i] * shrink, q[i] * shrink
         if any(n):
             bandit.add_prior(n, s, q)
-        state = self._domains[domain] = _Domain(bandit, [_Tally() for _ in range(k)])
+        state = self._domains[domain] = _Domain(bandit, [_Tally() for _ in range(k)], calibrated=self._calibrated)
         return state
+
+    def set_forward_costs(self, seconds: Mapping[int, float]) -> None:
+        """Seconds of one target forward by width, as calibrated on this machine: every domain's
+        cost model starts from these until it has measured its own passes."""
+        if any(not isinstance(w, int) or w < 1 or not t > 0 for w, t in seconds.items()):
+            raise ValueError(f"seconds must map widths >= 1 to positive seconds; got {dict(seconds)!r}")
+        with self._lock:
+            self._calibrated.clear()
+            self._calibrated.update(seconds)
 
     def select(self, domain: str) -> Arm:
         """The arm for the next step of a request in `domain` (from past steps only)."""
@@ -381,18 +407,41 @@ class BanditRouter:
             self._persist(domain, deltas, self._scale(state))
 
     def _persist(self, domain: str, deltas: dict[str, ArmDelta], scale: float | None) -> None:
+        """Queue one update for the store; written by `flush` (every FLUSH_EVERY updates and at
+        the end of each request), so a decode step never waits on a disk transaction."""
         if self.store is None or self._store_failed:
             return
-        try:
-            self.store.record(domain, deltas, scale=scale)
-        except sqlite3.Error as exc:
-            # Routing must never stop generation: keep learning in memory, say so once.
-            self._store_failed = True
-            warnings.warn(
-                f"router store write failed ({exc}); statistics stay in memory from now on",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        steps, queued, _ = self._unsaved.get(domain, (0, {}, None))
+        for arm, d in deltas.items():
+            q = queued.setdefault(arm, ArmDelta())
+            for name in _DELTA_FIELDS:
+                setattr(q, name, getattr(q, name) + getattr(d, name))
+        self._unsaved[domain] = (steps + 1, queued, scale)
+        self._unsaved_updates += 1
+        if self._unsaved_updates >= FLUSH_EVERY:
+            self._flush_locked()
+
+    def flush(self) -> None:
+        """Write queued statistics to the store (the engine calls this when a request ends)."""
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        pending, self._unsaved, self._unsaved_updates = self._unsaved, {}, 0
+        if self.store is None or self._store_failed:
+            return
+        for domain, (steps, deltas, scale) in pending.items():
+            try:
+                self.store.record(domain, deltas, steps=steps, scale=scale)
+            except sqlite3.Error as exc:
+                # Routing must never stop generation: keep learning in memory, say so once.
+                self._store_failed = True
+                warnings.warn(
+                    f"router store write failed ({exc}); statistics stay in memory from now on",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return
 
     def summary(self) -> dict[str, dict[str, dict[str, Any]]]:
         """Per domain, per arm: real pulls, mean measured goodput (tokens/s, None if never

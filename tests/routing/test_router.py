@@ -232,6 +232,7 @@ def test_statistics_persist_through_the_store(tmp_path):
     router = BanditRouter([NGRAM, MODEL], store=RouterStore(path), seed=0)
     drive(router, "tool", 120, random.Random(5))
     before = router.summary()["tool"]
+    router.flush()  # the engine does this at the end of every request
     router.store.close()
     resumed = BanditRouter([NGRAM, MODEL], store=RouterStore(path), seed=0)
     after = resumed.summary()["tool"]
@@ -251,6 +252,7 @@ def test_a_stale_store_is_a_warm_start_not_a_verdict(tmp_path, stored_weight):
     path = tmp_path / "r.sqlite3"
     past = BanditRouter([NGRAM, MODEL], store=RouterStore(path), seed=0)
     drive(past, "tool", 1500, random.Random(5))  # copying wins: 80 tok/s against 37
+    past.flush()
     past.store.close()
     now = {"tool": {NONE: (1.0, 0.04), NGRAM: (1.2, 0.05), MODEL: (3.0, 0.08)}}  # 25, 24, 37 tok/s
     resumed = BanditRouter([NGRAM, MODEL], store=RouterStore(path), seed=0, stored_weight=stored_weight)
@@ -262,11 +264,13 @@ def test_a_failing_store_warns_once_and_routing_continues(tmp_path):
     store = RouterStore(tmp_path / "r.sqlite3")
     router = BanditRouter([NGRAM], store=store)
     store.close()
+    router.update(record("tool", NGRAM, 3, 0.1))
     with pytest.warns(RuntimeWarning, match="store write failed"):
-        router.update(record("tool", NGRAM, 3, 0.1))
+        router.flush()  # writes are queued; the engine flushes when a request ends
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         router.update(record("tool", NGRAM, 3, 0.1))
+        router.flush()
     assert router.summary()["tool"]["ngram@4"]["pulls"] == 2
 
 
