@@ -9,6 +9,12 @@ row count, split over the cores: 39 ms for 1 token, 40 ms for 5 and 46 ms for 9.
 over `in` is the same dot product; only the kernel changes, which moves results by float rounding
 (the greedy tests against a stock model's `generate` cover it).
 
+Whether packing pays depends on the CPU: on an AMD EPYC it made a 5-token forward cost one
+token's (40 ms against 76 stock); on a Sapphire Rapids Xeon it was slower than stock at every
+width (BENCHMARKS.md). So the swap only installs the choice; which kernel runs a forward of a
+given width is decided per machine by measurement (`backends/calibration.py`) through the shared
+`KernelChoice` every swapped layer reads.
+
 The packed copy is extra memory (one more copy of each swapped weight: +0.54 GB for the default
 model). It is rebuilt when the module's weight is replaced or modified in place (a trained draft
 swaps its head rows per request), and autograd, a module cast or moved off the CPU after the swap
@@ -30,14 +36,26 @@ def packing_available() -> bool:
         ops, "_linear_pointwise")
 
 
+class KernelChoice:
+    """The kernel every swapped layer of one model runs now: oneDNN's packed or stock `F.linear`.
+
+    The model's runner sets `packed` before each forward from the calibrated choice for its width.
+    """
+
+    def __init__(self, packed: bool = True):
+        self.packed = packed
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` computed by oneDNN from a weight copy packed once into its blocked layout.
 
     Shares the original module's parameters (tied embeddings stay tied; `state_dict` is unchanged).
+    `choice.packed` False runs stock `F.linear` on the same weight.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, choice: KernelChoice | None = None):
         super().__init__()
+        self.choice = choice or KernelChoice()
         self.weight = linear.weight  # [out, in]
         self.bias = linear.bias  # [out] or None
         self.in_features = linear.in_features
@@ -58,7 +76,7 @@ class PackedLinear(nn.Module):
         """x: [..., in] -> [..., out]."""
         w = self.weight
         fp32_cpu = w.device.type == "cpu" and w.dtype == x.dtype == torch.float32
-        if not fp32_cpu or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        if not self.choice.packed or not fp32_cpu or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
             return F.linear(x, w, self.bias)  # moved, cast or training since the swap: the stock kernel
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), bias, "none", [], "")
@@ -75,12 +93,18 @@ def _swappable(module: nn.Module) -> bool:
     return w.device.type == "cpu" and w.dtype == torch.float32
 
 
-def use_packed_linear(model: nn.Module) -> int:
-    """Swap every eligible `nn.Linear` of `model` for a PackedLinear in place; returns how many."""
+def use_packed_linear(model: nn.Module) -> KernelChoice | None:
+    """Swap every eligible `nn.Linear` of `model` for a PackedLinear in place.
+
+    Returns the model's `KernelChoice` (shared by all its packed layers, also those swapped by an
+    earlier call), or None when nothing is swappable or this build cannot pack.
+    """
     if not packing_available():
-        return 0
-    swaps = [(parent, name, PackedLinear(child)) for parent in model.modules()
+        return None
+    existing = next((m.choice for m in model.modules() if isinstance(m, PackedLinear)), None)
+    choice = existing or KernelChoice()
+    swaps = [(parent, name, PackedLinear(child, choice)) for parent in model.modules()
              for name, child in parent.named_children() if _swappable(child)]
     for parent, name, packed in swaps:
         setattr(parent, name, packed)
-    return len(swaps)
+    return choice if (swaps or existing) else None

@@ -17,6 +17,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from flashspec_core.cpu_linear import use_packed_linear
 
+STOCK, PACKED = "stock", "packed"
+
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common prefix, by bisecting on list-slice equality (compared in C): called
@@ -38,12 +40,14 @@ class CachedModel:
     """One HF causal LM plus the cache and slot mask of a batch of rows.
 
     On CPU the model's fp32 linear layers are swapped in place for `PackedLinear`, whose cost
-    barely grows with the number of tokens fed (see cpu_linear.py): that is what lets a verify
-    pass over γ+1 tokens cost about one decode step there.
+    barely grows with the number of tokens fed on some CPUs (see cpu_linear.py). Which kernel
+    runs a forward of a given width is `plan`'s choice (a `backends.calibration.Calibration`
+    measured on this machine); without a plan the packed kernel runs.
     """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int):
-        use_packed_linear(model)
+        self._choice = use_packed_linear(model)
+        self.plan = None  # a Calibration: width -> kernel
         self.model = model
         self.pad_token_id = pad_token_id
         self.device = model.get_output_embeddings().weight.device
@@ -51,6 +55,16 @@ class CachedModel:
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.reset(1)
+
+    def kernels(self) -> tuple[str, ...]:
+        """The linear kernels this model can switch between (calibration.py times them)."""
+        return (STOCK, PACKED) if self._choice is not None else (STOCK,)
+
+    def use_kernel(self, name: str) -> None:
+        if name not in self.kernels():
+            raise ValueError(f"kernel must be one of {self.kernels()}; got {name!r}")
+        if self._choice is not None:
+            self._choice.packed = name == PACKED
 
     def begin(self, batch_size: int) -> None:
         """Start a request. A single prompt keeps what the previous single-prompt request left,
@@ -120,6 +134,8 @@ class CachedModel:
                 positions[b, width - len(chunk):] = torch.arange(keep[b], keep[b] + len(chunk))
         ids, chunk_mask, positions = (t.to(self.device) for t in (ids, chunk_mask, positions))
         attention = torch.cat([self.slot_mask, chunk_mask], dim=1)
+        if self.plan is not None:
+            self.use_kernel(self.plan.kernel_for(width * max(1, sum(active))))
         out = self.model(
             input_ids=ids,
             attention_mask=attention,

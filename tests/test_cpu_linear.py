@@ -68,13 +68,17 @@ def test_swap_shares_parameters_and_keeps_the_model_output():
         before = model(x).logits
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
     params = {id(p) for p in model.parameters()}
-    assert use_packed_linear(model) == n_linear
+    choice = use_packed_linear(model)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == n_linear and all(m.choice is choice for m in packed)
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert {id(p) for p in model.parameters()} == params, "the swap keeps the parameters it was given"
-    assert use_packed_linear(model) == 0, "a second swap finds nothing left to swap"
-    with torch.inference_mode():
-        torch.testing.assert_close(model(x).logits, before, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(model(x[:, :1]).logits, before[:, :1], rtol=1e-4, atol=1e-5)
+    assert use_packed_linear(model) is choice, "a second swap finds nothing new and keeps the one choice"
+    for kernel in (True, False):  # both kernels the calibration chooses between compute the same
+        choice.packed = kernel
+        with torch.inference_mode():
+            torch.testing.assert_close(model(x).logits, before, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(model(x[:, :1]).logits, before[:, :1], rtol=1e-4, atol=1e-5)
 
 
 class _QuantLinear(nn.Linear):
@@ -84,5 +88,5 @@ class _QuantLinear(nn.Linear):
 def test_only_plain_fp32_linears_are_swapped():
     model = nn.Sequential(nn.Linear(8, 64), nn.Linear(8, 64).to(torch.bfloat16), _QuantLinear(8, 64),
                           nn.Linear(8, 7))
-    assert use_packed_linear(model) == 2
+    assert use_packed_linear(model) is not None
     assert [type(m).__name__ for m in model] == ["PackedLinear", "Linear", "_QuantLinear", "PackedLinear"]

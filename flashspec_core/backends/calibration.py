@@ -1,0 +1,205 @@
+"""Measure, on the machine at hand, what a target forward costs at each width, and which kernel wins.
+
+Why: a speed-up measured on one CPU is not a property of the product. oneDNN's packed linear
+layers made a 5-token verify pass cost one decode step on an AMD EPYC and were slower than stock
+at every width on a Sapphire Rapids Xeon; the two machines call for opposite choices. So at first
+load the runner's candidate kernels are timed at the widths the engine feeds (1 and γ+1 for each
+γ, plus a prefill chunk), the fastest is kept per width, and the result is cached per CPU
+fingerprint, model shape and backend in the cache folder. The router's cost model starts from the
+measured seconds per width instead of learning them from scratch.
+
+A runner takes part by exposing `kernels()` (names it can switch between), `use_kernel(name)`
+and `forward_to` (the `kv.CachedModel` contract).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+
+from flashspec_core.models import cache_root
+
+CALIBRATION_FILE = "calibration.json"
+PREFILL_WIDTH = 128  # the prefill chunk timed alongside the decode widths
+CONTEXT = 256  # tokens already in the cache when a width is timed (a short agent prompt)
+# ISA features that change which kernel wins; the fingerprint names those the CPU has.
+_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
+          "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+class Calibratable(Protocol):
+    def kernels(self) -> tuple[str, ...]: ...
+
+    def use_kernel(self, name: str) -> None: ...
+
+    def reset(self, batch_size: int) -> None: ...
+
+    def forward_to(self, sequences: Sequence[Sequence[int]], active=None, keep_logits: int = 1) -> torch.Tensor: ...
+
+
+@dataclass
+class Calibration:
+    """What was measured: seconds per forward by kernel and width, and the kernel kept per width."""
+
+    key: str
+    cpu: str
+    threads: int
+    seconds: dict[str, dict[int, float]]  # kernel -> width -> median seconds of one forward
+    measured_at: str = ""
+    best: dict[int, str] = field(default_factory=dict)  # width -> kernel
+
+    def __post_init__(self) -> None:
+        self.seconds = {k: {int(w): float(s) for w, s in v.items()} for k, v in self.seconds.items()}
+        widths = sorted({w for v in self.seconds.values() for w in v})
+        self.best = {w: min(self.seconds, key=lambda k: self.seconds[k].get(w, float("inf"))) for w in widths}
+
+    def kernel_for(self, width: int) -> str:
+        """The kernel kept for the nearest measured width (the larger on a tie)."""
+        nearest = min(self.best, key=lambda w: (abs(w - width), -w))
+        return self.best[nearest]
+
+    def forward_seconds(self) -> dict[int, float]:
+        """Width -> seconds of one forward with the kept kernel (the router's starting costs)."""
+        return {w: self.seconds[k][w] for w, k in self.best.items()}
+
+    def table(self) -> str:
+        """The measured table, for the CLI and BENCHMARKS.md."""
+        widths = sorted(self.best)
+        lines = [f"CPU: {self.cpu}; torch threads: {self.threads}; ms per forward after {CONTEXT} tokens",
+                 f"{'kernel':<12}" + "".join(f"{'w=' + str(w):>9}" for w in widths)]
+        for name, row in self.seconds.items():
+            lines.append(f"{name:<12}" + "".join(f"{row.get(w, float('nan')) * 1e3:>9.1f}" for w in widths))
+        lines.append(f"{'kept':<12}" + "".join(f"{self.best[w]:>9}" for w in widths))
+        return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    """The CPU's model name as lscpu prints it (falls back to platform.processor())."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    """The ISA flags among _FLAGS that this CPU reports."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return [f for f in _FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def machine_line() -> str:
+    """One line naming the CPU, its ISA flags and the thread count, for every benchmark table."""
+    return (f"CPU: {cpu_model()} ({os.cpu_count()} logical cores; {' '.join(cpu_flags()) or 'no flags read'}); "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def fingerprint(model_id: str, backend: str) -> str:
+    """Key of a calibration: CPU model and flags, cores, torch version and threads, model, backend."""
+    parts = [cpu_model(), ",".join(cpu_flags()), str(os.cpu_count()), torch.__version__,
+             str(torch.get_num_threads()), model_id, backend]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def model_id(model: torch.nn.Module) -> str:
+    """What the cost of a forward depends on: the config (not the weights) and the dtype."""
+    config = getattr(model, "config", None)
+    text = config.to_json_string(use_diff=False) if config is not None else type(model).__name__
+    dtype = next(model.parameters()).dtype
+    return hashlib.sha256(f"{text}|{dtype}".encode()).hexdigest()[:16]
+
+
+def _path() -> Path:
+    return cache_root() / CALIBRATION_FILE
+
+
+def _read_all() -> dict:
+    try:
+        data = json.loads(_path().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # missing or damaged: measure again
+
+
+def _write(cal: Calibration) -> None:
+    """Add `cal` to the cache file, written to a temporary file and renamed (never half-written)."""
+    data = _read_all()
+    data[cal.key] = asdict(cal)
+    path = _path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calibration-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache folder only costs a new measurement next time
+
+
+def measure(runner: Calibratable, widths: Sequence[int], key: str, vocab: int, reps: int = 3,
+            context: int = CONTEXT) -> Calibration:
+    """Time each kernel of `runner` at each width after `context` cached tokens; median of `reps`.
+
+    The context is fed once; each timed forward feeds `width` new tokens after it (the runner
+    rolls back to the shared context by itself). Kernels are interleaved per repetition, so a
+    load change on the machine hits them alike.
+    """
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    samples: dict[str, dict[int, list[float]]] = {k: {w: [] for w in widths} for k in runner.kernels()}
+    runner.reset(1)
+    runner.forward_to([prefix], keep_logits=1)
+    for rep in range(reps + 1):  # the first round warms caches, allocator and oneDNN's primitives
+        for width in widths:
+            extra = torch.randint(0, vocab, (width,), generator=gen).tolist()
+            for kernel in runner.kernels():
+                runner.use_kernel(kernel)
+                start = time.perf_counter()
+                runner.forward_to([prefix + extra], keep_logits=width)
+                if rep:
+                    samples[kernel][width].append(time.perf_counter() - start)
+    runner.reset(1)
+    seconds = {k: {w: statistics.median(v) for w, v in rows.items()} for k, rows in samples.items()}
+    return Calibration(key, cpu_model(), torch.get_num_threads(), seconds,
+                       measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def calibrate(runner: Calibratable, model_key: str, backend: str, widths: Sequence[int], vocab: int,
+              force: bool = False, context: int = CONTEXT) -> Calibration:
+    """The cached calibration for this machine, model and backend, measured first if missing.
+
+    `widths` are the decode widths (1 and γ+1); the prefill chunk is added. A cached entry that
+    lacks one of the widths is measured again.
+    """
+    widths = sorted(set(widths) | {1, PREFILL_WIDTH})
+    key = fingerprint(model_key, backend)
+    cached = _read_all().get(key)
+    if cached and not force:
+        try:
+            cal = Calibration(**cached)
+            if set(widths) <= set(cal.best) and set(cal.seconds) == set(runner.kernels()):
+                return cal
+        except (TypeError, ValueError):
+            pass
+    cal = measure(runner, widths, key, vocab, context=context)
+    _write(cal)
+    return cal

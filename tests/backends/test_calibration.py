@@ -1,0 +1,99 @@
+"""Calibration: the kernel kept per width is the one measured fastest on this machine, the result
+is cached per fingerprint, and the engine hands the measured costs to the router."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from helpers import tiny_loaded
+
+from flashspec_core.backends import calibration
+from flashspec_core.backends.calibration import Calibration, calibrate, machine_line
+from flashspec_core.cpu_linear import PackedLinear
+from flashspec_core.drafts import PromptLookupDraft
+from flashspec_core.engine import SpecEngine
+from flashspec_core.kv import CachedModel
+
+
+class SleepyRunner:
+    """Kernel "slow_at_1" sleeps long at width 1, "slow_wide" at every other width."""
+
+    def __init__(self):
+        self.kernel = None
+        self.calls = 0
+
+    def kernels(self):
+        return ("slow_at_1", "slow_wide")
+
+    def use_kernel(self, name):
+        self.kernel = name
+
+    def reset(self, batch_size):
+        pass
+
+    def forward_to(self, sequences, active=None, keep_logits=1):
+        self.calls += 1
+        narrow = keep_logits == 1
+        time.sleep(0.004 if (self.kernel == "slow_at_1") == narrow else 0.0005)
+        return torch.zeros(len(sequences), keep_logits, 8)
+
+
+def test_the_faster_kernel_is_kept_per_width_and_cached(flashspec_cache_dir):
+    runner = SleepyRunner()
+    cal = calibrate(runner, "sleepy-1", "fake", [1, 3, 5], vocab=8)
+    assert cal.best[1] == "slow_wide" and cal.best[3] == cal.best[5] == "slow_at_1"
+    assert cal.kernel_for(4) == "slow_at_1" and cal.kernel_for(1) == "slow_wide"
+    assert cal.forward_seconds()[1] < 0.003
+    calls = runner.calls
+    again = calibrate(SleepyRunner(), "sleepy-1", "fake", [1, 3, 5], vocab=8)
+    assert again.best == cal.best and runner.calls == calls, "a second load reads the cache"
+    assert "CPU:" in cal.table() and "kept" in cal.table()
+
+
+def test_a_damaged_cache_or_another_machine_measures_again(flashspec_cache_dir, monkeypatch):
+    calibrate(SleepyRunner(), "sleepy-2", "fake", [1, 3], vocab=8)
+    path = flashspec_cache_dir / calibration.CALIBRATION_FILE
+    path.write_text("{not json")
+    runner = SleepyRunner()
+    calibrate(runner, "sleepy-2", "fake", [1, 3], vocab=8)
+    assert runner.calls > 0
+    json.loads(path.read_text())  # rewritten whole
+    monkeypatch.setattr(calibration, "cpu_model", lambda: "Another CPU")
+    runner = SleepyRunner()
+    calibrate(runner, "sleepy-2", "fake", [1, 3], vocab=8)
+    assert runner.calls > 0, "another CPU is another fingerprint"
+
+
+def test_an_artificially_slow_packed_kernel_loses_to_stock(flashspec_cache_dir, monkeypatch):
+    loaded = tiny_loaded(16, seed=0)
+    runner = CachedModel(loaded.model, pad_token_id=15)
+    if runner.kernels() == ("stock",):
+        pytest.skip("this torch build cannot pack linear weights")
+    real = PackedLinear.forward
+
+    def slow(self, x):
+        if self.choice.packed:
+            time.sleep(0.002)
+        return real(self, x)
+
+    monkeypatch.setattr(PackedLinear, "forward", slow)
+    cal = calibrate(runner, "tiny-slow-packed", "hf", [1, 5], vocab=16)
+    assert set(cal.best.values()) == {"stock"}
+
+
+def test_the_engine_calibrates_its_cpu_runner_and_seeds_the_router(flashspec_cache_dir):
+    loaded = tiny_loaded(16, seed=0)
+    engine = SpecEngine(loaded, [PromptLookupDraft()], router="thompson", gammas=(2, 4), backend="hf")
+    cal = engine.calibration
+    assert isinstance(cal, Calibration) and {1, 3, 5} <= set(cal.best)
+    assert engine._target_runner.plan is cal
+    assert engine.router._calibrated == cal.forward_seconds()
+    off = SpecEngine(loaded, [PromptLookupDraft()], router="thompson", backend="hf", calibrate=False)
+    assert off.calibration is None and off.router._calibrated == {}
+
+
+def test_machine_line_names_the_cpu_and_threads():
+    line = machine_line()
+    assert line.startswith("CPU: ") and f"{torch.get_num_threads()} threads" in line
