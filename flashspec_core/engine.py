@@ -13,8 +13,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from flashspec_core.backends import make_runner, resolve_backend
 from flashspec_core.drafts import DraftSource
-from flashspec_core.kv import CachedModel
 from flashspec_core.models import LoadedModel, vocab_size
 from flashspec_core.ngram_ban import ban_repeated_ngrams, json_punctuation_tokens
 from flashspec_core.penalty import penalize_paths
@@ -50,7 +50,14 @@ class SpecEngine:
         router: Router | str = "thompson",
         gammas: Sequence[int] = DEFAULT_GAMMAS,
         verify_backend: str = "auto",
+        backend: str = "auto",
+        calibrate: bool = True,
     ):
+        """backend: where the target's forward runs ("hf", "llama.cpp"; "auto" picks llama.cpp for
+        a GGUF target on the CPU when llama-cpp-python is installed, see backends/__init__.py).
+        calibrate: time the target's forward per width on this machine at first use (cached per
+        CPU in the cache folder) to pick the fastest kernel and seed the router's cost model.
+        """
         if verify_backend not in BACKENDS:
             raise ValueError(f"verify_backend must be one of {BACKENDS}; got {verify_backend!r}")
         if not gammas or any(not isinstance(g, int) or not 1 <= g <= 16 for g in gammas):
@@ -62,7 +69,7 @@ class SpecEngine:
         self.drafts: dict[str, DraftSource] = {d.name: d for d in drafts}
         self.arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in gammas]
         if isinstance(router, str):
-            from flashspec_core.pool import make_router
+            from flashspec_core.routing import make_router
 
             router = make_router(router, self.arms, self.drafts)
         self.router: Router = router
@@ -72,17 +79,44 @@ class SpecEngine:
         self._lock = threading.Lock()
         self._owner: int | None = None
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self._target_runner = CachedModel(target.model, pad)  # kept across requests: prefix reuse
+        self.backend = resolve_backend(backend, target)
+        # Kept across requests: prefix reuse.
+        self._target_runner = make_runner(target, self.backend, pad, self.context_window)
+        self._device = target.model.get_output_embeddings().weight.device
+        self.calibration = self._calibrate(gammas) if calibrate else None
         self._json_tokens: torch.Tensor | None = None  # [V] bool, built on the first ban under a schema
+
+    def _calibrate(self, gammas: Sequence[int]):
+        """Measured forward cost per width on this machine (cached): the kernel per width, and the
+        router's starting cost model. Only the CPU runners take part; a GPU's costs are learned."""
+        runner = self._target_runner
+        if not hasattr(runner, "kernels") or runner.device.type != "cpu":
+            return None
+        from flashspec_core.backends.calibration import calibrate, model_id
+
+        widths = [1] + [g + 1 for g in gammas]
+        context = min(256, self.context_window // 2)
+        cal = calibrate(runner, model_id(self.target_model), self.backend, widths, vocab_size(self.target_model),
+                        context=context)
+        runner.plan = cal
+        if hasattr(self.router, "set_forward_costs"):
+            self.router.set_forward_costs(cal.forward_seconds())
+        return cal
 
     @classmethod
     def from_default(cls) -> "SpecEngine":
-        """The embedded default target with the default draft pool and router, once per process."""
+        """The embedded default target with the default draft pool and a Thompson router whose
+        statistics persist, once per process."""
         with cls._default_lock:
             if cls._default is None:
-                from flashspec_core.pool import default_engine
+                from flashspec_core.pool import default_drafts, load_target
+                from flashspec_core.routing import make_router
 
-                cls._default = default_engine()
+                target = load_target(None)
+                drafts = default_drafts(target)
+                arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in DEFAULT_GAMMAS]
+                router = make_router("thompson", arms, {d.name: d for d in drafts}, persist=True)
+                cls._default = cls(target, drafts, router=router)
             return cls._default
 
     @classmethod
@@ -96,6 +130,7 @@ class SpecEngine:
         load_in_4bit: bool = False,
         gammas: Sequence[int] = DEFAULT_GAMMAS,
         verify_backend: str = "auto",
+        backend: str = "auto",
     ) -> "SpecEngine":
         """target: None (embedded default), a .gguf file, a local folder or a cached HF id.
 
@@ -106,7 +141,7 @@ class SpecEngine:
 
         loaded = load_target(target, device=device, dtype=dtype, load_in_4bit=load_in_4bit)
         pool = build_drafts(drafts, loaded, target, device=device, dtype=dtype)
-        return cls(loaded, pool, router=router, gammas=gammas, verify_backend=verify_backend)
+        return cls(loaded, pool, router=router, gammas=gammas, verify_backend=verify_backend, backend=backend)
 
     @property
     def tokenizer(self):
@@ -240,7 +275,7 @@ class SpecEngine:
             self._release()
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator:
-        gen = torch.Generator(device=self.target_model.get_output_embeddings().weight.device)
+        gen = torch.Generator(device=self._device)
         if sampling.seed is None:
             gen.seed()
         else:
@@ -248,16 +283,41 @@ class SpecEngine:
         return gen
 
     def _propose(self, arm: Arm, seqs, active, gamma: int, sampling, gen):
-        """Returns draft tokens [B, g] (g = shortest active proposal), q [B, g, V] or None, and
-        the draft's catch-up seconds."""
-        device = self.target_model.get_output_embeddings().weight.device
+        """Returns draft tokens as B host lists of g ids (g = shortest active proposal; inactive
+        rows padded with 0), q [B, g, V] or None, and the draft's catch-up seconds."""
         if arm.draft == NO_DRAFT or gamma <= 0:
-            return torch.empty((len(seqs), 0), dtype=torch.long, device=device), None, 0.0
+            return [[] for _ in seqs], None, 0.0
         proposal = self.drafts[arm.draft].propose(seqs, gamma, sampling, gen)
         g = min(len(t) for t, a in zip(proposal.tokens, active) if a)
-        tokens = torch.tensor([(t[:g] + [0] * g)[:g] for t in proposal.tokens], dtype=torch.long, device=device)
-        probs = None if proposal.probs is None else proposal.probs[:, :g].to(device)
-        return tokens.view(len(seqs), g), probs, proposal.catchup_seconds
+        tokens = [(list(t[:g]) + [0] * g)[:g] for t in proposal.tokens]
+        probs = None if proposal.probs is None else proposal.probs[:, :g].to(self._device)
+        return tokens, probs, proposal.catchup_seconds
+
+    def _fused_greedy(self, sampling: SamplingParams, constraint) -> bool:
+        """Whether steps may run forward and greedy verification as one call of the runner (a
+        CUDA-graph replay): no logits processor between them, and the verify backend not pinned."""
+        return (sampling.greedy and sampling.repetition_penalty == 1.0 and not sampling.no_repeat_ngram_size
+                and constraint is None and self.verify_backend == "auto"
+                and hasattr(self._target_runner, "verify_greedy"))
+
+    def _forward_and_verify(self, target, seqs, prompts, drafts, draft_probs, active, sampling, constraint, gen):
+        """Score every row's context + draft in one target forward and verify; host lists out."""
+        if self._fused_greedy(sampling, constraint):
+            fused = target.verify_greedy(seqs, drafts, active)
+            if fused is not None:
+                return fused
+        g = len(drafts[0])
+        logits = target.forward_to([s + d for s, d in zip(seqs, drafts)], active, keep_logits=g + 1)
+        logits = penalize_paths(logits, seqs, drafts, sampling.repetition_penalty)
+        if constraint is not None:  # -inf where the grammar forbids, along each draft path
+            logits = constraint.mask_logits(logits, drafts, active)
+        if sampling.no_repeat_ngram_size:
+            outputs = [s[len(p):] for s, p in zip(seqs, prompts)]
+            exempt = None if constraint is None else self._json_punctuation(logits.shape[-1])
+            logits = ban_repeated_ngrams(logits, outputs, drafts, sampling.no_repeat_ngram_size, exempt)
+        draft_tokens = torch.tensor(drafts, dtype=torch.long, device=logits.device).view(len(seqs), g)
+        n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=self.verify_backend, generator=gen)
+        return n_acc.tolist(), out.tolist()
 
     def _json_punctuation(self, vocab: int) -> torch.Tensor:
         """[V] bool: tokens the n-gram ban leaves alone under a JSON schema (ngram_ban.py); built once."""
@@ -265,7 +325,7 @@ class SpecEngine:
             self._json_tokens = json_punctuation_tokens(self.tokenizer, vocab)
         return self._json_tokens
 
-    def _prefill(self, target: CachedModel, prompts, stats) -> None:
+    def _prefill(self, target, prompts, stats) -> None:
         """Feed each prompt but its last token before the first step, timed apart from the steps.
 
         The router then scores arms on decode steps only: a long prompt's prefill would otherwise
@@ -301,21 +361,12 @@ class SpecEngine:
                 arm = self.router.select(domain)
                 remaining = min(r.max_new_tokens - len(r.token_ids) for r, a in zip(rows, active) if a)
                 t0 = time.perf_counter()
-                draft_tokens, draft_probs, catchup = self._propose(
+                drafts, draft_probs, catchup = self._propose(
                     arm, seqs, active, min(arm.gamma, remaining - 1), sampling, gen)
-                g = draft_tokens.shape[1]
+                g = len(drafts[0])
                 t1 = time.perf_counter()
-                dl = draft_tokens.tolist()
-                logits = target.forward_to([s + d for s, d in zip(seqs, dl)], active, keep_logits=g + 1)
-                logits = penalize_paths(logits, seqs, dl, sampling.repetition_penalty)
-                if constraint is not None:  # -inf where the grammar forbids, along each draft path
-                    logits = constraint.mask_logits(logits, dl, active)
-                if sampling.no_repeat_ngram_size:
-                    outputs = [s[len(p):] for s, p in zip(seqs, prompts)]
-                    exempt = None if constraint is None else self._json_punctuation(logits.shape[-1])
-                    logits = ban_repeated_ngrams(logits, outputs, dl, sampling.no_repeat_ngram_size, exempt)
-                n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=self.verify_backend, generator=gen)
-                n_acc, out = n_acc.tolist(), out.tolist()
+                n_acc, out = self._forward_and_verify(
+                    target, seqs, prompts, drafts, draft_probs, active, sampling, constraint, gen)
                 t2 = time.perf_counter()
                 context_row = active.index(True)
                 context_len = len(seqs[context_row])
@@ -344,6 +395,7 @@ class SpecEngine:
                     stats[b].accepted += n_acc[b]
                     stats[b].seconds += record.seconds
                     stats[b].records.append(record)
+                    stats[b].host_seconds += time.perf_counter() - t2
                 yield rows, new, stats
         except GeneratorExit:  # a stream closed early, between steps: the cache is consistent
             raise
@@ -353,3 +405,6 @@ class SpecEngine:
         finally:
             for d in self.drafts.values():
                 d.end(prompts, [r.token_ids for r in rows])
+            flush = getattr(self.router, "flush", None)
+            if callable(flush):
+                flush()

@@ -27,6 +27,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
+    gguf: Path | None = None  # the GGUF file it was converted from: llama.cpp can run that as is
 
 
 def cache_root() -> Path:
@@ -126,14 +127,17 @@ def load_model(
     """
     dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
+    gguf = None
     if name_or_path is None:
-        source = _convert_gguf(default_gguf_path())
+        gguf = default_gguf_path()
+        source = _convert_gguf(gguf)
         name = "SmolLM2-135M-Instruct"
     else:
         path = Path(name_or_path)
         if path.suffix == ".gguf":
             if not path.is_file():
                 raise ValueError(f"name_or_path: GGUF file {str(path)!r} does not exist")
+            gguf = path
             source = _convert_gguf(path)
         else:
             source = path if path.exists() else str(name_or_path)
@@ -157,7 +161,7 @@ def load_model(
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, gguf=None if load_in_4bit else gguf)
 
 
 def vocab_size(model: PreTrainedModel) -> int:

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from flashspec_core.kv import CachedModel
+from flashspec_core.backends import model_runner
 from flashspec_core.sampling import SamplingParams, probs_from_logits
 from flashspec_core.types import Proposal
 
@@ -30,7 +30,7 @@ class ModelDraft:
     def __init__(self, model: PreTrainedModel, name: str = "model", pad_token_id: int = 0):
         self.name = name
         self.model = model
-        self._runner = CachedModel(model, pad_token_id)
+        self._runner = model_runner(model, pad_token_id)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # of the q it reports
 
     def _full_q(self, q_head: torch.Tensor, head: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,207 @@
+"""Side-by-side tokens/s on a GPU, batch 1, bf16, greedy, in one process: what a GPU user could run.
+
+Configurations: HF `generate` eager; HF `generate` with a static cache (transformers compiles its
+forward); PyPI `flashspec` (the seed paper's package) with `compile=True` and its n-gram drafter,
+when installed; this engine on the CUDA-graph backend with each fixed arm and with the router
+(warmed on disjoint steps of the same stream first). Every configuration is warmed up before it
+is timed; warm-up (compile, capture) time is reported apart. Greedy outputs are compared with
+HF eager: in bf16 kernels of different shapes can break near-ties either way, and the table says
+how many steps matched.
+
+    python benchmarks/gpu_bench.py --steps 12 --warmup 12 --max-new-tokens 128 --out bench_out/gpu
+
+Writes results.json and gpu_bench.png; prints the table per domain and this engine's per-step
+time breakdown (draft, target forward + verify, host).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from flashspec_core.engine import SpecEngine
+from flashspec_core.models import load_model
+from flashspec_core.pool import default_drafts
+from flashspec_core.routing.router import FixedRouter
+from flashspec_core.types import NO_DRAFT, Arm
+from flashspec_core.workload import Step, dev_workload
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def hf_runner(model, tokenizer, **kwargs):
+    def run(ids: list[int], max_new: int) -> list[int]:
+        x = torch.tensor([ids], device="cuda")
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
+                             pad_token_id=tokenizer.pad_token_id, **kwargs)
+        return out[0, len(ids):].tolist()
+    return run
+
+
+def peer_runner(model, eos_ids):
+    """PyPI flashspec 0.3.1 as the issue drove it: n-gram drafter, compile=True, greedy."""
+    from flashspec import BanditConfig, FlashSpecConfig, SamplingConfig, SpeculativeEngine
+    from flashspec.engine.ngram import NgramDrafter
+    from flashspec.engine.verifier import TargetModel
+
+    config = FlashSpecConfig(device="cuda", drafter_strategy="bandit", bandit=BanditConfig(n_arms=1), compile=True,
+                             compile_max_cache_len=2048, sampling=SamplingConfig(temperature=0.0))
+    engine = SpeculativeEngine(config, [NgramDrafter()], TargetModel("smollm2", torch.device("cuda"),
+                                                                       torch.bfloat16, model=model))
+
+    def run(ids: list[int], max_new: int) -> list[int]:
+        res = engine.generate(torch.tensor([ids], device="cuda"), max_new_tokens=max_new, eos_token_ids=list(eos_ids))
+        return [t for t in res.output_ids[0].tolist() if t >= 0]
+    return run
+
+
+def engine_runner(engine: SpecEngine, breakdown: dict):
+    def run(ids: list[int], max_new: int) -> list[int]:
+        res = engine.generate(ids, max_new_tokens=max_new)
+        st = res.stats
+        breakdown["steps"] += st.steps
+        breakdown["tokens"] += len(res.token_ids)
+        breakdown["prefill"] += st.prefill_seconds
+        breakdown["draft"] += sum(r.draft_seconds for r in st.records)
+        breakdown["forward+verify"] += sum(r.verify_seconds for r in st.records)
+        breakdown["host"] += st.host_seconds
+        return res.token_ids
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--fixed", default="none,prompt_lookup@2,prompt_lookup@4,prompt_lookup@8,suffix_cache@4,"
+                                          "distill_chat@2,distill_code@2")
+    parser.add_argument("--skip", default="", help="comma list of configurations to leave out (hf_static, peer, ...)")
+    parser.add_argument("--steps-file", default=None,
+                        help="JSON list of steps (domain, messages, max_new_tokens, source) instead of the dev "
+                             "workload, for a GPU host without the ShareGPT package")
+    parser.add_argument("--out", default="bench_out/gpu")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+
+    if args.steps_file:
+        stream = [Step(**s) for s in json.loads(Path(args.steps_file).read_text())][:args.warmup + args.steps]
+    else:
+        stream = dev_workload(args.warmup + args.steps, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    warm, steps = stream[:args.warmup], stream[args.warmup:]
+    target = load_model(None, device="cuda", dtype=torch.bfloat16)
+    tok = target.tokenizer
+    probe = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)))
+    encode = lambda step: probe._encode_all([step.messages], step.max_new_tokens)[0]  # noqa: E731
+    warm_ids, step_ids = [encode(s) for s in warm], [encode(s) for s in steps]
+
+    runners, warmups, breakdowns = {}, {}, {}
+    stock = load_model(None, device="cuda", dtype=torch.bfloat16).model
+    runners["hf eager"] = hf_runner(stock, tok)
+    if "hf_static" not in skip:
+        runners["hf static (compiled)"] = hf_runner(stock, tok, cache_implementation="static")
+    if "peer" not in skip and importlib.util.find_spec("flashspec"):
+        peer_model = load_model(None, device="cuda", dtype=torch.bfloat16).model
+        runners["flashspec 0.3.1 (compile)"] = peer_runner(peer_model, probe.eos_ids)
+    for name in args.fixed.split(","):
+        draft, _, gamma = name.partition("@")
+        arm = Arm(NO_DRAFT, 0) if draft == NO_DRAFT else Arm(draft, int(gamma))
+        engine = SpecEngine(target, default_drafts(target), router=FixedRouter(arm))
+        breakdowns[f"engine {arm}"] = defaultdict(float)
+        runners[f"engine {arm}"] = engine_runner(engine, breakdowns[f"engine {arm}"])
+    router_engine = SpecEngine(target, default_drafts(target), router="thompson")
+    breakdowns["engine router"] = defaultdict(float)
+    runners["engine router"] = engine_runner(router_engine, breakdowns["engine router"])
+
+    results = {}
+    for key, run in runners.items():
+        # Compiled baselines specialise on shapes: warm them on the timed prompts themselves (only
+        # their compile caches remember it). The engine's graphs depend on widths, not prompts: two
+        # disjoint steps warm them, and its copy caches never see the timed steps.
+        warm_on = step_ids if key.startswith(("hf static", "flashspec")) else warm_ids[:2]
+        _, warmups[key] = timed(lambda: [run(ids, args.max_new_tokens) for ids in warm_on])
+        if key == "engine router":  # the router learns on the rest of the warm-up stream, untimed
+            for ids in warm_ids[2:]:
+                run(ids, args.max_new_tokens)
+        if key in breakdowns:
+            breakdowns[key].clear()
+        rows = []
+        for step, ids in zip(steps, step_ids):
+            tokens, seconds = timed(lambda: run(ids, step.max_new_tokens))
+            rows.append({"domain": step.domain, "tokens": tokens, "seconds": seconds})
+        results[key] = rows
+        print(f"{key}: {sum(len(r['tokens']) for r in rows) / sum(r['seconds'] for r in rows):.1f} tok/s "
+              f"(warm-up {warmups[key]:.1f} s)", flush=True)
+    report(results, steps, warmups, breakdowns, Path(args.out), args)
+
+
+def report(results, steps, warmups, breakdowns, out: Path, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    domains = sorted({s.domain for s in steps})
+    reference = [r["tokens"] for r in results["hf eager"]]
+    base_key = "hf static (compiled)" if "hf static (compiled)" in results else "hf eager"
+    table = {}
+    print(f"\nGPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; bf16, batch 1, greedy, "
+          f"{len(steps)} steps, max_new_tokens={args.max_new_tokens}; tokens/s")
+    print(f"{'configuration':<30}" + "".join(f"{d:>8}" for d in domains)
+          + f"{'overall':>9}{'vs ' + base_key.split()[1]:>10}{'same':>7}{'warm-up s':>10}")
+    overall_base = None
+    for key, rows in results.items():
+        per = defaultdict(lambda: [0, 0.0])
+        for r in rows:
+            per[r["domain"]][0] += len(r["tokens"])
+            per[r["domain"]][1] += r["seconds"]
+        rates = {d: per[d][0] / per[d][1] for d in domains}
+        overall = sum(v[0] for v in per.values()) / sum(v[1] for v in per.values())
+        if key == base_key:
+            overall_base = overall
+        same = sum(r["tokens"] == ref for r, ref in zip(rows, reference))
+        table[key] = {**rates, "overall": overall, "same": same, "warmup_s": warmups[key]}
+    for key, row in table.items():
+        print(f"{key:<30}" + "".join(f"{row[d]:>8.1f}" for d in domains) + f"{row['overall']:>9.1f}"
+              f"{row['overall'] / overall_base:>9.2f}x{row['same']:>4}/{len(steps)}{row['warmup_s']:>10.1f}")
+    print("\nper-step breakdown of this engine (ms per step)")
+    print(f"{'configuration':<30}{'steps':>7}{'tok/step':>9}{'draft':>8}{'fwd+verify':>11}{'host':>7}")
+    for key, b in breakdowns.items():
+        n = max(b["steps"], 1)
+        print(f"{key:<30}{int(b['steps']):>7}{b['tokens'] / n:>9.2f}{b['draft'] / n * 1e3:>8.2f}"
+              f"{b['forward+verify'] / n * 1e3:>11.2f}{b['host'] / n * 1e3:>7.2f}")
+    (out / "results.json").write_text(json.dumps({"table": table, "breakdown": breakdowns,
+                                                  "gpu": torch.cuda.get_device_name()}, indent=1))
+    plot(table, domains, out / "gpu_bench.png")
+
+
+def plot(table, domains, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(table)
+    fig, ax = plt.subplots(figsize=(14, 5))
+    width = 0.8 / (len(domains) + 1)
+    for i, d in enumerate(domains + ["overall"]):
+        ax.bar([k + i * width for k in range(len(keys))], [table[c][d] for c in keys], width, label=d)
+    ax.set_xticks([k + 0.4 for k in range(len(keys))], keys, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"GPU ({torch.cuda.get_device_name()}), bf16, batch 1, greedy: side by side")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Where the target's forward runs: transformers eagerly, CUDA graphs, or llama.cpp on the GGUF file.
+
+Every runner keeps the contract of `kv.CachedModel` (`begin`, `reset`, `prefix_len`,
+`forward_to`), so the decode loop, the drafts and the verifier never know which one runs.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from flashspec_core.models import LoadedModel
+
+BACKENDS = ("auto", "hf", "cuda-graph", "llama.cpp")
+
+
+def _device_type(model: nn.Module) -> str:
+    return model.get_output_embeddings().weight.device.type
+
+
+def _graphable(model: nn.Module) -> bool:
+    from flashspec_core.backends.static_llama import supports
+
+    quantized = getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None
+    return _device_type(model) == "cuda" and supports(model) and not quantized
+
+
+def resolve_backend(backend: str, target: LoadedModel) -> str:
+    """The backend "auto" stands for.
+
+    On CUDA: "cuda-graph" (static cache, graph replays; `cuda_graph.py`) for Llama-family models,
+    transformers' eager forward otherwise. On the CPU: llama.cpp for a GGUF target when
+    llama-cpp-python is installed (it reads the 4-bit weights where transformers reads an fp32
+    copy: several times faster per token, BENCHMARKS.md "CPU backends"), transformers otherwise.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend == "llama.cpp" and target.gguf is None:
+        raise ValueError("backend='llama.cpp' needs a GGUF target (the default model, or a .gguf path)")
+    if backend == "cuda-graph" and not _graphable(target.model):
+        raise ValueError("backend='cuda-graph' needs a Llama-family model (llama, mistral, qwen2, qwen3) "
+                         "on a CUDA device, not quantized; use backend='hf'")
+    if backend != "auto":
+        return backend
+    if _device_type(target.model) == "cuda":
+        return "cuda-graph" if _graphable(target.model) else "hf"
+    from flashspec_core.backends import llama_cpp
+
+    return "llama.cpp" if target.gguf is not None and llama_cpp.available() else "hf"
+
+
+def make_runner(target: LoadedModel, backend: str, pad_token_id: int, context_window: int):
+    """A target runner for a resolved backend name."""
+    if backend == "llama.cpp":
+        from flashspec_core.backends.llama_cpp import LlamaCppModel
+
+        return LlamaCppModel(target.gguf, n_ctx=context_window)
+    if backend == "cuda-graph":
+        from flashspec_core.backends.cuda_graph import GraphedModel
+
+        return GraphedModel(target.model, pad_token_id)
+    from flashspec_core.kv import CachedModel
+
+    return CachedModel(target.model, pad_token_id)
+
+
+def model_runner(model: nn.Module, pad_token_id: int):
+    """The runner for a model draft: CUDA graphs where the target would get them, else eager."""
+    if _graphable(model):
+        from flashspec_core.backends.cuda_graph import GraphedModel
+
+        return GraphedModel(model, pad_token_id)
+    from flashspec_core.kv import CachedModel
+
+    return CachedModel(model, pad_token_id)

@@ -1,0 +1,219 @@
+"""A target on CUDA: static KV cache, one CUDA graph per (batch, width), greedy verify in the graph.
+
+Why: eagerly, a forward of a small model is hundreds of kernel launches from Python (~25 us each
+on an H200), so the GPU idles and a step costs ~30 ms whatever the model's arithmetic; replayed
+from a CUDA graph the same forward costs ~3 ms (BENCHMARKS.md, "GPU"). The forward runs over
+`StaticLlama`'s fixed buffers; a step copies ids and positions into the graph's input buffers,
+replays, and, in greedy mode, the same graph takes the argmax at every position and counts the
+accepted prefix, so the host reads back one small tensor: [n_accepted, tokens...] per row.
+
+Prefill, a draft's catch-up and any step whose rows feed different widths run the same forward
+eagerly (no graph). Rolling back is moving a row's length: positions past it are never read.
+The last SCRATCH slots of each row are where graphs are warmed up and captured (that runs the
+forward for real), so no row ever holds a token there. On the CPU the same class runs eagerly:
+the tests exercise its cache logic against transformers without a GPU.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+from flashspec_core.backends.static_llama import StaticLlama
+from flashspec_core.kv import _common_prefix
+from flashspec_core.verify.reference import PAD
+
+SCRATCH = 32  # slots at the end of every row kept for warm-up and capture (widths <= SCRATCH)
+INITIAL_LEN = 2048
+
+
+class _Graph:
+    """One captured forward (plus greedy verification) at a fixed batch and width."""
+
+    def __init__(self, static: StaticLlama, batch: int, width: int, pool) -> None:
+        dev = static.device
+        self.ids = torch.zeros((batch, width), dtype=torch.long, device=dev)
+        self.positions = torch.full((batch, width), static.max_len - SCRATCH, dtype=torch.long, device=dev)
+        self.positions += torch.arange(width, device=dev)
+        self.drafts = torch.zeros((batch, max(width - 1, 0)), dtype=torch.long, device=dev)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: cuBLAS handles, SDPA's kernel choice, the allocator
+                self._body(static)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits, self.result = self._body(static)
+
+    def _body(self, static: StaticLlama) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, W, V] and result [B, 1 + W]: n_accepted (-1 for NaN/+inf logits), then the
+        greedy tokens of the accepted prefix and the recovered or bonus token, PAD after."""
+        logits = static(self.ids, self.positions)
+        target = logits.argmax(-1)  # [B, W]
+        width = target.shape[1]
+        n_acc = (self.drafts == target[:, :-1]).long().cumprod(-1).sum(-1)  # [B]
+        bad = (logits.isnan() | (logits == float("inf"))).flatten(1).any(-1)  # [B]
+        steps = torch.arange(width, device=target.device)
+        tokens = target.masked_fill(steps[None, :] > n_acc[:, None], PAD)
+        return logits, torch.cat([torch.where(bad, -1, n_acc)[:, None], tokens], dim=1)
+
+    def replay(self, host: torch.Tensor) -> None:
+        """host: [3, B, W] pinned long: ids, positions, drafts (padded to W)."""
+        width = self.ids.shape[1]
+        self.ids.copy_(host[0], non_blocking=True)
+        self.positions.copy_(host[1], non_blocking=True)
+        self.drafts.copy_(host[2, :, : width - 1], non_blocking=True)
+        self.graph.replay()
+
+
+class GraphedModel:
+    """The `kv.CachedModel` contract on a static cache, with graphs on CUDA.
+
+    model: a Llama-family HF model (`static_llama.supports`). graphs: capture CUDA graphs (default:
+    when the model is on CUDA). fuse: the fewer-kernel forward (default: with graphs). Capture happens at the first step of each (batch, width) and again
+    after the cache grows (`max_len` doubles when a request needs more).
+    """
+
+    def __init__(self, model, pad_token_id: int, max_len: int = INITIAL_LEN, graphs: bool | None = None,
+                 fuse: bool | None = None):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        on_cuda = model.get_output_embeddings().weight.device.type == "cuda"
+        self.use_graphs = on_cuda if graphs is None else graphs
+        self.static = StaticLlama(model, max_len, batch=1, fuse=self.use_graphs if fuse is None else fuse)
+        self.device = self.static.device
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError("graphs=True needs the model on a CUDA device")
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._lock = threading.Lock()  # one replay at a time: graphs share buffers and the cache
+        self.captures = 0  # how many graphs were captured (warm-up cost, reported by benchmarks)
+        self.held: list[list[int]] = [[]]
+
+    # ------------------------------------------------------------------ rows and capacity
+
+    def begin(self, batch_size: int) -> None:
+        """A single prompt keeps what the previous single prompt left (prefix reuse)."""
+        if batch_size != 1 or len(self.held) != 1:
+            self.reset(batch_size)
+
+    def reset(self, batch_size: int) -> None:
+        if batch_size != self.static.batch:
+            self.static.resize(self.static.max_len, batch_size)
+            self._graphs.clear()
+        self.held = [[] for _ in range(batch_size)]
+
+    def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
+        return _common_prefix(self.held[row], sequence)
+
+    def _ensure(self, length: int) -> None:
+        """Room for rows of `length` tokens plus the scratch slots: double the cache if needed."""
+        if length + SCRATCH <= self.static.max_len:
+            return
+        new = self.static.max_len
+        while length + SCRATCH > new:
+            new *= 2
+        self.static.resize(new)
+        self._graphs.clear()  # captured on the old buffers
+
+    def _plan(self, sequences, active, keep_logits) -> list[list[int]]:
+        """Roll each active row back to what it shares with its sequence; return the chunks to feed."""
+        chunks = []
+        for b, seq in enumerate(sequences):
+            if not active[b]:
+                chunks.append([])
+                continue
+            keep = min(_common_prefix(self.held[b], seq), len(seq) - keep_logits)
+            if keep < 0:
+                raise ValueError("sequences: each active row needs at least keep_logits tokens")
+            del self.held[b][keep:]
+            chunks.append(list(seq[keep:]))
+        self._ensure(max(len(h) for h in self.held) + max(len(c) for c in chunks))
+        return chunks
+
+    def _host_inputs(self, chunks, width: int, drafts=None) -> torch.Tensor:
+        """[3, B, width] long on the host: ids, positions and draft tokens, left-aligned per row.
+
+        Columns past a row's chunk (and every column of an inactive row) feed the pad token at
+        positions past the row's end, where nothing valid lives and nothing reads.
+        """
+        bsz = len(chunks)
+        host = torch.empty((3, bsz, width), dtype=torch.long, pin_memory=self.use_graphs)
+        host[0].fill_(self.pad_token_id)
+        host[2].zero_()
+        for b, chunk in enumerate(chunks):
+            start = len(self.held[b])
+            host[1, b] = torch.arange(start, start + width)
+            if chunk:
+                host[0, b, : len(chunk)] = torch.tensor(chunk)
+            if drafts is not None and drafts[b]:
+                host[2, b, : len(drafts[b])] = torch.tensor(drafts[b])
+        return host
+
+    # ------------------------------------------------------------------ forwards
+
+    def _graph(self, width: int) -> _Graph:
+        head = self.model.get_output_embeddings().weight
+        weights = (head.data_ptr(), tuple(head.shape))
+        if weights != getattr(self, "_weights", None):  # a trained draft swapped its head rows
+            self._graphs.clear()
+            self._weights = weights
+        key = (self.static.batch, width)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _Graph(self.static, self.static.batch, width, self._pool)
+            self.captures += 1
+        return graph
+
+    def _graphable(self, chunks, active, width: int) -> bool:
+        return self.use_graphs and width <= SCRATCH and all(len(c) == width for c, a in zip(chunks, active) if a)
+
+    @torch.inference_mode()
+    def forward_to(self, sequences: Sequence[Sequence[int]], active: Sequence[bool] | None = None,
+                   keep_logits: int = 1) -> torch.Tensor:
+        """Make each active row hold `sequences[b]`; return [B, keep_logits, V] logits after its last
+        tokens (inactive rows: meaningless). Same contract as `CachedModel.forward_to`."""
+        active = [True] * len(sequences) if active is None else list(active)
+        with self._lock:
+            chunks = self._plan(sequences, active, keep_logits)
+            width = max(len(c) for c in chunks)
+            if self._graphable(chunks, active, width):
+                graph = self._graph(width)
+                graph.replay(self._host_inputs(chunks, width))
+                logits = graph.logits[:, width - keep_logits:]
+            else:
+                host = self._host_inputs(chunks, width).to(self.device)
+                full = self.static(host[0], host[1])  # [B, width, V]
+                ends = torch.tensor([max(len(c), keep_logits) for c in chunks], device=self.device)
+                cols = ends[:, None] - keep_logits + torch.arange(keep_logits, device=self.device)
+                logits = full.gather(1, cols[..., None].expand(-1, -1, full.shape[-1]))
+            for b, chunk in enumerate(chunks):
+                self.held[b].extend(chunk)
+            return logits.clone() if self.use_graphs else logits
+
+    @torch.inference_mode()
+    def verify_greedy(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
+                      active: Sequence[bool]) -> tuple[list[int], list[list[int]]] | None:
+        """One greedy step in one graph replay: feed each active row's context + draft and return
+        (n_accepted per row, tokens per row), or None when this step cannot replay a graph (rows
+        at different widths; the caller then runs forward_to and `verify`). Raises ValueError on
+        NaN or +inf logits."""
+        if not self.use_graphs:
+            return None
+        width = len(drafts[next(b for b, a in enumerate(active) if a)]) + 1
+        sequences = [list(c) + list(d) for c, d in zip(contexts, drafts)]
+        with self._lock:
+            chunks = self._plan(sequences, active, width)
+            if not self._graphable(chunks, active, width):
+                return None  # rows were only rolled back to what their caches hold
+            graph = self._graph(width)
+            graph.replay(self._host_inputs(chunks, width, drafts))
+            result = graph.result.cpu().tolist()  # the step's one sync
+            for b, chunk in enumerate(chunks):
+                self.held[b].extend(chunk)
+        n_acc = [r[0] for r in result]
+        if any(n < 0 for n, a in zip(n_acc, active) if a):
+            raise ValueError("the target's logits hold NaN or +inf; check the model's weights and dtype")
+        return n_acc, [r[1:] for r in result]

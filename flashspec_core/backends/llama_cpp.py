@@ -1,0 +1,235 @@
+"""A target whose forward runs in llama.cpp (through `llama-cpp-python`) on the GGUF file as is.
+
+Why: on a CPU, decoding is bound by the bytes of weights read per token. The default model ships
+as a 4-bit GGUF file; llama.cpp reads it at 4 bits where transformers reads the de-quantised fp32
+copy, eight times the bytes, so llama.cpp decodes several times faster on the same cores
+(BENCHMARKS.md, "CPU backends"). It is also what CPU users run already (Ollama, LM Studio).
+
+The runner keeps the contract of `kv.CachedModel`: `forward_to(sequences, ...)` makes each row
+of the llama.cpp context hold exactly `sequences[b]` and returns the logits after its last
+`keep_logits` tokens. One `llama_decode` call evaluates every row's new tokens (the draft path
+included) with logits for each of the last positions, and rollback is `llama_memory_seq_rm` by
+sequence position, as llama.cpp's own speculative example does. Rows of a batch are llama.cpp
+sequence ids; tokens go in by id, so the engine's HF tokenizer and chat template apply unchanged.
+
+The target law is then llama.cpp's: its quantised matrix products round differently from the
+fp32 copy, so greedy output equals llama.cpp's own greedy decoding of the same file (tested),
+which can differ from transformers' at near-ties.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+INSTALL = (
+    "pip install 'flashspec-agents[llamacpp]' (builds llama.cpp from source; see README, "
+    "'CPU backends', for the portable build flags)"
+)
+
+
+def available() -> bool:
+    """Whether llama-cpp-python is installed (it is imported only when a runner is built)."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    from flashspec_core.kv import _common_prefix as lcp
+
+    return lcp(a, b)
+
+
+class LlamaCppModel:
+    """A llama.cpp model and context holding the KV cache of a batch of rows (sequence ids).
+
+    gguf: the model file. n_ctx: tokens per row the cache can hold. n_threads: CPU threads
+    (default: torch's intra-op count, which is one per core). max_batch: sequence ids the context
+    is created for; a larger batch re-creates the context (and drops the cache).
+    """
+
+    def __init__(self, gguf: str | Path, n_ctx: int = 4096, n_threads: int | None = None, max_batch: int = 1,
+                 n_batch: int = 512):
+        if not available():
+            raise ValueError(f"backend='llama.cpp' needs llama-cpp-python; install it with: {INSTALL}")
+        import llama_cpp as lc
+
+        path = Path(gguf)
+        if not path.is_file():
+            raise ValueError(f"gguf: {str(path)!r} is not a file")
+        self._lc = lc
+        lc.llama_backend_init()
+        _quiet_logs(lc)
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        self._model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise ValueError(f"gguf: llama.cpp could not load {str(path)!r}")
+        self.vocab_size = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.n_threads = n_threads or torch.get_num_threads()
+        self.device = torch.device("cpu")
+        self.path = path
+        self._ctx = None
+        self._batch = None
+        self._max_batch = 0
+        self._make_context(max(1, max_batch))
+
+    # ------------------------------------------------------------------ context and batch
+
+    def _make_context(self, max_batch: int) -> None:
+        lc = self._lc
+        self._free_context()
+        params = lc.llama_context_default_params()
+        params.n_ctx = self.n_ctx * max_batch
+        params.n_batch = self.n_batch
+        params.n_ubatch = self.n_batch
+        params.n_seq_max = max_batch
+        params.n_threads = self.n_threads
+        params.n_threads_batch = self.n_threads
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(self._model, params)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {params.n_ctx} tokens")
+        self._ctx = ctx
+        self._mem = lc.llama_get_memory(ctx)
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        self._max_batch = max_batch
+        self.held: list[list[int]] = [[] for _ in range(max_batch)]
+
+    def _free_context(self) -> None:
+        lc = self._lc
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+
+    def close(self) -> None:
+        """Free the context and the model (also done when the object is collected)."""
+        self._free_context()
+        if getattr(self, "_model", None):
+            self._lc.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
+
+    # ------------------------------------------------------------------ the runner contract
+
+    plan = None  # the calibration; llama.cpp picks its own kernels, so it only supplies costs
+
+    def kernels(self) -> tuple[str, ...]:
+        """One kernel: calibration only measures what a forward costs per width (the router's prior)."""
+        return ("llama.cpp",)
+
+    def use_kernel(self, name: str) -> None:
+        if name != "llama.cpp":
+            raise ValueError(f"kernel must be 'llama.cpp'; got {name!r}")
+
+    def begin(self, batch_size: int) -> None:
+        """As `CachedModel.begin`: a single prompt keeps the previous single prompt's prefix."""
+        if batch_size != 1 or len(self.held) != 1:
+            self.reset(batch_size)
+
+    def reset(self, batch_size: int) -> None:
+        if batch_size > self._max_batch:
+            self._make_context(batch_size)
+        self._lc.llama_memory_clear(self._mem, True)
+        self.held = [[] for _ in range(batch_size)]
+
+    def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
+        return _common_prefix(self.held[row], sequence)
+
+    def _rollback(self, row: int, keep: int) -> None:
+        if keep < len(self.held[row]):
+            if not self._lc.llama_memory_seq_rm(self._mem, row, keep, -1):
+                raise RuntimeError("llama.cpp could not roll back this model's cache by position")
+            del self.held[row][keep:]
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """Evaluate at most n_batch (token, position, row, wants logits) items in one call.
+
+        Returns [n_out, V] float32: the logits of the items that want them, in item order.
+        """
+        lc = self._lc
+        batch = self._batch
+        n = len(items)
+        arr = np.asarray(items, dtype=np.int64)  # [n, 4]
+        np.ctypeslib.as_array(batch.token, shape=(n,))[:] = arr[:, 0]
+        np.ctypeslib.as_array(batch.pos, shape=(n,))[:] = arr[:, 1]
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
+        np.ctypeslib.as_array(batch.logits, shape=(n,))[:] = arr[:, 3]
+        for i, row in enumerate(arr[:, 2].tolist()):
+            batch.seq_id[i][0] = row
+        batch.n_tokens = n
+        rc = lc.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc} (1: the context of {self.n_ctx} "
+                               "tokens per row is full)")
+        n_out = int(arr[:, 3].sum())
+        if not n_out:
+            return np.zeros((0, self.vocab_size), dtype=np.float32)
+        ptr = lc.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size)).copy()
+
+    def forward_to(
+        self, sequences: Sequence[Sequence[int]], active: Sequence[bool] | None = None, keep_logits: int = 1
+    ) -> torch.Tensor:
+        """Make each active row hold `sequences[b]`; return [B, keep_logits, V] float32 logits.
+
+        Same contract as `CachedModel.forward_to`; rows of inactive entries feed nothing.
+        """
+        bsz = len(sequences)
+        active = [True] * bsz if active is None else list(active)
+        if bsz > len(self.held):
+            raise ValueError(f"sequences: {bsz} rows but the request began with {len(self.held)}")
+        items: list[tuple[int, int, int, bool]] = []
+        outputs: list[tuple[int, int]] = []  # (row, index among the last keep_logits)
+        for b, seq in enumerate(sequences):
+            if not active[b]:
+                continue
+            if len(seq) < keep_logits:
+                raise ValueError("sequences: each active row needs at least keep_logits tokens")
+            if len(seq) > self.n_ctx:
+                raise ValueError(f"sequences: row {b} has {len(seq)} tokens; this llama.cpp context holds "
+                                 f"{self.n_ctx} per row")
+            keep = min(_common_prefix(self.held[b], seq), len(seq) - keep_logits)
+            self._rollback(b, keep)
+            chunk = list(seq[keep:])
+            first_out = len(chunk) - keep_logits
+            items += [(t, keep + i, b, i >= first_out) for i, t in enumerate(chunk)]
+            outputs += [(b, k) for k in range(keep_logits)]
+            self.held[b].extend(chunk)
+        logits = torch.zeros((bsz, keep_logits, self.vocab_size), dtype=torch.float32)
+        if not items:
+            return logits
+        # Outputs come back in item order, chunk after chunk, as `outputs` lists them.
+        rows = np.concatenate([self._decode(items[i:i + self.n_batch]) for i in range(0, len(items), self.n_batch)])
+        for (b, k), row in zip(outputs, torch.from_numpy(rows)):
+            logits[b, k] = row
+        return logits
+
+
+def _quiet_logs(lc) -> None:
+    """Silence llama.cpp's load-time chatter on stderr unless FLASHSPEC_LLAMA_LOG=1."""
+    if os.environ.get("FLASHSPEC_LLAMA_LOG") == "1" or getattr(_quiet_logs, "done", False):
+        return
+
+    @lc.llama_log_callback
+    def _drop(level, text, user_data):  # noqa: ARG001 - the C signature
+        return None
+
+    _quiet_logs.callback = _drop  # keep a reference: C holds only the pointer
+    lc.llama_log_set(_drop, ctypes.c_void_p(0))
+    _quiet_logs.done = True

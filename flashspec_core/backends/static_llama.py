@@ -1,0 +1,180 @@
+"""The forward of a Llama-family HF model over a static KV cache, in a shape CUDA graphs can replay.
+
+Why not transformers' own forward: a graph replays fixed kernels on fixed buffers, so nothing in
+the forward may sync with the host, allocate by data or change shape; transformers' mask builders
+and cache classes differ between releases (5.17 on the GPU host, 5.24 here) in exactly those
+respects. This forward calls the model's own submodules (norms, projections, MLP, rotary
+embedding and its `apply_rotary_pos_emb`), so each number is computed as transformers computes
+it, and owns only the parts that must be static: the cache tensors and the attention mask.
+
+Layout: one K and one V tensor per layer, [B, H_kv, S, D], where row b holds its sequence at
+positions 0..len_b - 1 (no holes: a row's tokens are written at their own positions). A query at
+position p attends to slots 0..p of its row; slots past a row's length hold stale values that
+no query of that row can see, so rolling back is moving the row's length (the runner's job), and
+growing the cache (`resize`) copies it into larger tensors.
+
+`fuse=True` (the CUDA-graph runner's setting) trades transformers' op-for-op arithmetic for fewer
+kernels, since a replayed graph costs about one microsecond-scale slot per kernel whatever its
+size: q, k and v come from one matrix product over concatenated weights (and gate and up from
+another), the rotation runs once over q and k together, the norms are `F.rms_norm`, and grouped
+query heads are packed as extra query rows of their key/value head so one fused attention kernel
+takes them. Same function, other rounding (tests/backends compares both with transformers).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether `model` has the Llama-family layout this forward drives (else: transformers' own)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) not in SUPPORTED:
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        if config.model_type == "mistral":
+            return False  # a sliding window needs its own mask
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers or not hasattr(inner, "rotary_emb") or not hasattr(inner, "embed_tokens"):
+        return False
+    attn = layers[0].self_attn
+    return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and hasattr(layers[0], "mlp")
+
+
+class StaticLlama(nn.Module):
+    """model: an HF Llama-family causal LM (its weights are shared, not copied).
+
+    max_len: slots per row; batch: rows. Call `forward(ids, positions)` with ids and positions
+    [B, W] (B = `batch`); it writes K/V at those positions and returns logits [B, W, V].
+    """
+
+    def __init__(self, model: nn.Module, max_len: int, batch: int = 1, fuse: bool = False):
+        super().__init__()
+        if not supports(model):
+            raise ValueError(f"model: {type(model).__name__} is not a Llama-family model this forward supports")
+        self.model = model
+        inner = model.model
+        self.layers = inner.layers
+        cfg = model.config
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.scaling = attn.scaling
+        self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.batch = batch
+        self.fuse = fuse
+        self._fused: list[dict[str, torch.Tensor | None]] = [self._fuse(layer) for layer in self.layers] if fuse else []
+        self.max_len = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.resize(max_len)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_output_embeddings().weight.dtype
+
+    def resize(self, max_len: int, batch: int | None = None) -> None:
+        """Grow (or create) the cache to `max_len` slots per row, keeping what it holds."""
+        batch = self.batch if batch is None else batch
+        shape = (batch, self.n_kv, max_len, self.head_dim)
+        keep = min(self.max_len, max_len) if batch == self.batch else 0
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        for old, new in zip(self.keys + self.values, new_k + new_v):
+            if keep:
+                new[:, :, :keep].copy_(old[:, :, :keep])
+        self.keys, self.values, self.max_len, self.batch = new_k, new_v, max_len, batch
+
+    @staticmethod
+    @torch.no_grad()
+    def _fuse(layer: nn.Module) -> dict[str, torch.Tensor | None]:
+        """Concatenated q|k|v and gate|up weights (and biases) of one layer: a copy, made once."""
+        attn, mlp = layer.self_attn, layer.mlp
+        biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        return {
+            "qkv": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            "qkv_bias": None if biases[0] is None else torch.cat(biases),
+            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        }
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.fuse:
+            return norm(x)
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+
+    def _attend_fused(self, i: int, layer: nn.Module, h: torch.Tensor, cos, sin, rows, positions,
+                      mask) -> torch.Tensor:
+        """`_attend` in fewer kernels. mask: [B, 1, G*W, S] (query rows packed per kv head)."""
+        attn, w = layer.self_attn, self._fused[i]
+        bsz, width, _ = h.shape
+        d, nq, nkv = self.head_dim, self.n_heads, self.n_kv
+        qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(bsz, width, nq + 2 * nkv, d)
+        qk, v = qkv[:, :, : nq + nkv], qkv[:, :, nq + nkv:]
+        if hasattr(attn, "q_norm"):
+            qk = torch.cat([attn.q_norm(qk[:, :, :nq]), attn.k_norm(qk[:, :, nq:])], dim=2)
+        qk, _ = self._rope(qk.transpose(1, 2), qk[:, :, :0].transpose(1, 2), cos, sin)  # [B, H+Hkv, W, D]
+        q, k = qk[:, :nq], qk[:, nq:]
+        self.keys[i][rows, :, positions] = k.transpose(1, 2).to(self.dtype)
+        self.values[i][rows, :, positions] = v.to(self.dtype)
+        group = nq // nkv  # query head h reads kv head h // group: pack its rows under that head
+        q = q.reshape(bsz, nkv, group * width, d)
+        out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=mask, scale=self.scaling)
+        out = out.view(bsz, nq, width, d).transpose(1, 2).reshape(bsz, width, nq * d)
+        return attn.o_proj(out)
+
+    def _mlp_fused(self, i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, self._fused[i]["gate_up"]).chunk(2, dim=-1)
+        return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+
+    def _attend(self, i: int, layer: nn.Module, h: torch.Tensor, cos, sin, rows, positions, mask) -> torch.Tensor:
+        """One attention block. h: [B, W, hidden]; positions, rows: [B, W]; mask: [B, 1, W, S]."""
+        attn = layer.self_attn
+        bsz, width, _ = h.shape
+        q = attn.q_proj(h).view(bsz, width, -1, self.head_dim)
+        k = attn.k_proj(h).view(bsz, width, -1, self.head_dim)
+        v = attn.v_proj(h).view(bsz, width, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, W, D]
+        # Row b's new keys go to its own positions: cache[b, :, positions[b, w]] = k[b, :, w].
+        self.keys[i][rows, :, positions] = k.transpose(1, 2).to(self.dtype)
+        self.values[i][rows, :, positions] = v.to(self.dtype)
+        out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=mask,
+                                             scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
+        return attn.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+        """ids, positions: [B, W] long (positions < max_len). Returns logits [B, keep or W, V]."""
+        inner = self.model.model
+        bsz, width = ids.shape
+        rows = torch.arange(bsz, device=ids.device)[:, None].expand(bsz, width)
+        slots = torch.arange(self.max_len, device=ids.device)
+        mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, W, S]
+        x = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(x, positions)
+        if self.fuse:
+            mask = mask.repeat(1, 1, self.n_heads // self.n_kv, 1)  # [B, 1, G*W, S], row g*W + w
+            for i, layer in enumerate(self.layers):
+                x = x + self._attend_fused(i, layer, self._norm(layer.input_layernorm, x), cos, sin, rows,
+                                           positions, mask)
+                x = x + self._mlp_fused(i, layer, self._norm(layer.post_attention_layernorm, x))
+        else:
+            for i, layer in enumerate(self.layers):
+                x = x + self._attend(i, layer, layer.input_layernorm(x), cos, sin, rows, positions, mask)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self._norm(inner.norm, x)
+        if keep is not None:
+            x = x[:, -keep:]
+        return self.model.lm_head(x)

@@ -1,0 +1,88 @@
+"""The static-cache forward behind the CUDA-graph target, run eagerly on the CPU.
+
+After any history of rollbacks, growth and rows of a batch advancing by different amounts, each
+row's logits equal a fresh transformers forward of its sequence, for every model family the
+forward claims to support. On a GPU the same runner replays graphs (tests/gpu/).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import tiny_llama
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from flashspec_core.backends.cuda_graph import GraphedModel
+from flashspec_core.backends.static_llama import StaticLlama, supports
+
+VOCAB = 24
+
+
+def _qwen(cls, config_cls, **extra):
+    config = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                        tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+MODELS = {
+    "llama": lambda: tiny_llama(VOCAB, seed=3, layers=2, max_positions=1024),
+    "qwen2": lambda: _qwen(Qwen2ForCausalLM, Qwen2Config),  # q/k/v biases
+    "qwen3": lambda: _qwen(Qwen3ForCausalLM, Qwen3Config, head_dim=8),  # per-head q/k norms
+}
+
+
+@torch.no_grad()
+def _fresh(model, seq, keep):
+    return model(input_ids=torch.tensor([seq])).logits[0, -keep:]
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_logits_match_a_fresh_forward_after_rollbacks(family, rows, fuse, torch_one_thread):
+    model = MODELS[family]()
+    assert supports(model)
+    runner = GraphedModel(model, pad_token_id=0, max_len=48, graphs=False, fuse=fuse)
+    rng = random.Random(rows)
+    runner.reset(rows)
+    seqs = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 9))] for _ in range(rows)]
+    for _ in range(25):
+        keep = rng.choice([1, 2, 5])
+        seqs = [s[:max(1, len(s) - rng.randint(0, 4))] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 9))]
+                for s in seqs]
+        seqs = [s + [1] * max(0, keep - len(s)) for s in seqs]
+        active = [b == 0 or rng.random() < 0.7 for b in range(rows)]
+        out = runner.forward_to(seqs, active, keep_logits=keep)
+        assert out.shape == (rows, keep, VOCAB)
+        for b, s in enumerate(seqs):
+            if active[b]:
+                torch.testing.assert_close(out[b], _fresh(model, s, keep), atol=1e-4, rtol=1e-4)
+    assert runner.static.max_len > 48, "the walk should have grown the cache past its first size"
+
+
+def test_prefix_reuse_across_requests_feeds_only_the_new_tail(torch_one_thread):
+    model = MODELS["llama"]()
+    runner = GraphedModel(model, pad_token_id=0, graphs=False)
+    runner.begin(1)
+    runner.forward_to([[1, 2, 3, 4, 5, 6]], keep_logits=1)
+    runner.begin(1)  # the next single-prompt request
+    assert runner.prefix_len(0, [1, 2, 3, 4, 9]) == 4
+    out = runner.forward_to([[1, 2, 3, 4, 9, 10]], keep_logits=2)
+    torch.testing.assert_close(out[0], _fresh(model, [1, 2, 3, 4, 9, 10], 2), atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_models_are_refused_with_the_reason():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
+    assert not supports(gpt2)
+    with pytest.raises(ValueError, match="Llama-family"):
+        StaticLlama(gpt2, max_len=16)
+
+
+def test_graphs_need_a_cuda_model():
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphedModel(MODELS["llama"](), pad_token_id=0, graphs=True)

@@ -1,0 +1,127 @@
+"""The CUDA-graph target on a GPU: replays compute what transformers computes, greedy steps verify
+as `verify_torch` does, the cache grows, and concurrent callers of one engine stay exact.
+
+Tiny random models in fp32, so every comparison is tight; the default model's greedy equality
+with HF `generate` on CUDA is in test_gpu_default.py.
+"""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from helpers import tiny_llama, tiny_loaded
+
+from flashspec_core.backends.cuda_graph import GraphedModel
+from flashspec_core.drafts import ModelDraft, PromptLookupDraft
+from flashspec_core.engine import SpecEngine
+from flashspec_core.models import LoadedModel
+from flashspec_core.routing.router import FixedRouter
+from flashspec_core.sampling import SamplingParams
+from flashspec_core.types import Arm
+from flashspec_core.verify import verify_torch
+
+pytestmark = pytest.mark.gpu
+VOCAB = 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(VOCAB, seed=3, layers=2, max_positions=1024).cuda()
+
+
+@torch.no_grad()
+def _fresh(model, seq, keep):
+    return model(input_ids=torch.tensor([seq], device="cuda")).logits[0, -keep:]
+
+
+def _random_walk(runner, model, rows: int, steps: int, seed: int, grow_to: int = 0):
+    rng = random.Random(seed)
+    runner.reset(rows)
+    seqs = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))] for _ in range(rows)]
+    for step in range(steps):
+        keep = rng.choice([1, 3, 5, 9])
+        grow = 40 if grow_to and len(seqs[0]) < grow_to else 4
+        seqs = [s[:max(1, len(s) - rng.randint(0, 3))] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, grow))]
+                for s in seqs]
+        seqs = [s + [1] * max(0, keep - len(s)) for s in seqs]
+        if step % 2 and all(len(s) > keep for s in seqs):  # the decode shape: every row feeds `keep` tokens
+            runner.forward_to([s[:-keep] for s in seqs], keep_logits=1)
+        active = [rows == 1 or rng.random() < 0.8 for _ in range(rows)]
+        active[0] = True
+        out = runner.forward_to(seqs, active, keep_logits=keep)
+        for b, s in enumerate(seqs):
+            if active[b]:
+                torch.testing.assert_close(out[b], _fresh(model, s, keep), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_graph_replays_match_a_fresh_forward(model, rows):
+    runner = GraphedModel(model, pad_token_id=0)
+    _random_walk(runner, model, rows, steps=30, seed=rows)
+    assert runner.captures > 0, "no step replayed a graph"
+
+
+def test_the_cache_grows_and_graphs_are_captured_again(model):
+    runner = GraphedModel(model, pad_token_id=0, max_len=64)
+    _random_walk(runner, model, 1, steps=20, seed=7, grow_to=300)
+    assert runner.static.max_len >= 300 + 32
+
+
+def test_greedy_step_in_the_graph_verifies_as_the_reference(model):
+    runner = GraphedModel(model, pad_token_id=0)
+    rng = random.Random(0)
+    for _ in range(20):
+        ctx = [rng.randrange(VOCAB) for _ in range(rng.randint(4, 30))]
+        # Drafts that agree with the target for a random prefix, then not.
+        target = _fresh(model, ctx, 1).argmax(-1).tolist()
+        draft = [target[0] if rng.random() < 0.5 else (target[0] + 1) % VOCAB] + [rng.randrange(VOCAB) for _ in range(3)]
+        runner.reset(1)
+        runner.forward_to([ctx[:-1]])  # the prefill: the step then feeds the last token + draft
+        fused = runner.verify_greedy([ctx], [draft], [True])
+        logits = _fresh(model, ctx + draft, len(draft) + 1)[None]
+        n_ref, out_ref = verify_torch(logits, torch.tensor([draft], device="cuda"), None, SamplingParams())
+        assert fused is not None
+        assert fused[0] == n_ref.tolist() and fused[1] == out_ref.tolist()
+
+
+def _engine(target: LoadedModel, drafts, arm) -> SpecEngine:
+    return SpecEngine(target, drafts, router=FixedRouter(arm), backend="cuda-graph")
+
+
+@pytest.mark.parametrize("arm", [Arm("none", 0), Arm("prompt_lookup", 4), Arm("model", 3)])
+def test_engine_greedy_equals_hf_generate(arm):
+    loaded = tiny_loaded(VOCAB, seed=0, max_positions=1024)
+    target = LoadedModel(loaded.model.cuda(), loaded.tokenizer, loaded.name)
+    drafts = [PromptLookupDraft(), ModelDraft(tiny_llama(VOCAB, seed=1, max_positions=1024).cuda(), name="model")]
+    engine = _engine(target, drafts, arm)
+    rng = random.Random(1)
+    for _ in range(6):
+        prompt = [rng.randrange(VOCAB - 1) for _ in range(rng.randint(5, 40))]
+        got = engine.generate(prompt, max_new_tokens=40).token_ids
+        ids = torch.tensor([prompt], device="cuda")
+        ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+                                    pad_token_id=VOCAB - 1)[0, len(prompt):].tolist()
+        assert got == ref[:len(got)] and (len(got) == len(ref) or got[-1] == VOCAB - 1)
+
+
+def test_concurrent_callers_get_what_sequential_calls_get():
+    loaded = tiny_loaded(VOCAB, seed=0, max_positions=1024)
+    target = LoadedModel(loaded.model.cuda(), loaded.tokenizer, loaded.name)
+    engine = _engine(target, [PromptLookupDraft()], Arm("prompt_lookup", 4))
+    rng = random.Random(2)
+    prompts = [[rng.randrange(VOCAB - 1) for _ in range(rng.randint(5, 30))] for _ in range(8)]
+    sampling = SamplingParams(temperature=0.8, seed=5)
+    expected = [engine.generate(p, max_new_tokens=24, sampling=sampling).token_ids for p in prompts]
+    got: dict[int, list[int]] = {}
+
+    def call(i: int) -> None:
+        got[i] = engine.generate(prompts[i], max_new_tokens=24, sampling=sampling).token_ids
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [got[i] for i in range(len(prompts))] == expected
