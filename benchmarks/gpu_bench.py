@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import time
+import traceback
 from collections import defaultdict
 from pathlib import Path
 
@@ -126,25 +127,34 @@ def main() -> None:
     runners["engine router"] = engine_runner(router_engine, breakdowns["engine router"])
 
     results = {}
-    for key, run in runners.items():
-        # Compiled baselines specialise on shapes: warm them on the timed prompts themselves (only
-        # their compile caches remember it). The engine's graphs depend on widths, not prompts: two
-        # disjoint steps warm them, and its copy caches never see the timed steps.
-        warm_on = step_ids if key.startswith(("hf static", "flashspec")) else warm_ids[:2]
-        _, warmups[key] = timed(lambda: [run(ids, args.max_new_tokens) for ids in warm_on])
-        if key == "engine router":  # the router learns on the rest of the warm-up stream, untimed
-            for ids in warm_ids[2:]:
-                run(ids, args.max_new_tokens)
-        if key in breakdowns:
-            breakdowns[key].clear()
-        rows = []
-        for step, ids in zip(steps, step_ids):
-            tokens, seconds = timed(lambda: run(ids, step.max_new_tokens))
-            rows.append({"domain": step.domain, "tokens": tokens, "seconds": seconds})
-        results[key] = rows
-        print(f"{key}: {sum(len(r['tokens']) for r in rows) / sum(r['seconds'] for r in rows):.1f} tok/s "
-              f"(warm-up {warmups[key]:.1f} s)", flush=True)
+    for key, run in list(runners.items()):
+        try:
+            results[key] = measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args)
+        except Exception:  # one broken configuration must not cost the others their run
+            traceback.print_exc()
+            print(f"{key}: FAILED, left out of the table", flush=True)
     report(results, steps, warmups, breakdowns, Path(args.out), args)
+
+
+def measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args) -> list[dict]:
+    """Warm up one configuration, then time it on every step; returns one row per step."""
+    # Compiled baselines specialise on shapes: warm them on the timed prompts themselves (only
+    # their compile caches remember it). The engine's graphs depend on widths, not prompts: two
+    # disjoint steps warm them, and its copy caches never see the timed steps.
+    warm_on = step_ids if key.startswith(("hf static", "flashspec")) else warm_ids[:2]
+    _, warmups[key] = timed(lambda: [run(ids, args.max_new_tokens) for ids in warm_on])
+    if key == "engine router":  # the router learns on the rest of the warm-up stream, untimed
+        for ids in warm_ids[2:]:
+            run(ids, args.max_new_tokens)
+    if key in breakdowns:
+        breakdowns[key].clear()
+    rows = []
+    for step, ids in zip(steps, step_ids):
+        tokens, seconds = timed(lambda: run(ids, step.max_new_tokens))
+        rows.append({"domain": step.domain, "tokens": tokens, "seconds": seconds})
+    print(f"{key}: {sum(len(r['tokens']) for r in rows) / sum(r['seconds'] for r in rows):.1f} tok/s "
+          f"(warm-up {warmups[key]:.1f} s)", flush=True)
+    return rows
 
 
 def report(results, steps, warmups, breakdowns, out: Path, args) -> None:

@@ -8,7 +8,8 @@ a config (speed does not depend on the values), bf16, batch 1, after a `--contex
     python benchmarks/gpu_forward_cost.py --out bench_out/gpu_forward_cost
 
 Rows: transformers' eager forward with its dynamic cache (what the engine ran on CUDA before),
-our static-cache forward run eagerly, and the same replayed from a CUDA graph (`cuda_graph.py`).
+our static-cache forward run eagerly, the same replayed from a CUDA graph (`cuda_graph.py`), and
+the fewer-kernel ("fused") forward replayed from a graph (the engine's CUDA path).
 Times are medians of CUDA-event-timed repetitions after warm-up; capture time is reported apart.
 """
 from __future__ import annotations
@@ -57,7 +58,8 @@ def measure(shape: str, widths: list[int], context: int, reps: int, dtype: torch
     model = build(shape, dtype)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, context + max(widths)), device="cuda")
-    out: dict[str, dict[int, float]] = {"hf eager": {}, "static eager": {}, "static graphed": {}}
+    variants = {"static eager": (False, False), "graphed, HF ops": (True, False), "graphed, fused": (True, True)}
+    out: dict[str, dict[int, float]] = {"hf eager": {}, **{label: {} for label in variants}}
     capture = {}
     for w in widths:
         cache = DynamicCache()
@@ -70,8 +72,8 @@ def measure(shape: str, widths: list[int], context: int, reps: int, dtype: torch
         for _ in range(3):
             hf_step()
         out["hf eager"][w] = median_ms(hf_step, reps)
-    for label, graphs in (("static eager", False), ("static graphed", True)):
-        runner = GraphedModel(model, 0, graphs=graphs)
+    for label, (graphs, fuse) in variants.items():
+        runner = GraphedModel(model, 0, graphs=graphs, fuse=fuse)
         seq = ids[0, :context].tolist()
         runner.forward_to([seq], keep_logits=1)
         for w in widths:
@@ -79,7 +81,7 @@ def measure(shape: str, widths: list[int], context: int, reps: int, dtype: torch
             start = time.perf_counter()
             runner.forward_to([path], keep_logits=w)  # captures this width's graph
             torch.cuda.synchronize()
-            if graphs:
+            if fuse:
                 capture[w] = time.perf_counter() - start
             for _ in range(3):
                 runner.forward_to([path], keep_logits=w)

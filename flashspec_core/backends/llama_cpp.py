@@ -63,8 +63,9 @@ class LlamaCppModel:
         if not path.is_file():
             raise ValueError(f"gguf: {str(path)!r} is not a file")
         self._lc = lc
-        lc.llama_backend_init()
         _quiet_logs(lc)
+        _load_cpu_backends(lc)
+        lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
         self._model = lc.llama_model_load_from_file(str(path).encode(), mparams)
@@ -219,6 +220,41 @@ class LlamaCppModel:
         for (b, k), row in zip(outputs, torch.from_numpy(rows)):
             logits[b, k] = row
         return logits
+
+
+# ggml variants built with AMX tile instructions. On the Sapphire Rapids VMs seen here their
+# batched matrix product dies with SIGILL at the first `tileloadd` (llama.cpp's own tools too),
+# so they are passed over for the next-best variant the CPU supports (AVX-512 BF16/VNNI there).
+_AMX_VARIANTS = ("sapphirerapids",)
+
+
+def _load_cpu_backends(lc) -> None:
+    """Load llama.cpp's CPU backend: with a portable build (GGML_BACKEND_DL, one library per ISA
+    level) the variant this CPU runs best is picked at run time by each variant's own score (its
+    ISA checks), which is the machine-dependent kernel choice llama.cpp makes for itself.
+    llama-cpp-python loads none, so this does what llama.cpp's tools do at start, in the folder
+    pip installs the variants into. A build without variants has its CPU backend built in."""
+    if getattr(_load_cpu_backends, "done", False):
+        return
+    _load_cpu_backends.done = True
+    package = Path(lc.__file__).parent
+    variants = sorted((package.parent / "bin").glob("libggml-cpu-*.so"))
+    scores = {}
+    for path in variants:
+        if any(name in path.name for name in _AMX_VARIANTS):
+            continue
+        lib = ctypes.CDLL(str(path))
+        lib.ggml_backend_score.restype = ctypes.c_int
+        scores[path] = lib.ggml_backend_score()  # 0: this CPU lacks an instruction it needs
+    best = max(scores, key=scores.get, default=None)
+    if best is None or scores[best] <= 0:
+        return
+    ggml = ctypes.CDLL(str(package / "lib" / "libggml.so.0"))  # the copy libllama links (its soname)
+    ggml.ggml_backend_load.restype = ctypes.c_void_p
+    ggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
+    if not ggml.ggml_backend_load(str(best).encode()):
+        raise RuntimeError(f"llama.cpp could not load its CPU backend {best}")
+    _load_cpu_backends.variant = best.stem.removeprefix("libggml-cpu-")
 
 
 def _quiet_logs(lc) -> None:

@@ -131,7 +131,7 @@ class StaticLlama(nn.Module):
         group = nq // nkv  # query head h reads kv head h // group: pack its rows under that head
         q = q.reshape(bsz, nkv, group * width, d)
         out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=mask, scale=self.scaling)
-        out = out.view(bsz, nq, width, d).transpose(1, 2).reshape(bsz, width, nq * d)
+        out = out.reshape(bsz, nq, width, d).transpose(1, 2).reshape(bsz, width, nq * d)
         return attn.o_proj(out)
 
     def _mlp_fused(self, i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
