@@ -8,6 +8,6 @@ torch is imported.
   tool calls and RAG documents) that BENCHMARKS.md's dev workload figures use.
 - `flashspec_workloads.sharegpt`: the ShareGPT reader and its train/dev split.
 """
-from flashspec_workloads.step import Step
+from flashspec_workloads.common import Step
 
 __all__ = ["Step"]

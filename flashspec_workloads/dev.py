@@ -17,13 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from flashspec_workloads.sharegpt import sharegpt_pool
-from flashspec_workloads.step import Step
+from flashspec_workloads.common import (DEFAULT_MAX_NEW_TOKENS, DOMAINS, Step, check_stream_args,
+                                        domain_order, unused)
 
-DOMAINS: tuple[str, ...] = ("chat", "code", "tool", "rag")
 DATA_FILE = Path(__file__).with_name("data") / "agent_prompts.json"
 
-# Budgets per domain: a tool call is a short JSON object, a chat or code answer runs long.
-DEFAULT_MAX_NEW_TOKENS: dict[str, int] = {"chat": 128, "code": 128, "tool": 64, "rag": 96}
 RUN_MIN, RUN_MAX = 2, 4
 TOOLS_PER_PROMPT = 5
 DEMO_PROMPT_CHARS = (60, 400)
@@ -44,19 +42,6 @@ def _tool_system_prompt(tool_names: list[str]) -> str:
     return data["tool_system_prompt"].format(tools=lines)
 
 
-def _unused(keys: list[str], used: set[str], k: int, rng: random.Random) -> list[str]:
-    """`k` keys drawn without replacement, preferring ones this stream has not used yet.
-
-    Repeating a prompt inside one stream would flatter caches across requests, so repeats
-    happen only once every key is used.
-    """
-    fresh = [key for key in keys if key not in used]
-    picks = rng.sample(fresh, min(k, len(fresh)))
-    picks += rng.sample([key for key in keys if key not in picks], k - len(picks))
-    used.update(picks)
-    return picks
-
-
 def _tool_steps(rng: random.Random, n: int, budget: int | None, used: set[str]) -> list[Step]:
     """A run of tool steps: call a tool, then answer from its result, for one or two tasks.
 
@@ -64,7 +49,7 @@ def _tool_steps(rng: random.Random, n: int, budget: int | None, used: set[str]) 
     """
     data = agent_prompts()
     keys = [f"tool:{i}" for i in range(len(data["tool_tasks"]))]
-    tasks = [int(key.split(":")[1]) for key in _unused(keys, used, (n + 1) // 2, rng)]
+    tasks = [int(key.split(":")[1]) for key in unused(keys, used, (n + 1) // 2, rng)]
     needed = [data["tool_tasks"][t]["call"]["name"] for t in tasks]
     others = [t["function"]["name"] for t in data["tools"] if t["function"]["name"] not in needed]
     names = list(dict.fromkeys(needed)) + rng.sample(others, TOOLS_PER_PROMPT - len(set(needed)))
@@ -109,7 +94,7 @@ def _sharegpt_steps(domain: str, rng: random.Random, n: int, budget: int | None,
                     used: set[str]) -> list[Step]:
     """A run of distinct ShareGPT prompts of one domain from the dev split, not reused in a stream."""
     pool = {f"sharegpt:{c.id}": c for c in sharegpt_pool("dev")[domain]}
-    keys = _unused(list(pool), used, min(n, len(pool)), rng)
+    keys = unused(list(pool), used, min(n, len(pool)), rng)
     tokens = budget or DEFAULT_MAX_NEW_TOKENS[domain]
     return [Step(domain, pool[key].prompt, tokens, key) for key in keys]
 
@@ -133,18 +118,6 @@ def _run_lengths(n_steps: int, rng: random.Random) -> list[int]:
     return lengths
 
 
-def _domain_order(n_runs: int, rng: random.Random) -> list[str]:
-    """Domains for each run: shuffled rounds of all four, never the same domain twice in a row."""
-    order: list[str] = []
-    while len(order) < n_runs:
-        round_ = list(DOMAINS)
-        rng.shuffle(round_)
-        if order and round_[0] == order[-1]:
-            round_.append(round_.pop(0))
-        order.extend(round_)
-    return order[:n_runs]
-
-
 def dev_workload(n_steps: int = 24, seed: int = 0, max_new_tokens: int | None = None) -> list[Step]:
     """A mixed agent-like stream of `n_steps` steps in domain runs of 2–4 over chat, code, tool, rag.
 
@@ -152,15 +125,12 @@ def dev_workload(n_steps: int = 24, seed: int = 0, max_new_tokens: int | None = 
     (n_steps, seed) always gives the same stream. `max_new_tokens` overrides the per-domain
     budgets in DEFAULT_MAX_NEW_TOKENS.
     """
-    if not isinstance(n_steps, int) or n_steps <= 0:
-        raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")
-    if max_new_tokens is not None and max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be positive or None, got {max_new_tokens!r}")
+    check_stream_args(n_steps, max_new_tokens)
     rng = random.Random(seed)
     lengths = _run_lengths(n_steps, rng)
     used: set[str] = set()
     steps: list[Step] = []
-    for domain, length in zip(_domain_order(len(lengths), rng), lengths):
+    for domain, length in zip(domain_order(len(lengths), rng), lengths):
         if domain == "tool":
             steps += _tool_steps(rng, length, max_new_tokens, used)
         elif domain == "rag":

@@ -112,7 +112,7 @@ def test_run_structure_for_any_length() -> None:
         for seed in range(5):
             rng = workload.random.Random(seed)
             lengths = workload._run_lengths(n_steps, rng)
-            order = workload._domain_order(len(lengths), rng)
+            order = workload.domain_order(len(lengths), rng)
             assert sum(lengths) == n_steps and all(2 <= x <= 4 for x in lengths)
             assert all(a != b for a, b in zip(order, order[1:]))
             if n_steps >= 8:
