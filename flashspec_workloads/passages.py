@@ -161,7 +161,7 @@ def context_for(first: Passage, pool: tuple[Passage, ...], rng: random.Random) -
         total = sum(len(p.text) for p in chosen)
         if total >= MIN_CONTEXT_CHARS:
             break
-        room = MAX_CONTEXT_CHARS - total
-        chosen.append(Passage(other.id, clip(other.text, min(room, max(1500, MIN_CONTEXT_CHARS - total + 500)))))
+        budget = min(MAX_CONTEXT_CHARS - total, max(MIN_PASSAGE_CHARS, MIN_CONTEXT_CHARS - total + 500))
+        chosen.append(Passage(other.id, clip(other.text, budget)))
     rng.shuffle(chosen)
     return chosen
