@@ -34,7 +34,7 @@ from flashspec_core.engine import SpecEngine
 from flashspec_core.pool import load_target
 from flashspec_core.routing.router import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
-from flashspec_core.workload import sharegpt_conversations
+from flashspec_workloads.sharegpt import sharegpt_conversations
 
 PROMPT_CHARS = (40, 600)
 

@@ -33,7 +33,7 @@ from flashspec_core.engine import SpecEngine
 from flashspec_core.pool import default_drafts, load_target
 from flashspec_core.routing.router import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
-from flashspec_core.workload import dev_workload
+from flashspec_workloads.dev import dev_workload
 
 
 def hf_run(engine: SpecEngine, stock, steps, **generate_kwargs):

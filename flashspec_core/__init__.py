@@ -4,7 +4,7 @@
     engine = SpecEngine.from_default()
     print(engine.generate("Hello", max_new_tokens=32).text)
 
-Names are imported lazily, so light submodules (the router store, the workload) load without
+Names are imported lazily, so light submodules (the router store, the CLI) load without
 torch and transformers.
 """
 from __future__ import annotations

