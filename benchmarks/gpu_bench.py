@@ -30,7 +30,8 @@ from flashspec_core.models import load_model
 from flashspec_core.pool import default_drafts
 from flashspec_core.routing.router import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
-from flashspec_core.workload import Step, dev_workload
+from flashspec_workloads.common import Step
+from flashspec_workloads.dev import dev_workload
 
 
 def timed(fn):
