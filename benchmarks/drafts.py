@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from flashspec_core.drafts.prompt_lookup import PromptLookupDraft
 from flashspec_core.drafts.trained import WEIGHTS_DIR, shipped_drafts
-from flashspec_core.demo import hf_generate, stock_default_model
+from flashspec_workloads.baselines import hf_generate, stock_default_model
 from flashspec_core.engine import SpecEngine
 from flashspec_core.pool import load_target
 from flashspec_core.routing.router import FixedRouter
@@ -56,8 +56,9 @@ def run(args: argparse.Namespace) -> dict:
     target = load_target(None)
     drafts = [PromptLookupDraft()] + [d for d in shipped_drafts(target) if not args.drafts or d.name in args.drafts]
     gammas = [int(g) for g in args.gammas.split(",")]
-    engines = {"none": SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), verify_backend="torch")}
-    engines |= {f"{d.name}@{g}": SpecEngine(target, [d], router=FixedRouter(Arm(d.name, g)), verify_backend="torch")
+    engines = {"none": SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), verify_backend="torch", backend="hf")}
+    engines |= {f"{d.name}@{g}": SpecEngine(target, [d], router=FixedRouter(Arm(d.name, g)), verify_backend="torch",
+                                           backend="hf")
                for d in drafts for g in ([args.lookup_gamma] if d.name == "prompt_lookup" else gammas)}
     base = next(iter(engines.values()))
     stock = stock_default_model()
@@ -65,13 +66,15 @@ def run(args: argparse.Namespace) -> dict:
     for domain in args.domains.split(","):
         prompts = dev_prompts(domain, args.prompts)
         for messages in tqdm(prompts, desc=f"{domain} prompts", unit="prompt"):
-            ref, seconds = hf_generate(base, stock, messages, args.max_new_tokens)
+            ids = base._encode_all([messages], args.max_new_tokens)[0]
+            ref, seconds = hf_generate(stock, ids, args.max_new_tokens, base.tokenizer.pad_token_id)
             cell = totals[("hf_generate", domain)]
             cell["tokens"] += len(ref)
             cell["seconds"] += seconds
             cell["same"] += 1
             cell["runs"] += 1
-            out, seconds = hf_generate(base, stock, messages, args.max_new_tokens, prompt_lookup_num_tokens=args.lookup_gamma)
+            out, seconds = hf_generate(stock, ids, args.max_new_tokens, base.tokenizer.pad_token_id,
+                                       prompt_lookup_num_tokens=args.lookup_gamma)
             cell = totals[("hf_prompt_lookup", domain)]
             for k, v in (("tokens", len(out)), ("seconds", seconds), ("same", out == ref), ("runs", 1)):
                 cell[k] += v

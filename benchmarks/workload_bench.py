@@ -1,22 +1,21 @@
-"""Side-by-side tokens/s on the mixed agent dev workload, in one run on one machine.
+"""Side-by-side tokens/s on agent workloads on the CPU, in one run on one machine.
 
-Configurations: plain HF `generate`, HF prompt-lookup assisted generation, the engine with each
-fixed arm (a draft source and γ), and the engine with the Thompson router, once with fresh
-statistics ("router (cold)") and once after an untimed warm-up on the `--warmup` steps that
-precede the measured ones in the same stream ("router (warm)"). The router's statistics persist
-across runs by default, so the warm figure is the steady state and the cold one the first minutes
-after installation. Warm-up prompts are disjoint from the measured ones, and the fixed
-suffix-cache arms get the same warm-up (their cache also persists across requests), so the warm
-router gets no head start on copies. The HF baselines run a separate stock copy of the model
-(the engine swaps its CPU linear layers). All decode greedily, so every configuration must
-produce the same tokens; the table says how many steps matched HF exactly.
-Tool and RAG steps get the domain hint an adapter would pass (demo.ADAPTER_HINTS); chat and
-code are classified.
+Workloads (flashspec_workloads): `dev` (the short hand-written stream), `independent` (real agent
+steps, each its own request: 1k+-token retrieval contexts, real chat and code questions, tool
+calls with real-looking schemas) and `loop` (agent loops whose steps extend one prefix).
 
-    python benchmarks/workload_bench.py --steps 16 --warmup 48 --max-new-tokens 48 --out bench_out/workload
-    python benchmarks/workload_bench.py --fixed prompt_lookup@4,distill_chat@2 ...   # plain + these fixed arms
+Configurations: HF `generate`; HF prompt lookup; llama-cpp-python plain greedy decoding of the
+same GGUF file (what CPU users run) and its own prompt-lookup speculation; then this engine on
+each `--backends` target (transformers: "hf", llama.cpp: "llama.cpp") with each fixed arm, and
+with the Thompson router once fresh ("cold") and once after untimed warm-up on the `--warmup`
+steps that precede the measured ones ("warm"). Every configuration runs the same steps; times are
+whole calls (prefill included). Greedy everywhere, so every engine configuration must produce
+exactly the tokens of the plain decoder of its backend (HF's or llama.cpp's): the table says how
+many steps matched. Tool and RAG steps get the domain hint an adapter passes, unless --no-hints.
 
-results.json keeps the table, the warm router's arm per step and its `router_summary()`.
+    python benchmarks/workload_bench.py --workload independent --steps 24 --warmup 24 --max-new-tokens 64
+
+results.json keeps the table; workload.png plots it. The CPU and thread count head the table.
 """
 from __future__ import annotations
 
@@ -28,143 +27,169 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from flashspec_core.demo import ADAPTER_HINTS, hf_generate, stock_default_model
+from flashspec_core.backends import llama_cpp
+from flashspec_core.backends.calibration import machine_line
+from flashspec_core.demo import ADAPTER_HINTS
 from flashspec_core.engine import SpecEngine
 from flashspec_core.pool import default_drafts, load_target
 from flashspec_core.routing.router import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
+from flashspec_workloads.agent import agent_workload
+from flashspec_workloads.baselines import LlamaCppGreedy, hf_generate, stock_default_model
 from flashspec_workloads.dev import dev_workload
 
 
-def hf_run(engine: SpecEngine, stock, steps, **generate_kwargs):
-    for step in steps:
-        tokens, seconds = hf_generate(engine, stock, step.messages, step.max_new_tokens, **generate_kwargs)
-        yield tokens, seconds, None
+def stream(args):
+    n = args.warmup + args.steps
+    if args.workload == "dev":
+        return dev_workload(n, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    return agent_workload(kind=args.workload, n_steps=n, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                          split="heldout")
 
 
-def engine_run(engine: SpecEngine, steps):
-    for step in steps:
+def engine_runner(engine: SpecEngine, hints: bool):
+    def run(ids, budget, domain):
         start = time.perf_counter()
-        res = engine.generate(step.messages, max_new_tokens=step.max_new_tokens,
-                              hint=step.domain if step.domain in ADAPTER_HINTS else None)
-        yield res.token_ids, time.perf_counter() - start, res.stats
+        res = engine.generate(ids, max_new_tokens=budget, hint=domain if hints and domain in ADAPTER_HINTS else None)
+        return res.token_ids, time.perf_counter() - start, res.stats
+    return run
+
+
+def baseline_runner(fn):
+    def run(ids, budget, domain):
+        tokens, seconds = fn(ids, budget)
+        return tokens, seconds, None
+    return run
+
+
+def fixed_arms(names: str | None, pool, gammas) -> list[Arm]:
+    arms = [Arm(NO_DRAFT, 0)]
+    for name in names.split(",") if names else [d.name for d in pool]:
+        draft, _, gamma = name.partition("@")
+        if draft != NO_DRAFT:
+            arms += [Arm(draft, int(gamma))] if gamma else [Arm(draft, g) for g in gammas]
+    return arms
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--workload", choices=("dev", "independent", "loop"), default="independent")
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=12, help="untimed steps before the measured ones (0: none)")
+    parser.add_argument("--warmup", type=int, default=24, help="untimed steps before the measured ones")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gammas", default="2,4,8")
-    parser.add_argument("--fixed", default=None,
-                        help="comma list of drafts (every γ) or arms (name@γ) to pin as fixed arms (default: the whole pool)")
-    parser.add_argument("--no-fixed", action="store_true", help="skip the fixed-arm configurations")
+    parser.add_argument("--backends", default="hf,llama.cpp")
+    parser.add_argument("--fixed", default="prompt_lookup@4,distill_chat@2",
+                        help="drafts (every γ) or arms (name@γ) to run as fixed arms besides plain decoding; "
+                             "'all' for the whole pool")
+    parser.add_argument("--no-hints", action="store_true", help="classify every step (no adapter hints)")
     parser.add_argument("--out", default="bench_out/workload")
     args = parser.parse_args()
 
-    stream = dev_workload(args.warmup + args.steps, seed=args.seed, max_new_tokens=args.max_new_tokens)
-    warmup, steps = stream[:args.warmup], stream[args.warmup:]
+    steps_all = stream(args)
+    warmup, steps = steps_all[:args.warmup], steps_all[args.warmup:]
     gammas = [int(g) for g in args.gammas.split(",")]
+    backends = args.backends.split(",")
+    if "llama.cpp" in backends and not llama_cpp.available():
+        raise SystemExit(f"--backends llama.cpp needs llama-cpp-python: {llama_cpp.INSTALL}")
     target = load_target(None)
-    names = args.fixed.split(",") if args.fixed else [d.name for d in default_drafts(target)]
-    fixed = [Arm(NO_DRAFT, 0)]
-    for name in names:
-        draft, _, gamma = name.partition("@")
-        if draft == NO_DRAFT:
-            continue  # always a fixed arm
-        fixed += [Arm(draft, int(gamma))] if gamma else [Arm(draft, g) for g in gammas]
-
-    def pool():
-        return default_drafts(target)
+    encoder = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), backend="hf", calibrate=False)
+    encode = lambda s: encoder._encode_all([s.messages], s.max_new_tokens)[0]  # noqa: E731
+    ids, warm_ids = [encode(s) for s in steps], [encode(s) for s in warmup]
 
     stock = stock_default_model()
-    configs = {
-        "hf_generate": lambda e: hf_run(e, stock, steps),
-        "hf_prompt_lookup": lambda e: hf_run(e, stock, steps, prompt_lookup_num_tokens=10),
+    pad = target.tokenizer.pad_token_id
+    runners = {
+        "HF generate": baseline_runner(lambda i, n: hf_generate(stock, i, n, pad)),
+        "HF prompt lookup": baseline_runner(lambda i, n: hf_generate(stock, i, n, pad, prompt_lookup_num_tokens=10)),
     }
-    engines = {"hf_generate": SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)))}
-    engines["hf_prompt_lookup"] = engines["hf_generate"]
-    if not args.no_fixed:
-        for arm in fixed:
-            key = f"fixed:{arm}"
-            engines[key] = SpecEngine(target, pool(), router=FixedRouter(arm), gammas=gammas)
-            configs[key] = lambda e: engine_run(e, steps)
-    for key in ("router (cold)", "router (warm)"):
-        engines[key] = SpecEngine(target, pool(), router="thompson", gammas=gammas)
-        configs[key] = lambda e: engine_run(e, steps)
-    for key, engine in engines.items():
-        if warmup and (key == "router (warm)" or key.startswith("fixed:suffix_cache")):
-            for _ in tqdm(engine_run(engine, warmup), total=len(warmup), desc=f"warm-up {key}"):
-                pass
+    if llama_cpp.available():
+        runners["llama.cpp"] = baseline_runner(LlamaCppGreedy(target.gguf, encoder.eos_ids))
+        runners["llama.cpp prompt lookup"] = baseline_runner(LlamaCppGreedy(target.gguf, encoder.eos_ids,
+                                                                            prompt_lookup=10))
+    warm_keys = set()
+    for backend in backends:
+        pool_names = None if args.fixed == "all" else args.fixed
+        for arm in fixed_arms(pool_names, default_drafts(target), gammas):
+            engine = SpecEngine(target, default_drafts(target), router=FixedRouter(arm), gammas=gammas, backend=backend)
+            runners[f"{backend} {arm}"] = engine_runner(engine, not args.no_hints)
+            if arm.draft == "suffix_cache":
+                warm_keys.add(f"{backend} {arm}")  # its cache persists across requests, as the router's stats
+        for label in ("router (cold)", "router (warm)"):
+            engine = SpecEngine(target, default_drafts(target), router="thompson", gammas=gammas, backend=backend)
+            runners[f"{backend} {label}"] = engine_runner(engine, not args.no_hints)
+        warm_keys.add(f"{backend} router (warm)")
 
-    results: dict[str, list[dict]] = {}
-    for key, run in configs.items():
+    results = {}
+    for key, run in runners.items():
+        if key in warm_keys:
+            for s, i in tqdm(list(zip(warmup, warm_ids)), desc=f"warm-up {key}"):
+                run(i, s.max_new_tokens, s.domain)
+        run(ids[0], 4, steps[0].domain)  # first-call costs (allocations, kernels) stay out of the timing
         rows = []
-        for step, (tokens, seconds, stats) in tqdm(zip(steps, run(engines[key])), total=len(steps), desc=key):
-            rows.append({"domain": step.domain, "tokens": tokens, "seconds": seconds,
-                         "arms": stats.arms if stats else None, "resolved": stats.domain if stats else None})
+        for s, i in tqdm(list(zip(steps, ids)), desc=key):
+            tokens, seconds, stats = run(i, s.max_new_tokens, s.domain)
+            rows.append({"domain": s.domain, "tokens": tokens, "seconds": seconds,
+                         "arms": stats.arms if stats else None, "resolved": stats.domain if stats else None,
+                         "prompt_tokens": len(i)})
         results[key] = rows
-    report(results, steps, Path(args.out), args, engines["router (warm)"].router_summary())
+    report(results, steps, backends, Path(args.out), args)
 
 
-def report(results, steps, out: Path, args, router_summary) -> None:
+def report(results, steps, backends, out: Path, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    reference = [r["tokens"] for r in results["hf_generate"]]
     domains = sorted({s.domain for s in steps})
-    base = {}
-    header = f"{'config':<26}" + "".join(f"{d:>9}" for d in domains) + f"{'overall':>9}{'vs HF':>7}{'same':>6}"
-    print(f"\ntokens/s, greedy, {len(steps)} steps, max_new_tokens={args.max_new_tokens}\n{header}")
+    plain_of = {"hf": "HF generate", "llama.cpp": "llama.cpp"}
     table = {}
+    header = (f"{'configuration':<34}" + "".join(f"{d:>8}" for d in domains)
+              + f"{'overall':>9}{'vs HF':>7}{'vs l.cpp':>9}{'same':>7}")
+    print(f"\n{machine_line()}")
+    print(f"workload={args.workload}, {len(steps)} steps, greedy, max_new_tokens={args.max_new_tokens}, "
+          f"hints={'none' if args.no_hints else 'adapter'}; tokens/s over whole calls (prefill included)\n{header}")
+    rates = {}
     for key, rows in results.items():
         per = defaultdict(lambda: [0, 0.0])
         for r in rows:
             per[r["domain"]][0] += len(r["tokens"])
             per[r["domain"]][1] += r["seconds"]
-        overall = sum(v[0] for v in per.values()) / sum(v[1] for v in per.values())
-        rates = {d: per[d][0] / per[d][1] for d in domains}
-        base = base or {**rates, "overall": overall}
-        same = sum(r["tokens"] == ref for r, ref in zip(rows, reference))
-        table[key] = {**rates, "overall": overall, "same": same}
-        print(f"{key:<26}" + "".join(f"{rates[d]:>9.1f}" for d in domains)
-              + f"{overall:>9.1f}{overall / base['overall']:>6.2f}x{same:>4}/{len(rows)}")
-    (out / "results.json").write_text(json.dumps({"table": table, "router_arms": [
-        {"domain": r["domain"], "resolved": r["resolved"], "arms": r["arms"]} for r in results["router (warm)"]],
-        "router_summary": router_summary}, indent=1))
-    plot(table, results["router (warm)"], domains, out)
+        rates[key] = {d: per[d][0] / per[d][1] for d in domains}
+        rates[key]["overall"] = sum(v[0] for v in per.values()) / sum(v[1] for v in per.values())
+    for key, rows in results.items():
+        backend = key.split()[0] if key.split()[0] in plain_of else None
+        ref_key = plain_of.get(backend, "HF generate" if key.startswith("HF") else "llama.cpp")
+        ref = results.get(ref_key)
+        same = sum(r["tokens"] == x["tokens"] for r, x in zip(rows, ref)) if ref else 0
+        vs_lcpp = rates[key]["overall"] / rates["llama.cpp"]["overall"] if "llama.cpp" in rates else float("nan")
+        table[key] = {**rates[key], "same": same, "reference": ref_key}
+        print(f"{key:<34}" + "".join(f"{rates[key][d]:>8.1f}" for d in domains)
+              + f"{rates[key]['overall']:>9.1f}{rates[key]['overall'] / rates['HF generate']['overall']:>6.2f}x"
+              + f"{vs_lcpp:>8.2f}x{same:>4}/{len(rows)}")
+    (out / "results.json").write_text(json.dumps({
+        "machine": machine_line(), "args": vars(args), "table": table,
+        "router_arms": {k: [{"domain": r["domain"], "resolved": r["resolved"], "arms": r["arms"]} for r in v]
+                        for k, v in results.items() if "router" in k}}, indent=1))
+    plot(table, domains, out / "workload.png", f"{args.workload} workload — {machine_line()}")
 
 
-def plot(table, router_rows, domains, out: Path) -> None:
+def plot(table, domains, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5))
+    fig, ax = plt.subplots(figsize=(16, 5.5))
     keys = list(table)
     width = 0.8 / (len(domains) + 1)
     for i, d in enumerate(domains + ["overall"]):
-        ax1.bar([k + i * width for k in range(len(keys))], [table[c][d] for c in keys], width, label=d)
-    ax1.set_xticks([k + 0.4 for k in range(len(keys))], keys, rotation=60, ha="right", fontsize=7)
-    ax1.set_ylabel("tokens/s")
-    ax1.set_title("Dev workload, greedy, side by side")
-    ax1.legend(fontsize=7)
-    arms = sorted({a for r in router_rows for a in r["arms"]})
-    t = 0
-    colors = {d: f"C{i}" for i, d in enumerate(domains)}
-    for r in router_rows:
-        ys = [arms.index(a) for a in r["arms"]]
-        ax2.scatter(range(t, t + len(ys)), ys, s=4, color=colors[r["domain"]])
-        t += len(ys)
-    for d in domains:
-        ax2.scatter([], [], color=colors[d], label=d)
-    ax2.set_yticks(range(len(arms)), arms, fontsize=7)
-    ax2.set_xlabel("decode step")
-    ax2.set_title("Warm router: arm chosen per step, coloured by workload domain")
-    ax2.legend(fontsize=7)
+        ax.bar([k + i * width for k in range(len(keys))], [table[c][d] for c in keys], width, label=d)
+    ax.set_xticks([k + 0.4 for k in range(len(keys))], keys, rotation=50, ha="right", fontsize=7)
+    ax.set_ylabel("tokens/s (whole calls)")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "workload.png", dpi=110)
-    print(f"plot: {out / 'workload.png'}")
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

@@ -300,14 +300,25 @@ class SpecEngine:
                 and constraint is None and self.verify_backend == "auto"
                 and hasattr(self._target_runner, "verify_greedy"))
 
-    def _forward_and_verify(self, target, seqs, prompts, drafts, draft_probs, active, sampling, constraint, gen):
-        """Score every row's context + draft in one target forward and verify; host lists out."""
-        if self._fused_greedy(sampling, constraint):
+    def _forward_and_verify(self, target, seqs, prompts, drafts, draft_probs, active, sampling, constraint, gen,
+                            first=None):
+        """Score every row's context + draft in one target forward and verify; host lists out.
+
+        first: [B, 1, V] the prefill's logits after each whole prompt, on the first step: they
+        score the first position, and the forward feeds only the draft (see `_prefill`).
+        """
+        if first is None and self._fused_greedy(sampling, constraint):
             fused = target.verify_greedy(seqs, drafts, active)
             if fused is not None:
                 return fused
         g = len(drafts[0])
-        logits = target.forward_to([s + d for s, d in zip(seqs, drafts)], active, keep_logits=g + 1)
+        paths = [s + d for s, d in zip(seqs, drafts)]
+        if first is None:
+            logits = target.forward_to(paths, active, keep_logits=g + 1)
+        elif g:
+            logits = torch.cat([first, target.forward_to(paths, active, keep_logits=g).to(first.device)], dim=1)
+        else:
+            logits = first
         logits = penalize_paths(logits, seqs, drafts, sampling.repetition_penalty)
         if constraint is not None:  # -inf where the grammar forbids, along each draft path
             logits = constraint.mask_logits(logits, drafts, active)
@@ -325,21 +336,25 @@ class SpecEngine:
             self._json_tokens = json_punctuation_tokens(self.tokenizer, vocab)
         return self._json_tokens
 
-    def _prefill(self, target, prompts, stats) -> None:
-        """Feed each prompt but its last token before the first step, timed apart from the steps.
+    def _prefill(self, target, prompts, stats) -> torch.Tensor:
+        """Feed each whole prompt (past what the cache reuses) before the first step, timed apart
+        from the steps, and return the logits after it: [B, 1, V].
 
-        The router then scores arms on decode steps only: a long prompt's prefill would otherwise
-        land on whichever arm the first step happened to pick.
+        The first token is scored from the prompt's own forward, as plain decoding scores it
+        (HF `generate` and llama.cpp alike): some kernels round a long batch differently from a
+        short one (llama.cpp's prompt kernels moved logits by up to 0.7 against a one-token
+        pass), so re-feeding the last prompt token with the first draft could break a near-tie
+        the other way. The router scores arms on decode steps only: a long prompt's prefill
+        would otherwise land on whichever arm the first step happened to pick.
         """
-        active = [len(p) > 1 for p in prompts]
         reused = [target.prefix_len(b, p) for b, p in enumerate(prompts)]
         start = time.perf_counter()
-        if any(active):
-            target.forward_to([p[:-1] if a else p for p, a in zip(prompts, active)], active, keep_logits=1)
+        first = target.forward_to(prompts, keep_logits=1)
         seconds = time.perf_counter() - start
         for st, n in zip(stats, reused):
             st.cached_prompt_tokens = min(n, st.prompt_tokens - 1)
             st.prefill_seconds = st.seconds = seconds
+        return first
 
     def _decode(self, prompts, max_new_tokens, sampling, stops, domain, constraint=None):
         target = self._target_runner
@@ -353,7 +368,7 @@ class SpecEngine:
         stats = [GenerationStats(domain, prompt_tokens=len(p)) for p in prompts]
         gen = self._generator(sampling)
         try:
-            self._prefill(target, prompts, stats)
+            first = self._prefill(target, prompts, stats)
             while True:
                 active = [not r.finished for r in rows]
                 if not any(active):
@@ -366,7 +381,8 @@ class SpecEngine:
                 g = len(drafts[0])
                 t1 = time.perf_counter()
                 n_acc, out = self._forward_and_verify(
-                    target, seqs, prompts, drafts, draft_probs, active, sampling, constraint, gen)
+                    target, seqs, prompts, drafts, draft_probs, active, sampling, constraint, gen, first)
+                first = None
                 t2 = time.perf_counter()
                 context_row = active.index(True)
                 context_len = len(seqs[context_row])

@@ -139,7 +139,8 @@ def test_default_engine_loads_the_shipped_drafts_and_stays_exact(default_target,
     assert {"distill_chat", "distill_code"} <= set(default_engine.drafts)
     drafts = {d.name: d for d in shipped_drafts(default_target)}
     messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
-    engine = SpecEngine(default_target, [drafts["distill_code"]], router=FixedRouter(Arm("distill_code", 3)))
+    engine = SpecEngine(default_target, [drafts["distill_code"]], router=FixedRouter(Arm("distill_code", 3)),
+                       backend="hf")  # compared with transformers: its own forward
     res = engine.generate(messages, max_new_tokens=16)
     ids = engine._encode_all([messages], 16)[0]
     x = torch.tensor([ids])

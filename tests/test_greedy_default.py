@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import idle_core_threads
 
-from flashspec_core.demo import stock_default_model
+from flashspec_workloads.baselines import stock_default_model
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import vocab_size
@@ -127,7 +127,7 @@ def test_greedy_is_token_identical_to_hf_generate(default_target, prompt_ids, re
                                                  kind, gamma, record_property):
     draft = _draft(kind, nf4_draft, prompt_ids, references)
     arm = Arm(NO_DRAFT, 0) if draft is None else Arm(draft.name, gamma)
-    engine = SpecEngine(default_target, [draft] if draft else [], router=FixedRouter(arm))
+    engine = SpecEngine(default_target, [draft] if draft else [], router=FixedRouter(arm), backend="hf")
     start = time.perf_counter()
     results = engine.generate(prompt_ids, max_new_tokens=MAX_NEW)
     record_property("engine_seconds", round(time.perf_counter() - start, 2))

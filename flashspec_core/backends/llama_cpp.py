@@ -32,6 +32,9 @@ INSTALL = (
 )
 
 
+MAX_ROWS = 256  # llama.cpp's LLAMA_MAX_SEQ
+
+
 def available() -> bool:
     """Whether llama-cpp-python is installed (it is imported only when a runner is built)."""
     import importlib.util
@@ -48,9 +51,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class LlamaCppModel:
     """A llama.cpp model and context holding the KV cache of a batch of rows (sequence ids).
 
-    gguf: the model file. n_ctx: tokens per row the cache can hold. n_threads: CPU threads
-    (default: torch's intra-op count, which is one per core). max_batch: sequence ids the context
-    is created for; a larger batch re-creates the context (and drops the cache).
+    gguf: the model file. n_ctx: tokens the cache holds, all rows together (one unified cache).
+    n_threads: CPU threads (default: torch's intra-op count, one per core). max_batch: sequence ids
+    the context is created for; a larger batch re-creates the context (and drops the cache).
     """
 
     def __init__(self, gguf: str | Path, n_ctx: int = 4096, n_threads: int | None = None, max_batch: int = 1,
@@ -64,7 +67,7 @@ class LlamaCppModel:
             raise ValueError(f"gguf: {str(path)!r} is not a file")
         self._lc = lc
         _quiet_logs(lc)
-        _load_cpu_backends(lc)
+        load_cpu_backends()
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
@@ -88,10 +91,16 @@ class LlamaCppModel:
         lc = self._lc
         self._free_context()
         params = lc.llama_context_default_params()
-        params.n_ctx = self.n_ctx * max_batch
+        params.n_ctx = self.n_ctx
         params.n_batch = self.n_batch
         params.n_ubatch = self.n_batch
         params.n_seq_max = max_batch
+        params.kv_unified = True  # rows share the cells: a batch of short rows fits n_ctx
+        # Flash attention on (llama.cpp's own default where supported): each query row is then
+        # computed alone, so a verify pass over γ+1 tokens gives bit for bit the logits of γ+1
+        # one-token steps. Without it, a 2-token pass moved logits by up to 0.5 against one-token
+        # decoding (a different matrix kernel for 2+ query rows), enough to flip near-ties.
+        params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.n_threads = self.n_threads
         params.n_threads_batch = self.n_threads
         params.no_perf = True
@@ -144,6 +153,9 @@ class LlamaCppModel:
             self.reset(batch_size)
 
     def reset(self, batch_size: int) -> None:
+        if batch_size > MAX_ROWS:
+            raise ValueError(f"prompt: a batch of {batch_size} prompts; backend='llama.cpp' decodes at most "
+                             f"{MAX_ROWS} at once (llama.cpp's sequence limit): split the batch")
         if batch_size > self._max_batch:
             self._make_context(batch_size)
         self._lc.llama_memory_clear(self._mem, True)
@@ -176,8 +188,8 @@ class LlamaCppModel:
         batch.n_tokens = n
         rc = lc.llama_decode(self._ctx, batch)
         if rc != 0:
-            raise RuntimeError(f"llama_decode failed with code {rc} (1: the context of {self.n_ctx} "
-                               "tokens per row is full)")
+            raise RuntimeError(f"llama_decode failed with code {rc} (1: the cache of {self.n_ctx} tokens, "
+                               "all rows together, is full)")
         n_out = int(arr[:, 3].sum())
         if not n_out:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
@@ -204,7 +216,7 @@ class LlamaCppModel:
                 raise ValueError("sequences: each active row needs at least keep_logits tokens")
             if len(seq) > self.n_ctx:
                 raise ValueError(f"sequences: row {b} has {len(seq)} tokens; this llama.cpp context holds "
-                                 f"{self.n_ctx} per row")
+                                 f"{self.n_ctx}")
             keep = min(_common_prefix(self.held[b], seq), len(seq) - keep_logits)
             self._rollback(b, keep)
             chunk = list(seq[keep:])
@@ -228,17 +240,23 @@ class LlamaCppModel:
 _AMX_VARIANTS = ("sapphirerapids",)
 
 
-def _load_cpu_backends(lc) -> None:
+def load_cpu_backends() -> str | None:
     """Load llama.cpp's CPU backend: with a portable build (GGML_BACKEND_DL, one library per ISA
     level) the variant this CPU runs best is picked at run time by each variant's own score (its
     ISA checks), which is the machine-dependent kernel choice llama.cpp makes for itself.
     llama-cpp-python loads none, so this does what llama.cpp's tools do at start, in the folder
-    pip installs the variants into. A build without variants has its CPU backend built in."""
-    if getattr(_load_cpu_backends, "done", False):
-        return
-    _load_cpu_backends.done = True
+    pip installs the variants into. A build without variants has its CPU backend built in.
+    Returns the variant's name (e.g. "zen4", "haswell"), or None when there are none to load."""
+    if hasattr(load_cpu_backends, "variant"):
+        return load_cpu_backends.variant
+    import llama_cpp as lc
+
+    load_cpu_backends.variant = None
     package = Path(lc.__file__).parent
-    variants = sorted((package.parent / "bin").glob("libggml-cpu-*.so"))
+    # pip puts the variants in site-packages/bin (CMake's default BINDIR); some builds put them
+    # beside the other libraries.
+    folders = (package.parent / "bin", package / "lib")
+    variants = sorted(p for folder in folders for p in folder.glob("libggml-cpu-*.so"))
     scores = {}
     for path in variants:
         if any(name in path.name for name in _AMX_VARIANTS):
@@ -248,13 +266,14 @@ def _load_cpu_backends(lc) -> None:
         scores[path] = lib.ggml_backend_score()  # 0: this CPU lacks an instruction it needs
     best = max(scores, key=scores.get, default=None)
     if best is None or scores[best] <= 0:
-        return
+        return None
     ggml = ctypes.CDLL(str(package / "lib" / "libggml.so.0"))  # the copy libllama links (its soname)
     ggml.ggml_backend_load.restype = ctypes.c_void_p
     ggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
     if not ggml.ggml_backend_load(str(best).encode()):
         raise RuntimeError(f"llama.cpp could not load its CPU backend {best}")
-    _load_cpu_backends.variant = best.stem.removeprefix("libggml-cpu-")
+    load_cpu_backends.variant = best.stem.removeprefix("libggml-cpu-")
+    return load_cpu_backends.variant
 
 
 def _quiet_logs(lc) -> None:

@@ -1,0 +1,120 @@
+"""The llama.cpp target: exact against llama.cpp's own decoding of the same GGUF file.
+
+With flash attention on, llama.cpp's logits depend on how tokens are batched only between a
+large batch (its prompt kernels) and small ones; widths up to a verify pass compute what
+one-token decoding computes, bit for bit (without it a 2-token pass moved logits by 0.5). So the engine, which scores the first token from the prompt's own
+forward and every later one from verify passes, must reproduce the greedy tokens of
+llama-cpp-python's own `Llama.eval` loop (the prompt in one batch, then one token at a time), for
+every draft; and its sampling path must follow the law of llama.cpp's distributions.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from helpers import g_test
+
+from flashspec_core.backends import llama_cpp as backend
+from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
+from flashspec_core.drafts.trained import shipped_drafts
+from flashspec_core.engine import SpecEngine
+from flashspec_core.models import default_gguf_path, vocab_size
+from flashspec_core.prompts import encode_prompt
+from flashspec_core.routing.router import FixedRouter
+from flashspec_core.sampling import SamplingParams
+from flashspec_core.types import NO_DRAFT, Arm
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not backend.available(), reason="llama-cpp-python missing")]
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return backend.LlamaCppModel(default_gguf_path(), n_ctx=2048)
+
+
+def test_rollbacks_and_widths_give_one_token_decodings_logits(runner):
+    rng = random.Random(0)
+    base = [rng.randrange(200, 20000) for _ in range(60)]
+    walk = base + [rng.randrange(200, 20000) for _ in range(40)]
+    runner.reset(1)
+    runner.forward_to([base])
+    one_by_one = torch.stack([runner.forward_to([walk[:t + 1]])[0, 0] for t in range(len(base), len(walk))])
+    runner.reset(1)
+    runner.forward_to([base])
+    held = len(base)
+    for _ in range(30):  # verify-like steps: roll back a few, feed a few with logits for each
+        keep = rng.randint(len(base), held)
+        width = rng.randint(1, min(9, len(walk) - keep))
+        logits = runner.forward_to([walk[:keep + width]], keep_logits=width)[0]
+        expected = one_by_one[keep - len(base):keep - len(base) + width]
+        assert torch.equal(logits, expected)
+        held = keep + width
+    assert runner.prefix_len(0, walk) == held
+
+
+def _llama_cpp_greedy(llm, prompt: list[int], n: int, eos: frozenset[int]) -> list[int]:
+    """llama-cpp-python's own loop: the whole prompt in one batch, then one token at a time."""
+    llm.reset()
+    llm.eval(prompt)
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        if out[-1] in eos:
+            break
+        llm.eval(out[-1:])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_llm(runner):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(default_gguf_path()), n_ctx=runner.n_ctx, n_threads=runner.n_threads, verbose=False,
+                 flash_attn=True,  # as the engine's runner (llama_cpp.py says why)
+                 logits_all=True)  # this release keeps `scores` only with logits_all
+
+
+@pytest.mark.parametrize("arm", ["none", "prompt_lookup@4", "suffix_cache@4", "distill_chat@2"])
+def test_greedy_equals_llama_cpps_own_greedy(default_target, reference_llm, arm):
+    from test_greedy_default import PROMPTS
+
+    name, _, gamma = arm.partition("@")
+    drafts = [PromptLookupDraft(), SuffixCacheDraft(), *shipped_drafts(default_target)]
+    engine = SpecEngine(default_target, drafts, router=FixedRouter(Arm(NO_DRAFT, 0) if name == NO_DRAFT
+                                                                      else Arm(name, int(gamma))), backend="llama.cpp")
+    vocab = vocab_size(default_target.model)
+    accepted = 0
+    for key in ("rag", "code", "tool", "list"):
+        ids = encode_prompt(default_target.tokenizer, PROMPTS[key], vocab)
+        res = engine.generate(ids, max_new_tokens=MAX_NEW)
+        accepted += res.stats.accepted
+        assert res.token_ids == _llama_cpp_greedy(reference_llm, ids, MAX_NEW, engine.eos_ids), f"{arm}, {key}"
+    assert name == NO_DRAFT or accepted > 0
+
+
+def test_sampling_follows_llama_cpps_distributions(default_target, runner):
+    """Two tokens sampled at top_k=2 with prompt lookup proposing: a G-test of the joint law
+    against the law computed from llama.cpp's own logits after the prompt and after each first token."""
+    prompt = default_target.tokenizer.encode("one two three four one two three four one two")
+    engine = SpecEngine(default_target, [PromptLookupDraft()], router=FixedRouter(Arm("prompt_lookup", 2)),
+                        backend="llama.cpp", verify_backend="torch")
+    sampling = SamplingParams(temperature=1.5, top_k=2, seed=11)
+    results = [r for seed in (11, 12) for r in engine.generate(
+        [prompt] * 200, max_new_tokens=2, sampling=sampling.model_copy(update={"seed": seed}))]
+    assert sum(r.stats.accepted for r in results) > 0, "prompt lookup never had a token accepted"
+    counts = Counter(tuple(r.token_ids) for r in results)
+    runner.reset(1)
+    first = runner.forward_to([prompt])[0, 0]
+    law = {}
+    top1 = torch.topk(first, 2)
+    p1 = torch.softmax(top1.values / 1.5, -1)
+    for t1, q1 in zip(top1.indices.tolist(), p1.tolist()):
+        second = runner.forward_to([prompt + [t1]])[0, 0]
+        top2 = torch.topk(second, 2)
+        for t2, q2 in zip(top2.indices.tolist(), torch.softmax(top2.values / 1.5, -1).tolist()):
+            law[(t1, t2)] = q1 * q2
+    assert g_test(counts, law) > 0.01
