@@ -1,0 +1,74 @@
+"""`flashspec-agents serve`: start Ray (or join RAY_ADDRESS) and deploy the endpoint.
+
+    flashspec-agents serve --replicas 2 --port 8000
+
+Each replica gets one GPU when the cluster has GPUs, else an equal share of the CPUs (with as many
+torch threads). The process stays in the foreground; Ctrl-C shuts the deployment down. For a
+multi-host cluster use a Serve config file instead (docs/serve.md).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, default=1, help="engine replicas (one GPU each where there are GPUs)")
+    parser.add_argument("--target", help="target model: a folder, .gguf file or cached HF id (default: the embedded model)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    parser.add_argument("--model-name", help="the model id clients send (default: the target's name)")
+    parser.add_argument("--router-store", help="SQLite file of the router statistics the replicas share")
+    parser.add_argument("--max-batch-size", type=int, default=8, help="requests decoded as one engine batch at most")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1; got {args.replicas}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535; got {args.port}")
+    if args.max_batch_size < 1:
+        raise ValueError(f"--max-batch-size must be >= 1; got {args.max_batch_size}")
+
+
+def start(args: argparse.Namespace) -> str:
+    """Start Ray and the deployment; returns the base URL. Ray stays up for the caller to stop."""
+    _check(args)
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        raise ValueError(f"serve needs Ray Serve ({exc}); install it with: pip install 'flashspec-agents[serve]'") from exc
+
+    from flashspec_integrations.serve.deployment import ServeSettings, application
+
+    address = os.environ.get("RAY_ADDRESS")
+    if not ray.is_initialized():
+        ray.init(address=address or None, include_dashboard=False,
+                 **({} if address else {"num_cpus": os.cpu_count() or 1}))
+    resources = ray.cluster_resources()
+    gpus = resources.get("GPU", 0) > 0
+    if gpus and resources["GPU"] < args.replicas:
+        print(f"warning: {args.replicas} replicas but {resources['GPU']:g} GPUs; the rest wait for a GPU")
+    cpus = 1.0 if gpus else resources.get("CPU", 1) / args.replicas
+    settings = ServeSettings(target=args.target, model_name=args.model_name, router_store=args.router_store,
+                             max_batch_size=args.max_batch_size, threads=None if gpus else max(1, int(cpus)))
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(application(settings, args.replicas, cpus, 1 if gpus else 0), name="flashspec", route_prefix="/")
+    return f"http://{args.host}:{args.port}/v1"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    url = start(args)
+    print(f"serving {args.replicas} replica(s) at {url} (OpenAI API: POST {url}/chat/completions); Ctrl-C stops")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job ignores it by default
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    from ray import serve
+
+    serve.shutdown()
+    return 0
