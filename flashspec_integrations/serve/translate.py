@@ -117,6 +117,9 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int) 
     schema, schema_field = _output_schema(req, shown, choice)
     try:
         text_of = "\n".join(content_text(m.content, "messages") for m in messages)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages") from None
+    try:
         decision = decide_domain(StepContext(
             explicit_domain=req.domain, metadata=req.metadata or {}, tools_bound=bool(shown),
             tool_choice_forced=choice.forced, structured_output=req.response_format is not None
