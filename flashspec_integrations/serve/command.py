@@ -12,6 +12,9 @@ import argparse
 import os
 import signal
 import threading
+from typing import Any
+
+APP_NAME = "flashspec"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,9 +36,13 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-batch-size must be >= 1; got {args.max_batch_size}")
 
 
-def start(args: argparse.Namespace) -> str:
-    """Start Ray and the deployment; returns the base URL. Ray stays up for the caller to stop."""
-    _check(args)
+def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None = None, **settings: Any) -> str:
+    """Start Ray (or join RAY_ADDRESS) and deploy `replicas` replicas; returns the base URL.
+
+    Each replica gets one GPU when the cluster has GPUs (unless `device` is "cpu"), else an equal
+    share of the CPUs with as many torch threads. `settings`: further `ServeSettings` fields.
+    Ray stays up for the caller to stop (`serve.shutdown()`, `ray.shutdown()`).
+    """
     try:
         import ray
         from ray import serve
@@ -49,19 +56,20 @@ def start(args: argparse.Namespace) -> str:
         ray.init(address=address or None, include_dashboard=False,
                  **({} if address else {"num_cpus": os.cpu_count() or 1}))
     resources = ray.cluster_resources()
-    gpus = resources.get("GPU", 0) > 0
-    if gpus and resources["GPU"] < args.replicas:
-        print(f"warning: {args.replicas} replicas but {resources['GPU']:g} GPUs; the rest wait for a GPU")
-    cpus = 1.0 if gpus else resources.get("CPU", 1) / args.replicas
-    settings = ServeSettings(target=args.target, model_name=args.model_name, router_store=args.router_store,
-                             max_batch_size=args.max_batch_size, threads=None if gpus else max(1, int(cpus)))
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(application(settings, args.replicas, cpus, 1 if gpus else 0), name="flashspec", route_prefix="/")
-    return f"http://{args.host}:{args.port}/v1"
+    gpus = resources.get("GPU", 0) > 0 and device != "cpu"
+    if gpus and resources["GPU"] < replicas:
+        print(f"warning: {replicas} replicas but {resources['GPU']:g} GPUs; the rest wait for a GPU")
+    cpus = 1.0 if gpus else resources.get("CPU", 1) / replicas
+    config = ServeSettings(device=device, threads=None if gpus else max(1, int(cpus)), **settings)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application(config, replicas, cpus, 1 if gpus else 0), name=APP_NAME, route_prefix="/")
+    return f"http://{host}:{port}/v1"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    url = start(args)
+    _check(args)
+    url = start(args.replicas, args.port, args.host, target=args.target, model_name=args.model_name,
+                router_store=args.router_store, max_batch_size=args.max_batch_size)
     print(f"serving {args.replicas} replica(s) at {url} (OpenAI API: POST {url}/chat/completions); Ctrl-C stops")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job ignores it by default

@@ -1,4 +1,4 @@
-"""The endpoint end to end: Ray started here (2 CPUs), two replicas of the default model, real clients.
+"""The endpoint end to end: Ray started here, two CPU replicas of the default model, real clients.
 
 One Ray instance and one deployment serve the whole module (Ray and two model loads take most of
 its time on 2 cores). The replica-kill test runs last: it disturbs the deployment.
@@ -21,7 +21,7 @@ serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from flashspec_integrations.serve.deployment import ServeSettings, application  # noqa: E402
+from flashspec_integrations.serve.command import start  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -40,16 +40,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def service(default_target, tmp_path_factory):
-    """(base URL, ledger path) of two CPU replicas sharing a router ledger that they merge on
-    every call. `default_target` converts the model once before the replicas load it."""
+    """(base URL, ledger path) of two CPU replicas started as the CLI starts them, sharing a router
+    ledger that they merge on every call. `default_target` converts the model once first."""
     ledger = tmp_path_factory.mktemp("serve") / "router.sqlite3"
-    port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # workers inherit the environment
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        settings = ServeSettings(router_store=str(ledger), sync_seconds=0.0, threads=1, default_max_tokens=32)
-        serve.run(application(settings, replicas=2, num_cpus=1, num_gpus=0), name="flashspec-test", route_prefix="/")
-        yield f"http://127.0.0.1:{port}/v1", ledger
+    try:  # Ray workers inherit this process's environment (PYTHONPATH, FLASHSPEC_CACHE_DIR)
+        url = start(2, _free_port(), router_store=str(ledger), sync_seconds=0.0, default_max_tokens=32)
+        yield url, ledger
     finally:
         serve.shutdown()
         ray.shutdown()

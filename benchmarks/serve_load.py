@@ -1,0 +1,254 @@
+"""Load on the OpenAI-compatible endpoint: 1 and 2 replicas, concurrency 1..32, and a replica killed mid-run.
+
+Starts Ray on this machine, deploys `flashspec-agents serve` with each replica count in turn, and
+drives it from a bounded async client (127.0.0.1 only: a fixed number of requests per level, each
+with a timeout, so the run always ends) with the dev workload's prompts. Per level: requests/s,
+output tokens/s, p50/p99 latency and errors. Then, with two replicas under load, one replica's
+process is killed (SIGKILL): requests in flight must fail with a clear error or be retried, none
+may hang, Ray must restart the replica, and the router ledger must keep every step it had.
+
+    python benchmarks/serve_load.py --out bench_out/serve                 # CPU, this machine
+    python benchmarks/serve_load.py --device cuda --out bench_out/serve   # one GPU per replica
+
+Writes results.json and serve_load.png under --out and prints the table (CPU model, threads).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import sqlite3
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from flashspec_core.workload import dev_workload  # the dev workload: its one import here
+
+MODEL = "SmolLM2-135M-Instruct"
+HOST = "127.0.0.1"
+
+
+@dataclass
+class Level:
+    replicas: int
+    concurrency: int
+    requests: int
+    seconds: float
+    tokens: int
+    latencies: list[float] = field(default_factory=list, repr=False)
+    errors: list[str] = field(default_factory=list)
+    pids: dict[int, int] = field(default_factory=dict)  # replica pid -> requests it answered
+    infos: list[dict] = field(default_factory=list, repr=False)
+
+    def row(self) -> dict:
+        lat = sorted(self.latencies)
+        pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")  # noqa: E731
+        ok = len(self.latencies)
+        return {"replicas": self.replicas, "concurrency": self.concurrency, "requests": self.requests,
+                "ok": ok, "errors": len(self.errors), "req_per_s": ok / self.seconds,
+                "tok_per_s": self.tokens / self.seconds, "p50_s": pct(0.5), "p99_s": pct(0.99),
+                "mean_batch_rows": statistics.mean(i["batch_rows"] for i in self.infos) if self.infos else 0.0}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def bodies(n: int, max_new_tokens: int, seed: int) -> list[dict]:
+    """`n` request bodies from the dev workload (greedy, as agent steps usually are)."""
+    steps = dev_workload(n_steps=n, seed=seed, max_new_tokens=max_new_tokens)
+    return [{"model": MODEL, "messages": s.messages, "max_tokens": s.max_new_tokens, "temperature": 0} for s in steps]
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict, level: Level, timeout: float) -> None:
+    start = time.perf_counter()
+    try:
+        res = await asyncio.wait_for(client.post(url, json=body), timeout)
+    except asyncio.TimeoutError:
+        level.errors.append(f"no answer within {timeout:g} s")
+        return
+    except httpx.HTTPError as exc:
+        level.errors.append(f"{type(exc).__name__}: {exc}")
+        return
+    if res.status_code != 200:
+        level.errors.append(f"HTTP {res.status_code}: {res.text[:200]}")
+        return
+    data = res.json()
+    level.latencies.append(time.perf_counter() - start)
+    level.tokens += data["usage"]["completion_tokens"]
+    info = data["flashspec"]
+    level.infos.append(info)
+    level.pids[info["pid"]] = level.pids.get(info["pid"], 0) + 1
+
+
+async def run_level(base: str, work: list[dict], replicas: int, concurrency: int, timeout: float,
+                    on_progress=None) -> Level:
+    """`len(work)` requests, at most `concurrency` in flight; each bounded by `timeout`."""
+    level = Level(replicas, concurrency, len(work), 0.0, 0)
+    queue: asyncio.Queue = asyncio.Queue()
+    for body in work:
+        queue.put_nowait(body)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        async def worker() -> None:
+            while not queue.empty():
+                await one(client, base + "/chat/completions", queue.get_nowait(), level, timeout)
+                if on_progress is not None:
+                    on_progress(level)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        level.seconds = time.perf_counter() - start
+    return level
+
+
+def ledger_steps(path: Path) -> int:
+    with sqlite3.connect(path) as db:
+        return int(db.execute("SELECT COALESCE(SUM(steps), 0) FROM domain_stats").fetchone()[0])
+
+
+async def kill_run(base: str, work: list[dict], concurrency: int, timeout: float, ledger: Path) -> dict:
+    """Two replicas under load; one is SIGKILLed once a third of the requests are answered."""
+    killed: dict = {}
+
+    def maybe_kill(level: Level) -> None:
+        if killed or len(level.latencies) < len(work) // 3 or len(level.pids) < 2:
+            return
+        victim = max(level.pids, key=level.pids.get)
+        killed.update(pid=victim, after=len(level.latencies), ledger_steps_before=ledger_steps(ledger))
+        os.kill(victim, signal.SIGKILL)
+
+    level = await run_level(base, work, 2, concurrency, timeout, maybe_kill)
+    # Wait (bounded) for Ray to bring a replica up again, then read what it started from.
+    restarted, deadline = None, time.monotonic() + 240
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        while killed and restarted is None and time.monotonic() < deadline:
+            probe = Level(2, 1, 1, 0.0, 0)
+            await one(client, base + "/chat/completions", work[0], probe, timeout)
+            restarted = next((i for i in probe.infos if i["pid"] not in level.pids), None)
+            await asyncio.sleep(1.0)
+    return {"level": level, "killed": killed, "restarted_warm_steps": restarted and restarted["warm_steps"],
+            "restarted_pid": restarted and restarted["pid"], "ledger_steps_after": ledger_steps(ledger)}
+
+
+def deploy(replicas: int, port: int, device: str | None, ledger: Path, max_batch_size: int) -> str:
+    from ray import serve
+
+    from flashspec_integrations.serve.command import APP_NAME, start
+
+    if APP_NAME in serve.status().applications:
+        serve.delete(APP_NAME)
+    return start(replicas, port, HOST, device=device, router_store=str(ledger), max_batch_size=max_batch_size)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for replicas in sorted({r["replicas"] for r in rows if r.get("phase") == "steady"}):
+        pts = [r for r in rows if r["replicas"] == replicas and r.get("phase") == "steady"]
+        xs = [r["concurrency"] for r in pts]
+        ax1.plot(xs, [r["tok_per_s"] for r in pts], marker="o", label=f"{replicas} replica(s)")
+        ax2.plot(xs, [r["p50_s"] for r in pts], marker="o", label=f"{replicas} replica(s) p50")
+        ax2.plot(xs, [r["p99_s"] for r in pts], marker="x", linestyle="--", label=f"{replicas} replica(s) p99")
+    for ax, label in ((ax1, "output tokens/s"), (ax2, "latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(rows: list[dict]) -> str:
+    head = "| phase | replicas | clients | requests | ok | errors | req/s | tok/s | p50 s | p99 s | mean batch |"
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['phase']} | {r['replicas']} | {r['concurrency']} | {r['requests']} | {r['ok']} | "
+                     f"{r['errors']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | {r['p50_s']:.2f} | "
+                     f"{r['p99_s']:.2f} | {r['mean_batch_rows']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for one GPU per replica")
+    parser.add_argument("--replicas", default="1,2")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32")
+    parser.add_argument("--requests", type=int, default=8, help="requests per level (at least the concurrency)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="every step's budget (the dev workload's own when 0)")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed requests after each deployment")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    parser.add_argument("--kill-concurrency", type=int, default=8)
+    parser.add_argument("--kill-requests", type=int, default=48)
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--out", default="bench_out/serve")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ledger = Path(tempfile.mkdtemp(prefix="serve-load-")) / "router.sqlite3"
+    device = None if args.device == "cpu" else args.device
+    budget = args.max_new_tokens or None
+    levels = [int(c) for c in args.concurrency.split(",")]
+    work = bodies(args.warmup + sum(max(args.requests, c) for c in levels) + args.kill_requests, budget, seed=1)
+
+    import ray
+    import torch
+
+    rows, cursor = [], 0
+
+    def take(n: int) -> list[dict]:
+        nonlocal cursor
+        cursor += n
+        return work[cursor - n:cursor]
+
+    try:
+        for replicas in [int(r) for r in args.replicas.split(",")]:
+            base = deploy(replicas, args.port, "cpu" if device is None else device, ledger, args.max_batch_size)
+            asyncio.run(run_level(base, take(args.warmup), replicas, min(4, args.warmup), args.timeout))
+            for c in levels:
+                level = asyncio.run(run_level(base, take(max(args.requests, c)), replicas, c, args.timeout))
+                rows.append({"phase": "steady", **level.row(), "error_samples": level.errors[:3]})
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+        base = deploy(2, args.port, "cpu" if device is None else device, ledger, args.max_batch_size)
+        kill = asyncio.run(kill_run(base, take(args.kill_requests), args.kill_concurrency, args.timeout, ledger))
+        level = kill.pop("level")
+        rows.append({"phase": "kill 1 of 2", **level.row(), "error_samples": level.errors[:5]})
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    machine = (f"{cpu_model()}, {os.cpu_count()} CPU threads (torch threads per replica: cores / replicas)"
+               if device is None else f"{args.device}, host {cpu_model()}")
+    title = (f"serve_load: {machine}; max_new_tokens {budget or 'workload'}; {time.strftime('%Y-%m-%d')}; "
+             f"torch {torch.__version__}")
+    print(f"\n{title}\n\n{table(rows)}\n")
+    print("kill run:", json.dumps(kill))
+    (out / "results.json").write_text(json.dumps({"machine": machine, "title": title, "rows": rows, "kill": kill,
+                                                  "args": vars(args), "threads": threads}, indent=2))
+    plot(rows, out / "serve_load.png", title)
+    print(f"wrote {out / 'results.json'} and {out / 'serve_load.png'}")
+
+
+if __name__ == "__main__":
+    main()
