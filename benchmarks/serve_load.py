@@ -67,10 +67,33 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def bodies(n: int, max_new_tokens: int, seed: int) -> list[dict]:
+def openai_messages(messages: list[dict]) -> list[dict]:
+    """The workload's chat messages as an OpenAI client sends them: an assistant turn that is a
+    JSON call becomes `tool_calls`, and the tool result after it names that call's id."""
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        call = None
+        if m["role"] == "assistant":
+            try:
+                call = json.loads(m["content"])
+            except json.JSONDecodeError:
+                pass
+        if isinstance(call, dict) and "name" in call:
+            out.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": f"call_{i}", "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}}]})
+        elif m["role"] == "tool":
+            out.append({"role": "tool", "tool_call_id": out[-1]["tool_calls"][0]["id"], "content": m["content"]})
+        else:
+            out.append(m)
+    return out
+
+
+def bodies(n: int, max_new_tokens: int | None, seed: int) -> list[dict]:
     """`n` request bodies from the dev workload (greedy, as agent steps usually are)."""
     steps = dev_workload(n_steps=n, seed=seed, max_new_tokens=max_new_tokens)
-    return [{"model": MODEL, "messages": s.messages, "max_tokens": s.max_new_tokens, "temperature": 0} for s in steps]
+    return [{"model": MODEL, "messages": openai_messages(s.messages), "max_tokens": s.max_new_tokens,
+             "temperature": 0} for s in steps]
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict, level: Level, timeout: float) -> None:
@@ -128,20 +151,23 @@ async def kill_run(base: str, work: list[dict], concurrency: int, timeout: float
         if killed or len(level.latencies) < len(work) // 3 or len(level.pids) < 2:
             return
         victim = max(level.pids, key=level.pids.get)
+        known.update(level.pids)
         killed.update(pid=victim, after=len(level.latencies), ledger_steps_before=ledger_steps(ledger))
         os.kill(victim, signal.SIGKILL)
 
+    known: set[int] = set()
     level = await run_level(base, work, 2, concurrency, timeout, maybe_kill)
-    # Wait (bounded) for Ray to bring a replica up again, then read what it started from.
-    restarted, deadline = None, time.monotonic() + 240
+    # Ray restarts the replica; wait for it (bounded) and read what its router started from.
+    restarted = next((i for i in level.infos if i["pid"] not in known), None) if killed else None
+    deadline = time.monotonic() + 240
     async with httpx.AsyncClient(timeout=timeout) as client:
         while killed and restarted is None and time.monotonic() < deadline:
             probe = Level(2, 1, 1, 0.0, 0)
             await one(client, base + "/chat/completions", work[0], probe, timeout)
-            restarted = next((i for i in probe.infos if i["pid"] not in level.pids), None)
+            restarted = next((i for i in probe.infos if i["pid"] not in known), None)
             await asyncio.sleep(1.0)
-    return {"level": level, "killed": killed, "restarted_warm_steps": restarted and restarted["warm_steps"],
-            "restarted_pid": restarted and restarted["pid"], "ledger_steps_after": ledger_steps(ledger)}
+    return {"level": level, "killed": killed, "restarted_pid": restarted and restarted["pid"],
+            "restarted_warm_steps": restarted and restarted["warm_steps"], "ledger_steps_after": ledger_steps(ledger)}
 
 
 def deploy(replicas: int, port: int, device: str | None, ledger: Path, max_batch_size: int) -> str:
@@ -244,8 +270,11 @@ def main() -> None:
              f"torch {torch.__version__}")
     print(f"\n{title}\n\n{table(rows)}\n")
     print("kill run:", json.dumps(kill))
+    for r in rows:
+        for sample in r["error_samples"]:
+            print(f"error ({r['phase']}, {r['replicas']} replicas, {r['concurrency']} clients): {sample}")
     (out / "results.json").write_text(json.dumps({"machine": machine, "title": title, "rows": rows, "kill": kill,
-                                                  "args": vars(args), "threads": threads}, indent=2))
+                                                  "args": vars(args)}, indent=2))
     plot(rows, out / "serve_load.png", title)
     print(f"wrote {out / 'results.json'} and {out / 'serve_load.png'}")
 

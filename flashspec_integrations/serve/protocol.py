@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -46,6 +46,14 @@ class Message(_Open):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self) -> "Message":
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs 'tool_call_id', the id of the call it answers")
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message needs 'name', the function that was called")
+        return self
 
 
 class FunctionSpec(_Open):
