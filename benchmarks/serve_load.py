@@ -148,7 +148,7 @@ async def kill_run(base: str, work: list[dict], concurrency: int, timeout: float
     killed: dict = {}
 
     def maybe_kill(level: Level) -> None:
-        if killed or len(level.latencies) < len(work) // 3 or len(level.pids) < 2:
+        if killed or len(level.latencies) < len(work) // 3:
             return
         victim = max(level.pids, key=level.pids.get)
         known.update(level.pids)
@@ -170,14 +170,15 @@ async def kill_run(base: str, work: list[dict], concurrency: int, timeout: float
             "restarted_warm_steps": restarted and restarted["warm_steps"], "ledger_steps_after": ledger_steps(ledger)}
 
 
-def deploy(replicas: int, port: int, device: str | None, ledger: Path, max_batch_size: int) -> str:
+def deploy(replicas: int, port: int, device: str | None, ledger: Path, max_batch_size: int, gpus: float) -> str:
     from ray import serve
 
     from flashspec_integrations.serve.command import APP_NAME, start
 
     if APP_NAME in serve.status().applications:
         serve.delete(APP_NAME)
-    return start(replicas, port, HOST, device=device, router_store=str(ledger), max_batch_size=max_batch_size)
+    return start(replicas, port, HOST, device=device, gpus_per_replica=gpus, router_store=str(ledger),
+                 max_batch_size=max_batch_size)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -226,6 +227,7 @@ def main() -> None:
     parser.add_argument("--kill-concurrency", type=int, default=8)
     parser.add_argument("--kill-requests", type=int, default=48)
     parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--gpus-per-replica", type=float, default=1.0, help="with --device cuda: 0.5 puts 2 replicas on one GPU")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--out", default="bench_out/serve")
     args = parser.parse_args()
@@ -235,27 +237,34 @@ def main() -> None:
     device = None if args.device == "cpu" else args.device
     budget = args.max_new_tokens or None
     levels = [int(c) for c in args.concurrency.split(",")]
-    work = bodies(args.warmup + sum(max(args.requests, c) for c in levels) + args.kill_requests, budget, seed=1)
+    replica_counts = [int(r) for r in args.replicas.split(",")]
+    per_config = args.warmup + sum(max(args.requests, c) for c in levels)
+    work = bodies(len(replica_counts) * per_config + args.kill_requests, budget, seed=1)
 
     import ray
     import torch
 
     rows, cursor = [], 0
+    load_before = os.getloadavg()[0]  # a shared machine's other work shows here
 
     def take(n: int) -> list[dict]:
         nonlocal cursor
+        if cursor + n > len(work):
+            raise AssertionError(f"the workload holds {len(work)} requests; {cursor + n} asked for")
         cursor += n
         return work[cursor - n:cursor]
 
     try:
-        for replicas in [int(r) for r in args.replicas.split(",")]:
-            base = deploy(replicas, args.port, "cpu" if device is None else device, ledger, args.max_batch_size)
+        for replicas in replica_counts:
+            base = deploy(replicas, args.port, "cpu" if device is None else device, ledger, args.max_batch_size,
+                          args.gpus_per_replica)
             asyncio.run(run_level(base, take(args.warmup), replicas, min(4, args.warmup), args.timeout))
             for c in levels:
                 level = asyncio.run(run_level(base, take(max(args.requests, c)), replicas, c, args.timeout))
                 rows.append({"phase": "steady", **level.row(), "error_samples": level.errors[:3]})
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
-        base = deploy(2, args.port, "cpu" if device is None else device, ledger, args.max_batch_size)
+        base = deploy(2, args.port, "cpu" if device is None else device, ledger, args.max_batch_size,
+                      args.gpus_per_replica)
         kill = asyncio.run(kill_run(base, take(args.kill_requests), args.kill_concurrency, args.timeout, ledger))
         level = kill.pop("level")
         rows.append({"phase": "kill 1 of 2", **level.row(), "error_samples": level.errors[:5]})
@@ -267,7 +276,7 @@ def main() -> None:
     machine = (f"{cpu_model()}, {os.cpu_count()} CPU threads (torch threads per replica: cores / replicas)"
                if device is None else f"{args.device}, host {cpu_model()}")
     title = (f"serve_load: {machine}; max_new_tokens {budget or 'workload'}; {time.strftime('%Y-%m-%d')}; "
-             f"torch {torch.__version__}")
+             f"torch {torch.__version__}; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"\n{title}\n\n{table(rows)}\n")
     print("kill run:", json.dumps(kill))
     for r in rows:

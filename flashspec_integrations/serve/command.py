@@ -36,11 +36,13 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-batch-size must be >= 1; got {args.max_batch_size}")
 
 
-def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None = None, **settings: Any) -> str:
+def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None = None,
+          gpus_per_replica: float = 1.0, **settings: Any) -> str:
     """Start Ray (or join RAY_ADDRESS) and deploy `replicas` replicas; returns the base URL.
 
-    Each replica gets one GPU when the cluster has GPUs (unless `device` is "cpu"), else an equal
-    share of the CPUs with as many torch threads. `settings`: further `ServeSettings` fields.
+    Each replica gets `gpus_per_replica` GPUs when the cluster has GPUs (unless `device` is "cpu";
+    0.5 puts two replicas on one GPU), else an equal share of the CPUs with as many torch threads.
+    `settings`: further `ServeSettings` fields.
     Ray stays up for the caller to stop (`serve.shutdown()`, `ray.shutdown()`).
     """
     try:
@@ -57,12 +59,13 @@ def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None 
                  **({} if address else {"num_cpus": os.cpu_count() or 1}))
     resources = ray.cluster_resources()
     gpus = resources.get("GPU", 0) > 0 and device != "cpu"
-    if gpus and resources["GPU"] < replicas:
-        print(f"warning: {replicas} replicas but {resources['GPU']:g} GPUs; the rest wait for a GPU")
+    if gpus and resources["GPU"] < replicas * gpus_per_replica:
+        print(f"warning: {replicas} replicas of {gpus_per_replica:g} GPU but {resources['GPU']:g} GPUs; "
+              "the rest wait for a GPU (and this call with them)")
     cpus = 1.0 if gpus else resources.get("CPU", 1) / replicas
     config = ServeSettings(device=device, threads=None if gpus else max(1, int(cpus)), **settings)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(config, replicas, cpus, 1 if gpus else 0), name=APP_NAME, route_prefix="/")
+    serve.run(application(config, replicas, cpus, gpus_per_replica if gpus else 0), name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}/v1"
 
 

@@ -5,12 +5,12 @@ its time on 2 cores). The replica-kill test runs last: it disturbs the deploymen
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import socket
 import sqlite3
-import sys
 import time
 from pathlib import Path
 
@@ -102,37 +102,33 @@ def test_forced_tool_call_and_json_schema_through_openai_client(client):
     assert res.model_extra["flashspec"]["agent_node"] == "coder"
 
 
+def example(name: str):
+    """An example script as a module: its `main(base_url)` runs it against the test service."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_langchain_chat_openai_unchanged(service):
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import serve_langchain_client
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    out = serve_langchain_client.main(service[0], max_tokens=48)
+    lc = example("serve_langchain_client")
+    out = lc.main(service[0], max_tokens=48)
     assert out["invoke"].content and out["invoke"].usage_metadata["output_tokens"] > 0
     assert out["stream"] == out["invoke"].content  # greedy: the stream is the same text
     assert out["tool"].tool_calls[0]["name"] == "get_weather" and "city" in out["tool"].tool_calls[0]["args"]
     assert out["structured"].city and out["structured"].country
 
-    from langchain_openai import ChatOpenAI
-    from serve_langchain_client import Landmark, get_weather
-
-    llm = ChatOpenAI(base_url=service[0], api_key="none", model=MODEL, temperature=0, max_tokens=48)
+    llm = lc.ChatOpenAI(base_url=service[0], api_key="none", model=MODEL, temperature=0, max_tokens=48)
     streamed = None
-    for chunk in llm.bind_tools([get_weather], tool_choice="required").stream("Weather in Rome?"):
+    for chunk in llm.bind_tools([lc.get_weather], tool_choice="required").stream("Weather in Rome?"):
         streamed = chunk if streamed is None else streamed + chunk
     assert streamed.tool_calls[0]["name"] == "get_weather"
-    landmark = llm.with_structured_output(Landmark, method="function_calling").invoke("Where is Big Ben?")
-    assert isinstance(landmark, Landmark) and landmark.city
+    landmark = llm.with_structured_output(lc.Landmark, method="function_calling").invoke("Where is Big Ben?")
+    assert isinstance(landmark, lc.Landmark) and landmark.city
 
 
 def test_llama_index_openai_like_unchanged(service):
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import serve_llama_index_client
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    out = serve_llama_index_client.main(service[0], max_tokens=48)
+    out = example("serve_llama_index_client").main(service[0], max_tokens=48)
     assert out["chat"].message.content and out["stream"] == out["chat"].message.content
     assert out["tool_calls"][0].tool_name == "get_weather" and "city" in out["tool_calls"][0].tool_kwargs
     assert out["structured"].city and out["structured"].country
