@@ -44,6 +44,7 @@ class Level:
     tokens: int
     latencies: list[float] = field(default_factory=list, repr=False)
     errors: list[str] = field(default_factory=list)
+    retried: list[str] = field(default_factory=list)  # first attempts that failed, then were retried
     pids: dict[int, int] = field(default_factory=dict)  # replica pid -> requests it answered
     infos: list[dict] = field(default_factory=list, repr=False)
 
@@ -52,7 +53,7 @@ class Level:
         pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")  # noqa: E731
         ok = len(self.latencies)
         return {"replicas": self.replicas, "concurrency": self.concurrency, "requests": self.requests,
-                "ok": ok, "errors": len(self.errors), "req_per_s": ok / self.seconds,
+                "ok": ok, "errors": len(self.errors), "retried": len(self.retried), "req_per_s": ok / self.seconds,
                 "tok_per_s": self.tokens / self.seconds, "p50_s": pct(0.5), "p99_s": pct(0.99),
                 "mean_batch_rows": statistics.mean(i["batch_rows"] for i in self.infos) if self.infos else 0.0}
 
@@ -96,20 +97,30 @@ def bodies(n: int, max_new_tokens: int | None, seed: int) -> list[dict]:
              "temperature": 0} for s in steps]
 
 
-async def one(client: httpx.AsyncClient, url: str, body: dict, level: Level, timeout: float) -> None:
-    start = time.perf_counter()
+async def attempt(client: httpx.AsyncClient, url: str, body: dict, timeout: float) -> dict | str:
+    """One request: the response body, or what went wrong (no answer within `timeout` included)."""
     try:
         res = await asyncio.wait_for(client.post(url, json=body), timeout)
     except asyncio.TimeoutError:
-        level.errors.append(f"no answer within {timeout:g} s")
-        return
+        return f"no answer within {timeout:g} s"
     except httpx.HTTPError as exc:
-        level.errors.append(f"{type(exc).__name__}: {exc}")
-        return
+        return f"{type(exc).__name__}: {exc}"
     if res.status_code != 200:
-        level.errors.append(f"HTTP {res.status_code}: {res.text[:200]}")
+        return f"HTTP {res.status_code}: {res.text[:200]}"
+    return res.json()
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict, level: Level, timeout: float, retries: int) -> None:
+    """A request retried on failure up to `retries` times, as the `openai` client (and so
+    ChatOpenAI and OpenAILike) does by default; first failures are counted apart."""
+    start = time.perf_counter()
+    for left in range(retries, -1, -1):
+        data = await attempt(client, url, body, timeout)
+        if isinstance(data, dict):
+            break
+        (level.retried if left else level.errors).append(data)
+    else:
         return
-    data = res.json()
     level.latencies.append(time.perf_counter() - start)
     level.tokens += data["usage"]["completion_tokens"]
     info = data["flashspec"]
@@ -118,7 +129,7 @@ async def one(client: httpx.AsyncClient, url: str, body: dict, level: Level, tim
 
 
 async def run_level(base: str, work: list[dict], replicas: int, concurrency: int, timeout: float,
-                    on_progress=None) -> Level:
+                    retries: int = 0, on_progress=None) -> Level:
     """`len(work)` requests, at most `concurrency` in flight; each bounded by `timeout`."""
     level = Level(replicas, concurrency, len(work), 0.0, 0)
     queue: asyncio.Queue = asyncio.Queue()
@@ -128,7 +139,7 @@ async def run_level(base: str, work: list[dict], replicas: int, concurrency: int
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         async def worker() -> None:
             while not queue.empty():
-                await one(client, base + "/chat/completions", queue.get_nowait(), level, timeout)
+                await one(client, base + "/chat/completions", queue.get_nowait(), level, timeout, retries)
                 if on_progress is not None:
                     on_progress(level)
 
@@ -143,7 +154,7 @@ def ledger_steps(path: Path) -> int:
         return int(db.execute("SELECT COALESCE(SUM(steps), 0) FROM domain_stats").fetchone()[0])
 
 
-async def kill_run(base: str, work: list[dict], concurrency: int, timeout: float, ledger: Path) -> dict:
+async def kill_run(base: str, work: list[dict], concurrency: int, timeout: float, retries: int, ledger: Path) -> dict:
     """Two replicas under load; one is SIGKILLed once a third of the requests are answered."""
     killed: dict = {}
 
@@ -156,14 +167,14 @@ async def kill_run(base: str, work: list[dict], concurrency: int, timeout: float
         os.kill(victim, signal.SIGKILL)
 
     known: set[int] = set()
-    level = await run_level(base, work, 2, concurrency, timeout, maybe_kill)
+    level = await run_level(base, work, 2, concurrency, timeout, retries, maybe_kill)
     # Ray restarts the replica; wait for it (bounded) and read what its router started from.
     restarted = next((i for i in level.infos if i["pid"] not in known), None) if killed else None
     deadline = time.monotonic() + 240
     async with httpx.AsyncClient(timeout=timeout) as client:
         while killed and restarted is None and time.monotonic() < deadline:
             probe = Level(2, 1, 1, 0.0, 0)
-            await one(client, base + "/chat/completions", work[0], probe, timeout)
+            await one(client, base + "/chat/completions", work[0], probe, timeout, 0)
             restarted = next((i for i in probe.infos if i["pid"] not in known), None)
             await asyncio.sleep(1.0)
     return {"level": level, "killed": killed, "restarted_pid": restarted and restarted["pid"],
@@ -188,30 +199,31 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for replicas in sorted({r["replicas"] for r in rows if r.get("phase") == "steady"}):
+    for i, replicas in enumerate(sorted({r["replicas"] for r in rows if r.get("phase") == "steady"})):
         pts = [r for r in rows if r["replicas"] == replicas and r.get("phase") == "steady"]
-        xs = [r["concurrency"] for r in pts]
-        ax1.plot(xs, [r["tok_per_s"] for r in pts], marker="o", label=f"{replicas} replica(s)")
-        ax2.plot(xs, [r["p50_s"] for r in pts], marker="o", label=f"{replicas} replica(s) p50")
-        ax2.plot(xs, [r["p99_s"] for r in pts], marker="x", linestyle="--", label=f"{replicas} replica(s) p99")
+        xs, colour = [r["concurrency"] for r in pts], f"C{i}"
+        ax1.plot(xs, [r["tok_per_s"] for r in pts], marker="o", color=colour, label=f"{replicas} replica(s)")
+        ax2.plot(xs, [r["p50_s"] for r in pts], marker="o", color=colour, label=f"{replicas} replica(s) p50")
+        ax2.plot(xs, [r["p99_s"] for r in pts], marker="x", color=colour, linestyle="--", label=f"{replicas} replica(s) p99")
     for ax, label in ((ax1, "output tokens/s"), (ax2, "latency (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(title.replace("; ", "\n", 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def table(rows: list[dict]) -> str:
-    head = "| phase | replicas | clients | requests | ok | errors | req/s | tok/s | p50 s | p99 s | mean batch |"
-    lines = [head, "|" + "---|" * 11]
+    head = ("| phase | replicas | clients | requests | ok | errors | retried | req/s | tok/s | p50 s | p99 s "
+            "| mean batch |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         lines.append(f"| {r['phase']} | {r['replicas']} | {r['concurrency']} | {r['requests']} | {r['ok']} | "
-                     f"{r['errors']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | {r['p50_s']:.2f} | "
-                     f"{r['p99_s']:.2f} | {r['mean_batch_rows']:.1f} |")
+                     f"{r['errors']} | {r['retried']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | "
+                     f"{r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['mean_batch_rows']:.1f} |")
     return "\n".join(lines)
 
 
@@ -224,6 +236,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="every step's budget (the dev workload's own when 0)")
     parser.add_argument("--warmup", type=int, default=8, help="untimed requests after each deployment")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    parser.add_argument("--retries", type=int, default=1, help="retries of a failed request (openai's default is 2)")
+    parser.add_argument("--phases", default="steady,kill", help="steady (every replica count), kill, or both")
     parser.add_argument("--kill-concurrency", type=int, default=8)
     parser.add_argument("--kill-requests", type=int, default=48)
     parser.add_argument("--max-batch-size", type=int, default=8)
@@ -237,7 +251,8 @@ def main() -> None:
     device = None if args.device == "cpu" else args.device
     budget = args.max_new_tokens or None
     levels = [int(c) for c in args.concurrency.split(",")]
-    replica_counts = [int(r) for r in args.replicas.split(",")]
+    phases = set(args.phases.split(","))
+    replica_counts = [int(r) for r in args.replicas.split(",")] if "steady" in phases else []
     per_config = args.warmup + sum(max(args.requests, c) for c in levels)
     work = bodies(len(replica_counts) * per_config + args.kill_requests, budget, seed=1)
 
@@ -258,16 +273,21 @@ def main() -> None:
         for replicas in replica_counts:
             base = deploy(replicas, args.port, "cpu" if device is None else device, ledger, args.max_batch_size,
                           args.gpus_per_replica)
-            asyncio.run(run_level(base, take(args.warmup), replicas, min(4, args.warmup), args.timeout))
+            asyncio.run(run_level(base, take(args.warmup), replicas, min(4, args.warmup), args.timeout, args.retries))
             for c in levels:
-                level = asyncio.run(run_level(base, take(max(args.requests, c)), replicas, c, args.timeout))
-                rows.append({"phase": "steady", **level.row(), "error_samples": level.errors[:3]})
+                level = asyncio.run(run_level(base, take(max(args.requests, c)), replicas, c, args.timeout, args.retries))
+                rows.append({"phase": "steady", **level.row(), "error_samples": level.errors[:3],
+                             "retried_samples": level.retried[:3]})
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
-        base = deploy(2, args.port, "cpu" if device is None else device, ledger, args.max_batch_size,
-                      args.gpus_per_replica)
-        kill = asyncio.run(kill_run(base, take(args.kill_requests), args.kill_concurrency, args.timeout, ledger))
-        level = kill.pop("level")
-        rows.append({"phase": "kill 1 of 2", **level.row(), "error_samples": level.errors[:5]})
+        kill: dict = {}
+        if "kill" in phases:
+            base = deploy(2, args.port, "cpu" if device is None else device, ledger, args.max_batch_size,
+                          args.gpus_per_replica)
+            kill = asyncio.run(kill_run(base, take(args.kill_requests), args.kill_concurrency, args.timeout,
+                                        args.retries, ledger))
+            level = kill.pop("level")
+            rows.append({"phase": "kill 1 of 2", **level.row(), "error_samples": level.errors[:5],
+                         "retried_samples": level.retried[:5]})
     finally:
         from ray import serve
 
@@ -280,8 +300,9 @@ def main() -> None:
     print(f"\n{title}\n\n{table(rows)}\n")
     print("kill run:", json.dumps(kill))
     for r in rows:
-        for sample in r["error_samples"]:
-            print(f"error ({r['phase']}, {r['replicas']} replicas, {r['concurrency']} clients): {sample}")
+        for kind in ("error", "retried"):
+            for sample in r[f"{kind}_samples"]:
+                print(f"{kind} ({r['phase']}, {r['replicas']} replicas, {r['concurrency']} clients): {sample}")
     (out / "results.json").write_text(json.dumps({"machine": machine, "title": title, "rows": rows, "kill": kill,
                                                   "args": vars(args)}, indent=2))
     plot(rows, out / "serve_load.png", title)
