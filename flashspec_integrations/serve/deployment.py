@@ -65,10 +65,15 @@ def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+# The engine's argument names (its ValueErrors start with them) -> the request's field names.
+_ENGINE_ARGUMENTS = {"max_new_tokens": "max_tokens", "prompt": "messages", "json_schema": "response_format",
+                     "stop": "stop", "sampling": None}
+
+
 def _engine_error(exc: Exception) -> APIError:
     """An engine exception as an API error: its ValueErrors name the argument, so they are 400s."""
     if isinstance(exc, ValueError):
-        return APIError(400, str(exc), str(exc).split(":", 1)[0] if ":" in str(exc) else None)
+        return APIError(400, str(exc), _ENGINE_ARGUMENTS.get(str(exc).split(":", 1)[0]))
     return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server_error")
 
 

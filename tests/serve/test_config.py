@@ -25,3 +25,10 @@ def test_the_example_config_validates_and_builds():
 def test_unknown_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="max_batch"):
         build_app({"max_batch": 4})
+
+
+def test_the_cli_refuses_bad_arguments_before_starting_ray(capsys):
+    from flashspec_core.cli import main
+
+    assert main(["serve", "--replicas", "0"]) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err
