@@ -62,6 +62,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flashspec_integrations.serve.command import cmd_serve as run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashspec-agents", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     distill = sub.add_parser("distill", help="train a draft for a target by self-distillation (see docs/distill.md)")
     add_distill_arguments(distill)
     distill.set_defaults(func=cmd_distill)
+
+    from flashspec_integrations.serve.command import add_arguments as add_serve_arguments  # no Ray import
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible endpoint on Ray Serve (needs the 'serve' extra)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

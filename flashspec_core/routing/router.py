@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.routing.bandits import UCB1, ThompsonSampling, Bandit
 from flashspec_core.routing.copy_scoring import CopyScorer
-from flashspec_core.routing.store import ArmDelta, RouterStore
+from flashspec_core.routing.store import ArmDelta, DomainStats, RouterStore
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 
 # Evidence half-life of ~140 steps within a domain: on the switching simulation (benchmarks/
@@ -250,24 +250,53 @@ class BanditRouter:
         return min(self.stored_weight, memory)
 
     def _load(self, store: RouterStore) -> None:
-        names = {str(a): i for i, a in enumerate(self.arms)}
         for domain, stats in store.load().items():
             state = self._domains[domain] = _Domain(
                 self._new_bandit(domain), [_Tally() for _ in self.arms], stats.steps, stats.scale,
                 calibrated=self._calibrated,
             )
-            n, s, q = [0.0] * len(self.arms), [0.0] * len(self.arms), [0.0] * len(self.arms)
-            for arm_name, d in stats.arms.items():
-                i = names.get(arm_name)
-                if i is None or d.reward_n <= 0:
-                    continue  # an arm this router was not configured with
-                shrink = min(1.0, self._cap() / d.reward_n)
-                n[i], s[i], q[i] = d.reward_n * shrink, d.reward_sum * shrink, d.reward_sumsq * shrink
-                timed = min(float(d.pulls), self._cap())  # the step-time mean, shrunk alike
-                cost_sum = d.seconds_sum * timed / d.pulls if d.pulls else 0.0
-                state.tallies[i] = _Tally(d.pulls, d.scored, d.goodput_sum, d.seconds_sum, timed, cost_sum)
-            state.bandit.add_prior(n, s, q)
+            self._add_evidence(state, stats, self._cap())
             state.bandit.steps = min(max(state.bandit.steps, float(stats.steps)), self._cap())
+
+    def _add_evidence(self, state: _Domain, stats: DomainStats, cap: float) -> None:
+        """Add stored counters to a domain's bandit and tallies, each arm's shrunk to at most `cap`
+        steps (rewards and step times alike); arms this router was not configured with are skipped."""
+        names = {str(a): i for i, a in enumerate(self.arms)}
+        k = len(self.arms)
+        n, s, q = [0.0] * k, [0.0] * k, [0.0] * k
+        for arm_name, d in stats.arms.items():
+            i = names.get(arm_name)
+            if i is None or d.reward_n <= 0:
+                continue
+            shrink = min(1.0, cap / d.reward_n)
+            n[i], s[i], q[i] = d.reward_n * shrink, d.reward_sum * shrink, d.reward_sumsq * shrink
+            timed = min(float(d.pulls), cap)  # the step-time mean, shrunk alike
+            t = state.tallies[i]
+            t.pulls += d.pulls
+            t.scored += d.scored
+            t.goodput_sum += d.goodput_sum
+            t.seconds_sum += d.seconds_sum
+            t.cost_n += timed
+            t.cost_sum += d.seconds_sum * timed / d.pulls if d.pulls else 0.0
+        state.bandit.add_prior(n, s, q)
+
+    def absorb(self, increments: Mapping[str, DomainStats]) -> None:
+        """Learn from steps other processes took: `increments` are what they added to a shared
+        store since this router last looked (see `flashspec_integrations.serve.stats`).
+
+        Unlike the store read at start-up, which may be old and is capped at `stored_weight`,
+        these are steps of the same service running now, so they count in full, as if this
+        router had taken them: every replica learns from every other one's steps.
+        """
+        with self._lock:
+            for domain, stats in increments.items():
+                if not isinstance(stats, DomainStats):
+                    raise ValueError(f"increments[{domain!r}] must be a DomainStats, got {type(stats).__name__}")
+                state = self._domain(domain)
+                self._add_evidence(state, stats, float("inf"))
+                state.steps += stats.steps
+                if state.verify_seconds(1) is None and stats.scale:
+                    state.stored_scale = stats.scale
 
     def _domain(self, domain: str) -> _Domain:
         state = self._domains.get(domain)

@@ -1,0 +1,313 @@
+"""Load on the OpenAI-compatible endpoint: 1 and 2 replicas, concurrency 1..32, and a replica killed mid-run.
+
+Starts Ray on this machine, deploys `flashspec-agents serve` with each replica count in turn, and
+drives it from a bounded async client (127.0.0.1 only: a fixed number of requests per level, each
+with a timeout, so the run always ends) with the dev workload's prompts. Per level: requests/s,
+output tokens/s, p50/p99 latency and errors. Then, with two replicas under load, one replica's
+process is killed (SIGKILL): requests in flight must fail with a clear error or be retried, none
+may hang, Ray must restart the replica, and the router ledger must keep every step it had.
+
+    python benchmarks/serve_load.py --out bench_out/serve                 # CPU, this machine
+    python benchmarks/serve_load.py --device cuda --out bench_out/serve   # one GPU per replica
+
+Writes results.json and serve_load.png under --out and prints the table (CPU model, threads).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import sqlite3
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from flashspec_core.workload import dev_workload  # the dev workload: its one import here
+
+MODEL = "SmolLM2-135M-Instruct"
+HOST = "127.0.0.1"
+
+
+@dataclass
+class Level:
+    replicas: int
+    concurrency: int
+    requests: int
+    seconds: float
+    tokens: int
+    latencies: list[float] = field(default_factory=list, repr=False)
+    errors: list[str] = field(default_factory=list)
+    retried: list[str] = field(default_factory=list)  # first attempts that failed, then were retried
+    pids: dict[int, int] = field(default_factory=dict)  # replica pid -> requests it answered
+    infos: list[dict] = field(default_factory=list, repr=False)
+
+    def row(self) -> dict:
+        lat = sorted(self.latencies)
+        pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")  # noqa: E731
+        ok = len(self.latencies)
+        return {"replicas": self.replicas, "concurrency": self.concurrency, "requests": self.requests,
+                "ok": ok, "errors": len(self.errors), "retried": len(self.retried), "req_per_s": ok / self.seconds,
+                "tok_per_s": self.tokens / self.seconds, "p50_s": pct(0.5), "p99_s": pct(0.99),
+                "mean_batch_rows": statistics.mean(i["batch_rows"] for i in self.infos) if self.infos else 0.0}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def openai_messages(messages: list[dict]) -> list[dict]:
+    """The workload's chat messages as an OpenAI client sends them: an assistant turn that is a
+    JSON call becomes `tool_calls`, and the tool result after it names that call's id."""
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        call = None
+        if m["role"] == "assistant":
+            try:
+                call = json.loads(m["content"])
+            except json.JSONDecodeError:
+                pass
+        if isinstance(call, dict) and "name" in call:
+            out.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": f"call_{i}", "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}}]})
+        elif m["role"] == "tool":
+            out.append({"role": "tool", "tool_call_id": out[-1]["tool_calls"][0]["id"], "content": m["content"]})
+        else:
+            out.append(m)
+    return out
+
+
+def bodies(n: int, max_new_tokens: int | None, seed: int) -> list[dict]:
+    """`n` request bodies from the dev workload (greedy, as agent steps usually are)."""
+    steps = dev_workload(n_steps=n, seed=seed, max_new_tokens=max_new_tokens)
+    return [{"model": MODEL, "messages": openai_messages(s.messages), "max_tokens": s.max_new_tokens,
+             "temperature": 0} for s in steps]
+
+
+async def attempt(client: httpx.AsyncClient, url: str, body: dict, timeout: float) -> dict | str:
+    """One request: the response body, or what went wrong (no answer within `timeout` included)."""
+    try:
+        res = await asyncio.wait_for(client.post(url, json=body), timeout)
+    except asyncio.TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if res.status_code != 200:
+        return f"HTTP {res.status_code}: {res.text[:200]}"
+    return res.json()
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict, level: Level, timeout: float, retries: int) -> None:
+    """A request retried on failure up to `retries` times, as the `openai` client (and so
+    ChatOpenAI and OpenAILike) does by default; first failures are counted apart."""
+    start = time.perf_counter()
+    for left in range(retries, -1, -1):
+        data = await attempt(client, url, body, timeout)
+        if isinstance(data, dict):
+            break
+        (level.retried if left else level.errors).append(data)
+    else:
+        return
+    level.latencies.append(time.perf_counter() - start)
+    level.tokens += data["usage"]["completion_tokens"]
+    info = data["flashspec"]
+    level.infos.append(info)
+    level.pids[info["pid"]] = level.pids.get(info["pid"], 0) + 1
+
+
+async def run_level(base: str, work: list[dict], replicas: int, concurrency: int, timeout: float,
+                    retries: int = 0, on_progress=None) -> Level:
+    """`len(work)` requests, at most `concurrency` in flight; each bounded by `timeout`."""
+    level = Level(replicas, concurrency, len(work), 0.0, 0)
+    queue: asyncio.Queue = asyncio.Queue()
+    for body in work:
+        queue.put_nowait(body)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        async def worker() -> None:
+            while not queue.empty():
+                await one(client, base + "/chat/completions", queue.get_nowait(), level, timeout, retries)
+                if on_progress is not None:
+                    on_progress(level)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        level.seconds = time.perf_counter() - start
+    return level
+
+
+def ledger_steps(path: Path) -> int:
+    with sqlite3.connect(path) as db:
+        return int(db.execute("SELECT COALESCE(SUM(steps), 0) FROM domain_stats").fetchone()[0])
+
+
+async def kill_run(base: str, work: list[dict], concurrency: int, timeout: float, retries: int, ledger: Path) -> dict:
+    """Two replicas under load; one is SIGKILLed once a third of the requests are answered."""
+    killed: dict = {}
+
+    def maybe_kill(level: Level) -> None:
+        if killed or len(level.latencies) < len(work) // 3:
+            return
+        victim = max(level.pids, key=level.pids.get)
+        known.update(level.pids)
+        killed.update(pid=victim, after=len(level.latencies), ledger_steps_before=ledger_steps(ledger))
+        os.kill(victim, signal.SIGKILL)
+
+    known: set[int] = set()
+    level = await run_level(base, work, 2, concurrency, timeout, retries, maybe_kill)
+    # Ray restarts the replica; wait for it (bounded) and read what its router started from.
+    restarted = next((i for i in level.infos if i["pid"] not in known), None) if killed else None
+    deadline = time.monotonic() + 240
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        while killed and restarted is None and time.monotonic() < deadline:
+            probe = Level(2, 1, 1, 0.0, 0)
+            await one(client, base + "/chat/completions", work[0], probe, timeout, 0)
+            restarted = next((i for i in probe.infos if i["pid"] not in known), None)
+            await asyncio.sleep(1.0)
+    return {"level": level, "killed": killed, "restarted_pid": restarted and restarted["pid"],
+            "restarted_warm_steps": restarted and restarted["warm_steps"], "ledger_steps_after": ledger_steps(ledger)}
+
+
+def deploy(replicas: int, port: int, device: str | None, ledger: Path, max_batch_size: int, gpus: float) -> str:
+    from ray import serve
+
+    from flashspec_integrations.serve.command import APP_NAME, start
+
+    if APP_NAME in serve.status().applications:
+        serve.delete(APP_NAME)
+    return start(replicas, port, HOST, device=device, gpus_per_replica=gpus, router_store=str(ledger),
+                 max_batch_size=max_batch_size)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, replicas in enumerate(sorted({r["replicas"] for r in rows if r.get("phase") == "steady"})):
+        pts = [r for r in rows if r["replicas"] == replicas and r.get("phase") == "steady"]
+        xs, colour = [r["concurrency"] for r in pts], f"C{i}"
+        ax1.plot(xs, [r["tok_per_s"] for r in pts], marker="o", color=colour, label=f"{replicas} replica(s)")
+        ax2.plot(xs, [r["p50_s"] for r in pts], marker="o", color=colour, label=f"{replicas} replica(s) p50")
+        ax2.plot(xs, [r["p99_s"] for r in pts], marker="x", color=colour, linestyle="--", label=f"{replicas} replica(s) p99")
+    for ax, label in ((ax1, "output tokens/s"), (ax2, "latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title.replace("; ", "\n", 1), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| phase | replicas | clients | requests | ok | errors | retried | req/s | tok/s | p50 s | p99 s "
+            "| mean batch |")
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        lines.append(f"| {r['phase']} | {r['replicas']} | {r['concurrency']} | {r['requests']} | {r['ok']} | "
+                     f"{r['errors']} | {r['retried']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | "
+                     f"{r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['mean_batch_rows']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for one GPU per replica")
+    parser.add_argument("--replicas", default="1,2")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32")
+    parser.add_argument("--requests", type=int, default=8, help="requests per level (at least the concurrency)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="every step's budget (the dev workload's own when 0)")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed requests after each deployment")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    parser.add_argument("--retries", type=int, default=1, help="retries of a failed request (openai's default is 2)")
+    parser.add_argument("--phases", default="steady,kill", help="steady (every replica count), kill, or both")
+    parser.add_argument("--kill-concurrency", type=int, default=8)
+    parser.add_argument("--kill-requests", type=int, default=48)
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--gpus-per-replica", type=float, default=1.0, help="with --device cuda: 0.5 puts 2 replicas on one GPU")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--out", default="bench_out/serve")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ledger = Path(tempfile.mkdtemp(prefix="serve-load-")) / "router.sqlite3"
+    device = None if args.device == "cpu" else args.device
+    budget = args.max_new_tokens or None
+    levels = [int(c) for c in args.concurrency.split(",")]
+    phases = set(args.phases.split(","))
+    replica_counts = [int(r) for r in args.replicas.split(",")] if "steady" in phases else []
+    per_config = args.warmup + sum(max(args.requests, c) for c in levels)
+    work = bodies(len(replica_counts) * per_config + args.kill_requests, budget, seed=1)
+
+    import ray
+    import torch
+
+    rows, cursor = [], 0
+    load_before = os.getloadavg()[0]  # a shared machine's other work shows here
+
+    def take(n: int) -> list[dict]:
+        nonlocal cursor
+        if cursor + n > len(work):
+            raise AssertionError(f"the workload holds {len(work)} requests; {cursor + n} asked for")
+        cursor += n
+        return work[cursor - n:cursor]
+
+    try:
+        for replicas in replica_counts:
+            base = deploy(replicas, args.port, "cpu" if device is None else device, ledger, args.max_batch_size,
+                          args.gpus_per_replica)
+            asyncio.run(run_level(base, take(args.warmup), replicas, min(4, args.warmup), args.timeout, args.retries))
+            for c in levels:
+                level = asyncio.run(run_level(base, take(max(args.requests, c)), replicas, c, args.timeout, args.retries))
+                rows.append({"phase": "steady", **level.row(), "error_samples": level.errors[:3],
+                             "retried_samples": level.retried[:3]})
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+        kill: dict = {}
+        if "kill" in phases:
+            base = deploy(2, args.port, "cpu" if device is None else device, ledger, args.max_batch_size,
+                          args.gpus_per_replica)
+            kill = asyncio.run(kill_run(base, take(args.kill_requests), args.kill_concurrency, args.timeout,
+                                        args.retries, ledger))
+            level = kill.pop("level")
+            rows.append({"phase": "kill 1 of 2", **level.row(), "error_samples": level.errors[:5],
+                         "retried_samples": level.retried[:5]})
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    machine = (f"{cpu_model()}, {os.cpu_count()} CPU threads (torch threads per replica: cores / replicas)"
+               if device is None else f"{args.device}, host {cpu_model()}")
+    title = (f"serve_load: {machine}; max_new_tokens {budget or 'workload'}; {time.strftime('%Y-%m-%d')}; "
+             f"torch {torch.__version__}; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(f"\n{title}\n\n{table(rows)}\n")
+    print("kill run:", json.dumps(kill))
+    for r in rows:
+        for kind in ("error", "retried"):
+            for sample in r[f"{kind}_samples"]:
+                print(f"{kind} ({r['phase']}, {r['replicas']} replicas, {r['concurrency']} clients): {sample}")
+    (out / "results.json").write_text(json.dumps({"machine": machine, "title": title, "rows": rows, "kill": kill,
+                                                  "args": vars(args)}, indent=2))
+    plot(rows, out / "serve_load.png", title)
+    print(f"wrote {out / 'results.json'} and {out / 'serve_load.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Router statistics shared by every replica: one SQLite ledger, merged into each router live.
+
+Each replica routes with its own `BanditRouter` (selection stays in-process, microseconds per
+step) and writes every update to the router store (`flashspec_core/routing/store.py`), an additive
+ledger that many processes write at once without losing counts and that survives a killed
+writer. Before a call, at most every `interval` seconds, a replica reads the ledger and absorbs
+what the others added since it last looked (`BanditRouter.absorb`): the ledger's totals minus
+what it had already seen minus its own writes. A new or restarted replica loads the ledger when
+its router is built, so it starts warm.
+
+Why the SQLite store and not a Ray actor: it already exists, is tested against concurrent writers
+and kill -9, keeps its state when every replica (or the whole cluster) restarts, and has no single
+process whose death loses statistics. Its limit: the replicas must share a local disk (SQLite's
+WAL does not work over network file systems), so on a multi-host cluster each host's replicas
+share one ledger and hosts learn separately (see docs/serve.md).
+"""
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+import warnings
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from flashspec_core.routing.router import BanditRouter
+from flashspec_core.routing.store import ArmDelta, DomainStats, RouterStore
+
+Ledger = dict[str, DomainStats]
+
+
+def _add(into: Ledger, domain: str, arms: Mapping[str, ArmDelta], steps: int, scale: float | None) -> None:
+    stats = into.setdefault(domain, DomainStats())
+    stats.steps += steps
+    stats.scale = scale if scale is not None else stats.scale
+    for arm, delta in arms.items():
+        have = stats.arms.setdefault(arm, ArmDelta())
+        for f in fields(ArmDelta):
+            setattr(have, f.name, getattr(have, f.name) + getattr(delta, f.name))
+
+
+def _minus(a: Ledger, b: Ledger) -> Ledger:
+    """a - b per domain and arm (what b lacks), clamped at 0 against float round-off."""
+    out: Ledger = {}
+    for domain, stats in a.items():
+        base = b.get(domain, DomainStats())
+        arms = {}
+        for arm, d in stats.arms.items():
+            other = base.arms.get(arm, ArmDelta())
+            diff = ArmDelta(**{f.name: max(0, getattr(d, f.name) - getattr(other, f.name)) for f in fields(ArmDelta)})
+            if diff.pulls or diff.scored or diff.reward_n:
+                arms[arm] = diff
+        steps = max(0, stats.steps - base.steps)
+        if steps or arms:
+            out[domain] = DomainStats(steps=steps, scale=stats.scale, arms=arms)
+    return out
+
+
+class TrackingStore(RouterStore):
+    """A `RouterStore` that also remembers what this process wrote since `snapshot` last ran, so
+    a reader can tell its own steps from the other replicas'."""
+
+    def __init__(self, path: str | Path | None = None, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self._own: Ledger = {}
+        self._own_lock = threading.Lock()
+
+    def record(self, domain: str, arms: Mapping[str, ArmDelta], *, steps: int = 1, scale: float | None = None) -> None:
+        with self._own_lock:
+            super().record(domain, arms, steps=steps, scale=scale)
+            _add(self._own, domain, arms, steps, scale)
+
+    def snapshot(self) -> tuple[Ledger, Ledger]:
+        """(the ledger's totals, this process's writes since the last snapshot), read together so
+        that no write of ours falls between them."""
+        with self._own_lock:
+            totals = self.load()
+            own, self._own = self._own, {}
+        return totals, own
+
+
+class SharedRouterStats:
+    """Keeps one replica's router merged with the ledger every replica writes."""
+
+    def __init__(self, router: BanditRouter, store: TrackingStore, interval: float = 2.0):
+        if interval < 0:
+            raise ValueError(f"interval must be >= 0 seconds; got {interval!r}")
+        self.router, self.store, self.interval = router, store, interval
+        self._lock = threading.Lock()
+        self._seen, _ = store.snapshot()
+        self.warm_steps = sum(s.steps for s in self._seen.values())  # what the router started from
+        self.peer_steps = 0  # steps absorbed from other replicas since
+        self._last = time.monotonic()
+        self._failed = False
+        if not store.persistent:
+            warnings.warn("the router store is in memory (see the warning before), so this replica "
+                          "shares no statistics with the others", RuntimeWarning, stacklevel=2)
+
+    def sync(self, force: bool = False) -> int:
+        """Absorb the other replicas' new steps if `interval` has passed; the number absorbed."""
+        with self._lock:
+            if self._failed or not (force or time.monotonic() - self._last >= self.interval):
+                return 0
+            self._last = time.monotonic()
+            try:
+                totals, own = self.store.snapshot()
+            except sqlite3.Error as exc:  # sharing must never stop generation
+                self._failed = True
+                warnings.warn(f"router store read failed ({exc}); this replica stops merging the "
+                              "others' statistics", RuntimeWarning, stacklevel=2)
+                return 0
+            peers = _minus(_minus(totals, self._seen), own)
+            self._seen = totals
+            self.router.absorb(peers)
+            steps = sum(s.steps for s in peers.values())
+            self.peer_steps += steps
+            return steps
+
+    def info(self) -> dict[str, int]:
+        return {"warm_steps": self.warm_steps, "peer_steps": self.peer_steps}
+
+
+def share_router(engine: Any, path: str | Path | None, interval: float = 2.0, algorithm: str = "thompson") -> SharedRouterStats:
+    """Give `engine` a bandit router over its arms that writes to and merges from the ledger at
+    `path` (None: the default store beside the converted weights)."""
+    free = {name: d for name, d in engine.drafts.items() if d.deterministic}
+    store = TrackingStore(path)
+    engine.router = BanditRouter(engine.arms, algorithm=algorithm, free_drafts=free, store=store)
+    return SharedRouterStats(engine.router, store, interval)

@@ -1,0 +1,220 @@
+"""A chat-completions request -> one engine call; the engine's output -> the reply.
+
+The server decides each call the way the in-process LangChain adapter does, with the same code,
+so a chain gets the same prompt, domain and tool handling whether its model runs in-process or
+behind this endpoint:
+
+- messages go through the target's chat template, tools through the Hermes tool prompt when the
+  template has no tool support (`render_chat`);
+- the router domain comes from `flashspec_integrations.context.decide_domain`: the `domain` field,
+  then `metadata["flashspec_domain"]`, then tools / a tool result / a schema / the prompt;
+- a forced tool call (`tool_choice` "required" or a named function) and a `response_format` schema
+  are decoded under a JSON schema by the engine (`json_schema=`), exactly the target's
+  distribution conditioned on the grammar; the schema is compiled here first, so one that does
+  not compile is a 400 before any decoding;
+- tool calls are parsed back from the output, in full or as stream deltas (`parse_tool_calls`,
+  `ToolCallStreamer`).
+
+The adapter helpers are imported here and nowhere else in this package.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from langchain_core.messages import convert_to_messages
+
+from flashspec_core.constrained import compile_json_schema, tool_call_schema
+from flashspec_core.models import vocab_size
+from flashspec_core.results import GenerationStats
+from flashspec_core.routing.domains import resolve_domain
+from flashspec_core.sampling import SamplingParams
+from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
+from flashspec_integrations.langchain_messages import content_text, json_instruction, message_roles, render_chat
+from flashspec_integrations.langchain_tools import ToolCallStreamer, ToolChoice, normalize_tool_choice, parse_tool_calls
+from flashspec_integrations.serve.protocol import APIError, ChatCompletionRequest
+
+# OpenAI's defaults where a request leaves a sampling field out.
+OPENAI_TEMPERATURE, OPENAI_TOP_P = 1.0, 1.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One request as the engine takes it. prompt_ids: the rendered prompt's token ids."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    domain: str
+    decision: DomainDecision
+    json_schema: dict | None
+    tool_names: tuple[str, ...]
+    parse_tools: bool
+
+    def batch_key(self) -> tuple | None:
+        """Requests with equal keys can share one engine batch (it takes one setting of each);
+        None for a seeded request, which runs alone so that its seed reproduces its output."""
+        if self.sampling.seed is not None:
+            return None
+        schema = None if self.json_schema is None else json.dumps(self.json_schema, sort_keys=True)
+        return self.domain, self.sampling, self.stop, self.max_new_tokens, schema
+
+
+def _messages(req: ChatCompletionRequest) -> list:
+    dicts = []
+    for m in req.messages:
+        d = m.model_dump(exclude_none=True)
+        d.setdefault("content", "")
+        dicts.append(d)
+    try:
+        return convert_to_messages(dicts)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise APIError(400, f"messages: {exc}", "messages") from None
+
+
+def _output_schema(req: ChatCompletionRequest, tools: list[dict], choice: ToolChoice) -> tuple[dict | None, str | None]:
+    """The schema the whole reply must match and the field it came from, or (None, None)."""
+    if choice.forced:
+        try:
+            return tool_call_schema(tools, choice.name or "required"), "tools"
+        except ValueError as exc:
+            raise APIError(400, str(exc), "tools") from None
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None, None
+    if fmt.type == "json_object":
+        return {"type": "object"}, "response_format"
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format.json_schema.schema: required for type 'json_schema'",
+                       "response_format.json_schema.schema")
+    return fmt.json_schema.schema_, "response_format"
+
+
+def _compile_check(engine: Any, schema: dict, field: str) -> None:
+    """Compile now (xgrammar caches it for the engine), so a bad schema is the caller's 400."""
+    try:
+        compile_json_schema(schema, engine.tokenizer, vocab_size(engine.target_model), sorted(engine.eos_ids))
+    except ValueError as exc:
+        raise APIError(400, f"{field}: {exc}", field) from None
+
+
+def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int) -> Plan:
+    """The engine call for `req`; APIError(400) naming the field for anything it cannot serve."""
+    messages = _messages(req)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    if req.tool_choice is not None and not tools:
+        raise APIError(400, "tool_choice: only allowed when tools are given", "tool_choice")
+    try:
+        choice = normalize_tool_choice(
+            req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
+            else req.tool_choice.model_dump(), tools) if tools else ToolChoice()
+    except ValueError as exc:
+        raise APIError(400, str(exc), "tool_choice") from None
+    shown = [] if choice.none else tools
+    schema, schema_field = _output_schema(req, shown, choice)
+    try:
+        text_of = "\n".join(content_text(m.content, "messages") for m in messages)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages") from None
+    try:
+        decision = decide_domain(StepContext(
+            explicit_domain=req.domain, metadata=req.metadata or {}, tools_bound=bool(shown),
+            tool_choice_forced=choice.forced, structured_output=req.response_format is not None
+            and req.response_format.type != "text", roles=message_roles(messages), prompt_text=text_of,
+        ))
+    except ValueError as exc:
+        raise APIError(400, str(exc), "domain" if req.domain else "metadata") from None
+    extra = json_instruction(schema) if schema_field == "response_format" else ""
+    try:
+        text = render_chat(engine.tokenizer, messages, shown, extra)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages") from None
+    if schema is not None:
+        _compile_check(engine, schema, schema_field)
+    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+    room = engine.context_window - len(ids)
+    if room <= 0:
+        raise APIError(400, f"messages: the prompt has {len(ids)} tokens, more than the model's context "
+                            f"window of {engine.context_window}; shorten it", "messages")
+    max_new = req.max_new_tokens or min(default_max_tokens, room)
+    if max_new > room:
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        raise APIError(400, f"{field}: the prompt has {len(ids)} tokens, so at most {room} new tokens fit "
+                            f"the context window of {engine.context_window}", field)
+    sampling = SamplingParams(
+        temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
+        top_p=OPENAI_TOP_P if req.top_p is None else req.top_p, seed=req.seed)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    domain = resolve_domain(decision.domain, decision.hint, text)
+    names = tuple(t["function"]["name"] for t in shown)
+    return Plan(ids, max_new, sampling, stop, domain, decision, schema, names, bool(shown))
+
+
+# ---------------------------------------------------------------------------------- replies
+
+
+def _openai_calls(calls: list[dict]) -> list[dict]:
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["args"], ensure_ascii=False)}}
+            for c in calls]
+
+
+def reply_message(plan: Plan, text: str, finish_reason: str) -> tuple[dict, str, list[dict]]:
+    """(the assistant message, finish_reason, invalid tool calls) for a finished call.
+
+    A tool call the model wrote badly (or that ran out of tokens) is not passed off as a call: it
+    is reported with the parser's reason in the `flashspec` field.
+    """
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if not plan.parse_tools:
+        return message, finish_reason, []
+    content, calls, invalid = parse_tool_calls(text, list(plan.tool_names), finish_reason != "length")
+    # No valid call: the whole text stays the content, so nothing the model wrote is hidden.
+    message["content"] = (content or None) if calls else text if invalid else content
+    if calls:
+        message["tool_calls"] = _openai_calls(calls)
+        finish_reason = "tool_calls"
+    return message, finish_reason, [{"name": c.get("name"), "error": c.get("error")} for c in invalid]
+
+
+class DeltaStream:
+    """Streamed text -> OpenAI `delta` objects: content as it comes, each tool call whole once
+    its block closes (arguments are valid JSON only then)."""
+
+    def __init__(self, plan: Plan):
+        self._tools = ToolCallStreamer(list(plan.tool_names)) if plan.parse_tools else None
+        self.called = False
+
+    def _delta(self, content: str, call: dict | None) -> dict:
+        if call is None:
+            return {"content": content}
+        self.called = True
+        return {"tool_calls": [{"index": call["index"], "id": call["id"], "type": "function",
+                                "function": {"name": call["name"], "arguments": call["args"]}}]}
+
+    def feed(self, text: str, finish_reason: str | None) -> Iterator[dict]:
+        if self._tools is None:
+            if text:
+                yield {"content": text}
+            return
+        pieces = list(self._tools.feed(text))
+        if finish_reason is not None:
+            pieces += list(self._tools.finish(finish_reason != "length"))
+        for content, call in pieces:
+            if content or call:
+                yield self._delta(content, call)
+
+    def finish_reason(self, engine_reason: str) -> str:
+        return "tool_calls" if self.called else engine_reason
+
+
+def call_info(plan: Plan, stats: GenerationStats | None, rows: int) -> dict[str, Any]:
+    """The `flashspec` response field: the call's domain and why, the arms its steps used, the
+    acceptance, and how many requests shared its engine batch."""
+    info = stats.as_dict() if stats is not None else {"domain": plan.domain}
+    info["arms"] = dict(Counter(info.get("arms", ())))
+    info.update(domain_source=plan.decision.source, agent_node=plan.decision.node, batch_rows=rows)
+    return info

@@ -1,0 +1,34 @@
+"""The documented multi-host config file is a valid Ray Serve config that builds this application."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+schema = pytest.importorskip("ray.serve.schema", reason="needs the 'serve' extra")
+
+from flashspec_integrations.serve.deployment import DEPLOYMENT_NAME, ServeSettings, build_app  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[2] / "examples" / "serve_config.yaml"
+
+
+def test_the_example_config_validates_and_builds():
+    config = schema.ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
+    (app,) = config.applications
+    assert app.import_path == "flashspec_integrations.serve.deployment:build_app"
+    assert [d.name for d in app.deployments] == [DEPLOYMENT_NAME]
+    ServeSettings.model_validate(app.args)  # every arg is a setting the replicas take
+    assert build_app(app.args) is not None
+
+
+def test_unknown_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match="max_batch"):
+        build_app({"max_batch": 4})
+
+
+def test_the_cli_refuses_bad_arguments_before_starting_ray(capsys):
+    from flashspec_core.cli import main
+
+    assert main(["serve", "--replicas", "0"]) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,117 @@
+"""Requests -> engine calls and outputs -> replies, on the default model's tokenizer (no Ray).
+
+The server must decide a call as the in-process adapters do: same domain rules, same Hermes tool
+prompt, a forced call decoded under the call's schema, and tool calls parsed back without inventing
+any.
+"""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from flashspec_core.constrained import tool_call_schema
+from flashspec_integrations.serve.protocol import APIError, parse_request
+from flashspec_integrations.serve.translate import DeltaStream, plan_call, reply_message
+
+pytestmark = pytest.mark.slow
+
+MODEL = "m"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def engine(default_target):
+    """What `plan_call` reads from an engine, over the default tokenizer (no decoding here)."""
+    eos = default_target.model.generation_config.eos_token_id
+    return SimpleNamespace(tokenizer=default_target.tokenizer, target_model=default_target.model,
+                           eos_ids=frozenset([eos] if isinstance(eos, int) else eos), context_window=8192)
+
+
+def plan(engine, **body):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "What's the weather in Paris?"}], **body}
+    return plan_call(engine, parse_request(json.dumps(body).encode()), default_max_tokens=64)
+
+
+def prompt(engine, p) -> str:
+    return engine.tokenizer.decode(p.prompt_ids)
+
+
+def test_domains_follow_the_adapters_rules(engine):
+    assert plan(engine, tools=[WEATHER]).decision.hint == "tool"
+    forced = plan(engine, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert (forced.domain, forced.decision.source) == ("json", "forced_tool")
+    assert forced.json_schema == tool_call_schema([WEATHER], "get_weather")
+    result = plan(engine, tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 C"}])
+    assert result.domain == "tool/result"
+    assert plan(engine, domain="Code").domain == "code"
+    assert plan(engine, metadata={"flashspec_domain": "rag"}).decision.source == "metadata"
+    assert plan(engine, tools=[WEATHER], tool_choice="none").parse_tools is False
+
+
+def test_the_hermes_tool_prompt_and_history_reach_the_model(engine):
+    p = plan(engine, tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 C"}])
+    text = prompt(engine, p)
+    assert "<tools>" in text and '"get_weather"' in text  # the tool listing and the call format
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\nSunny, 21 C\n</tool_response>" in text
+
+
+def test_response_format_and_sampling_defaults(engine):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    p = plan(engine, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+             stop=["\n\n"], seed=3)
+    assert p.json_schema == schema and p.domain == "json" and json.dumps(schema) in prompt(engine, p)
+    assert p.stop == ("\n\n",) and p.sampling.seed == 3 and p.sampling.temperature == 1.0  # OpenAI's default
+    assert p.batch_key() is None  # seeded: runs alone
+    assert plan(engine, response_format={"type": "json_object"}).json_schema == {"type": "object"}
+    assert plan(engine).max_new_tokens == 64 and plan(engine, max_completion_tokens=5).max_new_tokens == 5
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/defs/x"}}}}, "response_format"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"max_tokens": 9000}, "max_tokens"),
+    ({"domain": " "}, "domain"),
+])
+def test_what_cannot_be_served_is_a_400_naming_the_field(engine, body, param):
+    with pytest.raises(APIError) as err:
+        plan(engine, **body)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_replies_parse_tool_calls_and_never_invent_one(engine):
+    p = plan(engine, tools=[WEATHER])
+    message, finish, invalid = reply_message(p, 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', "stop")
+    call = message["tool_calls"][0]
+    assert finish == "tool_calls" and message["content"] == "Sure." and not invalid
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'} and call["id"].startswith("call_")
+    cut = '{"name": "get_weather", "arguments": {"city": "Os'
+    message, finish, invalid = reply_message(p, cut, "length")
+    assert "tool_calls" not in message and message["content"] == cut and finish == "length"
+    assert invalid and "incomplete" in invalid[0]["error"]
+    message, _, _ = reply_message(plan(engine), "plain text", "stop")
+    assert message == {"role": "assistant", "content": "plain text"}
+
+
+def test_stream_deltas_hold_a_call_until_it_closes(engine):
+    stream = DeltaStream(plan(engine, tools=[WEATHER]))
+    pieces = ["Let me check. <tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}\n</tool_call>']
+    deltas = [d for i, piece in enumerate(pieces) for d in stream.feed(piece, "stop" if i == 2 else None)]
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check. "
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert stream.finish_reason("stop") == "tool_calls"
