@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from flashspec_core.workload import dev_workload  # the dev workload: its one import here
+from flashspec_workloads.dev import dev_workload  # the dev workload: its one import here
 
 MODEL = "SmolLM2-135M-Instruct"
 HOST = "127.0.0.1"
