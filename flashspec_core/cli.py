@@ -56,6 +56,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Time the target's forward per width and kernel on this machine again, cache and print it."""
+    from flashspec_core.backends.calibration import calibrate, machine_line, model_id
+    from flashspec_core.engine import DEFAULT_GAMMAS, SpecEngine
+    from flashspec_core.models import vocab_size
+    from flashspec_core.pool import load_target
+
+    target = load_target(args.model)
+    engine = SpecEngine(target, [], router="fixed", backend=args.backend, calibrate=False)
+    runner = engine._target_runner
+    if not hasattr(runner, "kernels") or runner.device.type != "cpu":
+        raise ValueError("calibrate times CPU targets; this one runs on "
+                         f"{runner.device} (its costs are learned by the router as it runs)")
+    widths = [1] + [g + 1 for g in DEFAULT_GAMMAS]
+    cal = calibrate(runner, model_id(target.model), engine.backend, widths, vocab_size(target.model), force=True,
+                    context=min(256, engine.context_window // 2))
+    print(f"{machine_line()}; backend {engine.backend}")
+    print(cal.table())
+    return 0
+
+
 def cmd_distill(args: argparse.Namespace) -> int:
     from flashspec_core.distill.command import cmd_distill as run
 
@@ -91,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--domain", help="force the step's domain (chat, code, tool, rag, json, ...)")
     gen.add_argument("--stats", action="store_true", help="print speculation stats to stderr")
     gen.set_defaults(func=cmd_generate)
+
+    cal = sub.add_parser("calibrate", help="time the target's forward per width on this machine and keep the "
+                                           "fastest kernels (done once automatically; this re-runs it)")
+    cal.add_argument("--model", help="target: a .gguf file, a local folder or a cached HF id (default: embedded)")
+    cal.add_argument("--backend", default="auto", help="hf, llama.cpp or auto (the engine's choice)")
+    cal.set_defaults(func=cmd_calibrate)
 
     from flashspec_core.distill.options import add_arguments as add_distill_arguments
 

@@ -70,3 +70,10 @@ def test_console_script_is_installed_and_lists_its_commands():
     assert done.returncode == 0 and "generate" in done.stdout and "demo" in done.stdout
     done = subprocess.run([script, "generate", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "--chat-file" in done.stdout
+
+
+@pytest.mark.slow
+def test_calibrate_measures_and_prints_the_table(default_target, capsys):
+    assert main(["calibrate", "--backend", "hf"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: ") and "w=1" in out and "kept" in out
