@@ -7,6 +7,12 @@ output distributed exactly as the target's (Leviathan et al. 2023, Chen et al. 2
 
 A draft token with q = 0 is rejected: it could not have been drawn from q, so accepting it would
 break exactness. Greedy sampling degenerates to exact argmax matching.
+
+Input with no target law is refused with a ValueError, in greedy and sampling mode alike, as the
+Triton kernel refuses it: a NaN or +inf target logit, a row that is all -inf (-inf alone is
+legal: it marks a masked token), a draft token outside [0, V), a NaN or negative q. Without the
+check a NaN row reads as "no token has mass" and the inverse CDF falls back to token V-1, or
+argmax takes the NaN as the maximum: plausible-looking output from no distribution at all.
 """
 from __future__ import annotations
 
@@ -15,6 +21,39 @@ import torch
 from flashspec_core.sampling import SamplingParams, logprobs_from_logits, sample_from_probs
 
 PAD = -1  # fills `tokens` after the recovered or bonus token
+
+
+def _refuse_bad_input(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    logp: torch.Tensor | None = None,
+) -> None:
+    """Raise ValueError naming the argument if the step has no well-defined law (one host sync).
+
+    target_logits: [B, γ+1, V]; draft_tokens: [B, γ] int64; draft_probs: [B, γ, V] or None;
+    logp: [B, γ+1, V] the processed log-probabilities (sampling mode), NaN if logits / T overflowed.
+    """
+    vocab = target_logits.shape[-1]
+    checks = {  # message -> bool tensor; all read back in one sync
+        "target_logits hold NaN or +inf: the target has no distribution there (check the model's "
+        "dtype and inputs; -inf alone is fine, it masks a token)":
+            (torch.isnan(target_logits) | (target_logits == float("inf"))).any(),
+        "target_logits have a row that is all -inf: every token is masked there, so no token can "
+        "be drawn (a grammar or processor forbade everything)":
+            (target_logits == float("-inf")).all(-1).any(),
+        f"draft_tokens: a draft token is outside [0, V) with V = {vocab}; the draft must use the "
+        "target's vocabulary": ((draft_tokens < 0) | (draft_tokens >= vocab)).any(),
+    }
+    if draft_probs is not None:
+        checks["draft_probs hold NaN or a negative value: q must be the distribution each draft "
+               "token was drawn from"] = (torch.isnan(draft_probs) | (draft_probs < 0)).any()
+    if logp is not None:
+        checks["target_logits / temperature overflowed float32 to NaN log-probabilities: the "
+               "logits are too large for this temperature"] = torch.isnan(logp).any()
+    for message, bad in zip(checks, torch.stack(list(checks.values())).tolist()):
+        if bad:
+            raise ValueError(message)
 
 
 def verify_torch(
@@ -28,7 +67,7 @@ def verify_torch(
     """One verification step.
 
     target_logits: [B, γ+1, V] target logits at the positions predicting each draft token and the bonus.
-    draft_tokens:  [B, γ] int64.
+    draft_tokens:  [B, γ] int64 or int32 ids in [0, V).
     draft_probs:   [B, γ, V] the q each draft token was drawn from, or None for one-hot drafts.
     uniforms:      [B, γ+1] in [0, 1): γ acceptance tests, then the recovered or bonus draw.
     Returns n_accepted [B] int64 and tokens [B, γ+1] int64: the accepted draft tokens, then the
@@ -37,8 +76,10 @@ def verify_torch(
     bsz, gamma_plus_1, _ = target_logits.shape
     gamma = gamma_plus_1 - 1
     positions = torch.arange(gamma_plus_1, device=target_logits.device)
+    draft_tokens = draft_tokens.long()  # int32 ids index and scatter like int64 ones
     if sampling.greedy:
-        target_tokens = target_logits.argmax(-1)
+        _refuse_bad_input(target_logits, draft_tokens, None)
+        target_tokens = target_logits.argmax(-1)  # no NaN left to win the argmax
         matches = (draft_tokens == target_tokens[:, :gamma]).long()
         n_accepted = matches.cumprod(-1).sum(-1)
         return n_accepted, target_tokens.masked_fill(positions > n_accepted[:, None], PAD)
@@ -48,6 +89,7 @@ def verify_torch(
             (bsz, gamma_plus_1), generator=generator, device=target_logits.device
         )
     logp = logprobs_from_logits(target_logits, sampling)  # [B, γ+1, V]
+    _refuse_bad_input(target_logits, draft_tokens, draft_probs, logp)
     logp_draft = logp[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, γ]
     if draft_probs is None:
         logq_draft = torch.zeros_like(logp_draft)
