@@ -15,10 +15,10 @@ from __future__ import annotations
 import random
 import zlib
 
-import numpy as np
 import pytest
 import torch
-from helpers import RandomRouter, check_exact, check_rejects, count_outcomes, g_test, next_logits, reference_probs
+from helpers import RandomRouter, check_exact, check_rejects, count_outcomes, g_test, next_logits
+from laws import marginal, prefix_law
 
 from flashspec_core.constrained import Constraint, Grammar, GrammarForcedDraft
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
@@ -78,31 +78,9 @@ def grammar() -> Grammar:
     return Grammar.from_ebnf(EBNF, VOCAB, stop_ids=[EOS])
 
 
-@torch.no_grad()
 def constrained_law(model, sampling: SamplingParams) -> dict[tuple[int, ...], float]:
     """Exact law of the first LENGTH tokens of constrained sampling (cut after EOS)."""
-    law: dict[tuple[int, ...], float] = {}
-    frontier: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
-    for depth in range(LENGTH):
-        if not frontier:
-            break
-        logits = next_logits(model, [PROMPT + list(prefix) for prefix, _ in frontier])
-        for row, (prefix, _) in enumerate(frontier):
-            forbidden = torch.ones(logits.shape[1], dtype=torch.bool)
-            forbidden[allowed_next(decode(prefix))] = False
-            logits[row, forbidden] = float("-inf")
-        probs = reference_probs(logits, sampling)
-        nxt = []
-        for (prefix, p_prefix), row in zip(frontier, probs):
-            for tok in np.flatnonzero(row > 0):
-                key, p = prefix + (int(tok),), p_prefix * float(row[tok])
-                if tok == EOS or depth == LENGTH - 1:
-                    law[key] = law.get(key, 0.0) + p
-                else:
-                    nxt.append((key, p))
-        frontier = nxt
-    assert abs(sum(law.values()) - 1.0) < 1e-9
-    return law
+    return prefix_law(model, PROMPT, sampling, frozenset({EOS}), LENGTH, allowed=lambda out: allowed_next(decode(out)))
 
 
 def _engine(tiny_target, tiny_draft_model, router_seed: int) -> SpecEngine:
@@ -123,12 +101,9 @@ def _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name: str, replica
         outputs += [r.token_ids for r in results]
         records += results[0].stats.records
     law = constrained_law(tiny_target.model, SAMPLINGS[sampling_name])
-    law2: dict[tuple[int, ...], float] = {}
-    for key, prob in law.items():
-        law2[key[:2]] = law2.get(key[:2], 0.0) + prob
     drafted = {r.arm.draft for r in records if r.drafted > 0}
     assert drafted == {"grammar", "model", "prompt_lookup"}, f"every draft should have proposed; got {drafted}"
-    return (g_test(count_outcomes(outputs, 2, engine.eos_ids), law2),
+    return (g_test(count_outcomes(outputs, 2, engine.eos_ids), marginal(law, 2)),
             g_test(count_outcomes(outputs, LENGTH, engine.eos_ids), law))
 
 

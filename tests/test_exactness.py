@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from helpers import (ALPHA, RandomRouter, break_residual, check_exact, check_rejects, count_outcomes, first_two_distribution, g_test,
-                     greedy_ids, next_logits, one_thread, reference_probs)
+from helpers import (ALPHA, RandomRouter, break_residual, check_exact, check_rejects, count_outcomes, g_test, greedy_ids,
+                     next_logits, one_thread, reference_probs)
+from laws import marginal, prefix_law
 
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
@@ -203,11 +204,8 @@ def _engine_pvalues(tiny_target, tiny_draft_model, kind: str, gamma: int, sampli
                                   stop=" t")
         outputs += [r.token_ids for r in results]
     sampling = SAMPLINGS[sampling_name]
-    law = first_two_distribution(tiny_target.model, prompt, sampling, engine.eos_ids)
-    law1: dict[tuple[int, ...], float] = {}
-    for key, prob in law.items():
-        law1[key[:1]] = law1.get(key[:1], 0.0) + prob
-    p_first = g_test(count_outcomes(outputs, 1, engine.eos_ids), law1)
+    law = prefix_law(tiny_target.model, prompt, sampling, engine.eos_ids, 2)
+    p_first = g_test(count_outcomes(outputs, 1, engine.eos_ids), marginal(law, 1))
     p_joint = g_test(count_outcomes(outputs, 2, engine.eos_ids), law)
     return p_first, p_joint, engine
 

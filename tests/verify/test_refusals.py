@@ -19,7 +19,7 @@ BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     pytest.importorskip("triton") is None, reason="needs triton"))]
 SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0)]
 # What each kind of bad input must be called (the Triton message covers all of them at once).
-BAD = {"nan": "NaN", "+inf": r"\+inf", "row of -inf": "all -inf", "draft id": r"outside \[0, V\)"}
+BAD = {"nan": "NaN", "+inf": "NaN or \\+inf", "row of -inf": "all -inf", "draft id": r"outside \[0, V\)"}
 
 
 def _case(bad: str, model_q: bool) -> dict:
