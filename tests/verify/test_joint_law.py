@@ -11,13 +11,9 @@ Power: N = `laws.rows_for(law)`, the rows at which moving 2 % of the mass of any
 elsewhere is detected with probability 0.9 (noncentral chi-square, k - 1 degrees of freedom):
 504k rows for k = 9 (one-hot, γ = 3) up to 2.04M for k = 24 (model q, γ = 8).
 
-The planted bugs of issue 15 are the power checks, on the same rows and uniforms: `verify`
-followed by a re-draw of the recovered token of every row rejected at position n >= 2 (0-based)
-- "u[n]": from the right residual max(0, p_n - q_n) but with the acceptance uniform u[n] (which,
-  given the rejection, is not uniform) instead of u[γ]: the support is unchanged, only the law moves;
-- "q1": from max(0, p_n - q_1), the residual built from the draft's q at position 1.
-Both passed every test before issue 15 (the old tests looked at the first two tokens only); here
-the same G-test must reject each of them.
+The planted bugs of issue 15 (plants.py: the recovered token of a row rejected at position n >= 2
+drawn with the acceptance uniform u[n], or from a residual built with q at position 1) are the
+power checks: applied to the same rows and uniforms, the same G-test must reject each of them.
 
 The Triton kernel's law with its own random numbers (Philox) runs the same test at full N on CUDA
 (marked gpu); on the CPU under TRITON_INTERPRET it runs γ = 4 on INTERPRET_ROWS rows only (about
@@ -32,13 +28,13 @@ import pytest
 import torch
 from helpers import ALPHA, check_exact, g_test
 from laws import Design, detectable_error, hazard_design, rows_for, step_law
+from plants import BUGS, redraw
 
-from flashspec_core.sampling import SamplingParams, sample_from_probs
+from flashspec_core.sampling import SamplingParams, probs_from_logits
 from flashspec_core.verify import PAD, verify
 
 T1 = SamplingParams(temperature=1.0)
 CHUNK = 250_000  # rows per verify call
-PLANTS = ("u[n]", "q1")
 CASES = [("one_hot", 3), ("one_hot", 8), ("model_q", 3), ("model_q", 8)]
 INTERPRET_CASE, INTERPRET_ROWS = ("one_hot", 4), 200
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -46,23 +42,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def _seed(*parts) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode())
-
-
-def planted(bug: str, design: Design, n_acc: torch.Tensor, tokens: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """What `verify` with one of issue 15's planted bugs returns, given the real call's output on
-    the same inputs and uniforms (the acceptance tests are untouched, so n_accepted is the same).
-
-    n_acc: [N]; tokens: [N, γ+1]; uniforms: [N, γ+1]. Returns a new tokens tensor [N, γ+1].
-    """
-    gamma = design.q.shape[0]
-    rows = ((n_acc >= 2) & (n_acc < gamma)).nonzero().flatten()
-    n = n_acc[rows]
-    p = torch.from_numpy(design.p).float()[n]  # [R, V]
-    q = torch.from_numpy(design.q).float()[1 if bug == "q1" else n]
-    u = uniforms[rows, n] if bug == "u[n]" else uniforms[rows, gamma]
-    out = tokens.clone()
-    out[rows, n] = sample_from_probs((p - q).clamp(min=0.0), u)
-    return out
 
 
 def _count(tokens: torch.Tensor, counts: dict) -> None:
@@ -94,6 +73,7 @@ def sample_step(design: Design, rows: int, seed: int, backend: str, device: str 
     gamma, vocab = design.q.shape
     logits = torch.from_numpy(design.p).log().float().to(device)  # [γ+1, V], -inf where p = 0
     q = torch.from_numpy(design.q).float()  # [γ, V]
+    p = probs_from_logits(logits.cpu(), T1)  # [γ+1, V] what verify tests against, for the bugs
     counts: dict[str, dict] = {name: {} for name in ("verify",) + bugs}
     for start in range(0, rows, CHUNK):
         size = min(CHUNK, rows - start)
@@ -109,7 +89,7 @@ def sample_step(design: Design, rows: int, seed: int, backend: str, device: str 
         n_acc, tokens = n_acc.cpu(), tokens.cpu()
         _count(tokens, counts["verify"])
         for bug in bugs:
-            _count(planted(bug, design, n_acc, tokens, uniforms), counts[bug])
+            _count(redraw(bug, p.expand(size, -1, -1), q.expand(size, -1, -1), n_acc, tokens, uniforms), counts[bug])
     return counts
 
 
@@ -121,12 +101,12 @@ def test_one_step_joint_law_and_the_planted_bugs(torch_one_thread, design_name, 
     samples = []
 
     def run(replicate: int) -> tuple[float]:
-        samples.append(sample_step(design, rows, _seed(design_name, gamma, replicate), "torch", bugs=PLANTS))
+        samples.append(sample_step(design, rows, _seed(design_name, gamma, replicate), "torch", bugs=BUGS))
         return (g_test(samples[-1]["verify"], law),)
 
     check_exact(run, f"verify {design_name} γ={gamma} ({rows} rows)")
     assert set(samples[0]["verify"]) == set(law), "every outcome of the law must be seen"
-    for bug in PLANTS:
+    for bug in BUGS:
         p_bug = g_test(samples[0][bug], law)
         assert p_bug < ALPHA, f"the planted bug {bug} went unnoticed: p = {p_bug:.3g} over {rows} rows"
     assert set(samples[0]["u[n]"]) <= set(law), "the u[n] plant keeps the support: only the law may catch it"
