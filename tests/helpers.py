@@ -10,12 +10,15 @@ of whole outputs are in laws.py.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import random
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import numpy as np
+import pytest
 import torch
 from scipy import stats
 from tokenizers import Tokenizer
@@ -33,6 +36,19 @@ from flashspec_core.types import Arm
 
 ALPHA = 0.01  # significance level of every exactness test
 MIN_EXPECTED = 5.0  # cells expected to see fewer samples are pooled (the chi-square approximation)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# Verify backends the engine's distribution tests run on: the fused kernel wants CUDA logits.
+BACKENDS = ["torch", pytest.param("triton", marks=(pytest.mark.gpu, needs_cuda))]
+
+
+def on_backend(model, backend: str):
+    """A tiny model (or LoadedModel) as `backend` runs it: itself for "torch", a copy on the GPU
+    for "triton", so that session fixtures stay on the CPU for every other test."""
+    if backend != "triton":
+        return model
+    if isinstance(model, LoadedModel):
+        return dataclasses.replace(model, model=copy.deepcopy(model.model).to("cuda"))
+    return copy.deepcopy(model).to("cuda")
 
 
 @contextmanager

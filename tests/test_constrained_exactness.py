@@ -17,7 +17,7 @@ import zlib
 
 import pytest
 import torch
-from helpers import RandomRouter, check_exact, check_rejects, count_outcomes, g_test, next_logits
+from helpers import BACKENDS, RandomRouter, check_exact, check_rejects, count_outcomes, g_test, next_logits, on_backend
 from laws import marginal, prefix_law
 
 from flashspec_core.constrained import Constraint, Grammar, GrammarForcedDraft
@@ -83,16 +83,19 @@ def constrained_law(model, sampling: SamplingParams) -> dict[tuple[int, ...], fl
     return prefix_law(model, PROMPT, sampling, frozenset({EOS}), LENGTH, allowed=lambda out: allowed_next(decode(out)))
 
 
-def _engine(tiny_target, tiny_draft_model, router_seed: int) -> SpecEngine:
+def _engine(tiny_target, tiny_draft_model, router_seed: int, backend: str = "torch") -> SpecEngine:
     pad = tiny_target.tokenizer.pad_token_id
-    drafts = [GrammarForcedDraft(), ModelDraft(tiny_draft_model, name="model", pad_token_id=pad), PromptLookupDraft()]
+    drafts = [GrammarForcedDraft(), ModelDraft(on_backend(tiny_draft_model, backend), name="model", pad_token_id=pad),
+              PromptLookupDraft()]
     arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in (1, 3, 8)]
-    return SpecEngine(tiny_target, drafts, router=RandomRouter(arms, router_seed), verify_backend="torch")
+    return SpecEngine(on_backend(tiny_target, backend), drafts, router=RandomRouter(arms, router_seed),
+                      verify_backend=backend)
 
 
-def _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name: str, replicate: int) -> tuple[float, float]:
+def _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name: str, replicate: int,
+             backend: str = "torch") -> tuple[float, float]:
     seed = zlib.crc32(f"{sampling_name}/{replicate}".encode())
-    engine = _engine(tiny_target, tiny_draft_model, seed)
+    engine = _engine(tiny_target, tiny_draft_model, seed, backend)
     outputs, records = [], []
     for call in range(CALLS):
         sampling = SAMPLINGS[sampling_name].model_copy(update={"seed": seed + call})
@@ -122,12 +125,13 @@ def test_reference_grammar_agrees_with_xgrammar(grammar):
                 out.append(tok)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
 def test_constrained_speculative_sampling_matches_constrained_autoregressive(
-    tiny_target, tiny_draft_model, grammar, sampling_name
+    tiny_target, tiny_draft_model, grammar, sampling_name, backend
 ):
-    check_exact(lambda rep: _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name, rep),
-                f"constrained {sampling_name}")
+    check_exact(lambda rep: _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name, rep, backend),
+                f"constrained {sampling_name} {backend}")
 
 
 def test_the_g_test_rejects_when_the_target_is_not_masked(tiny_target, tiny_draft_model, grammar, monkeypatch):

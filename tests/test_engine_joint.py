@@ -25,8 +25,8 @@ from __future__ import annotations
 import zlib
 
 import pytest
-import torch
-from helpers import ALPHA, RandomRouter, check_exact, count_outcomes, g_test, one_thread, tiny_llama, tiny_loaded
+from helpers import (ALPHA, BACKENDS, RandomRouter, check_exact, count_outcomes, g_test, on_backend, one_thread, tiny_llama,
+                     tiny_loaded)
 from laws import detectable_error, prefix_law
 from plants import planted_verify
 
@@ -48,8 +48,6 @@ BATCH_PROMPTS = [[2, 3, 1, 2, 3, 3, 3, 3, 2], [2, 3, 2, 3, 3], [3, 3]]
 BATCH_EOS = 0  # after these prompts a row ends within four tokens with probability 0.34-0.46
 BATCH_SAMPLING = SamplingParams(temperature=0.9, top_k=3)
 BATCH_ARMS = [Arm(NO_DRAFT, 0), Arm("model", 4), Arm("model", 6), Arm("prompt_lookup", 4)]
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-BACKENDS = ["torch", pytest.param("triton", marks=(pytest.mark.gpu, needs_cuda))]
 
 
 def _seed(*parts) -> int:
@@ -57,11 +55,9 @@ def _seed(*parts) -> int:
 
 
 def _engine(backend: str, eos: int, router) -> SpecEngine:
-    """A fresh target and draft (on the GPU for "triton"), so no test moves another's models."""
-    device = "cuda" if backend == "triton" else "cpu"
-    target = tiny_loaded(VOCAB, seed=0, scale=SCALE, eos_id=eos)
-    target.model.to(device)
-    draft = tiny_llama(VOCAB, seed=1, scale=SCALE).to(device)
+    """A fresh target and draft (on the GPU for "triton")."""
+    target = on_backend(tiny_loaded(VOCAB, seed=0, scale=SCALE, eos_id=eos), backend)
+    draft = on_backend(tiny_llama(VOCAB, seed=1, scale=SCALE), backend)
     drafts = [ModelDraft(draft, name="model", pad_token_id=target.tokenizer.pad_token_id), PromptLookupDraft()]
     return SpecEngine(target, drafts, router=router, verify_backend=backend)
 

@@ -26,7 +26,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from helpers import ALPHA, check_exact, g_test
+from helpers import ALPHA, check_exact, g_test, needs_cuda
 from laws import Design, detectable_error, hazard_design, rows_for, step_law
 from plants import BUGS, redraw
 
@@ -37,7 +37,6 @@ T1 = SamplingParams(temperature=1.0)
 CHUNK = 250_000  # rows per verify call
 CASES = [("one_hot", 3), ("one_hot", 8), ("model_q", 3), ("model_q", 8)]
 INTERPRET_CASE, INTERPRET_ROWS = ("one_hot", 4), 200
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _seed(*parts) -> int:
