@@ -34,9 +34,9 @@ from flashspec_core.sampling import SamplingParams, probs_from_logits
 from flashspec_core.verify import PAD, verify
 
 T1 = SamplingParams(temperature=1.0)
-CHUNK = 250_000  # rows per verify call
+CHUNK = {"torch": 250_000, "triton": 65_536}  # rows per verify call (the kernel's MAX_BATCH)
 CASES = [("one_hot", 3), ("one_hot", 8), ("model_q", 3), ("model_q", 8)]
-INTERPRET_CASE, INTERPRET_ROWS = ("one_hot", 4), 200
+INTERPRET_GAMMA, INTERPRET_ROWS = 4, 200  # one-hot design
 
 
 def _seed(*parts) -> int:
@@ -74,8 +74,8 @@ def sample_step(design: Design, rows: int, seed: int, backend: str, device: str 
     q = torch.from_numpy(design.q).float()  # [γ, V]
     p = probs_from_logits(logits.cpu(), T1)  # [γ+1, V] what verify tests against, for the bugs
     counts: dict[str, dict] = {name: {} for name in ("verify",) + bugs}
-    for start in range(0, rows, CHUNK):
-        size = min(CHUNK, rows - start)
+    for start in range(0, rows, CHUNK[backend]):
+        size = min(CHUNK[backend], rows - start)
         if design.one_hot:
             draft, probs = q.argmax(-1).expand(size, -1), None
         else:
@@ -153,11 +153,11 @@ def test_kernel_joint_law_under_the_interpreter(torch_one_thread):
     emptied (what re-using one uniform twice does), not a 2 % error; the power check runs the
     u[n] plant (torch) on as many rows and requires the same test to reject it."""
     pytest.importorskip("triton")
-    design = hazard_design(INTERPRET_CASE[1], one_hot=True)
+    design = hazard_design(INTERPRET_GAMMA, one_hot=True)
     law = step_law(design.p, design.q)
     assert detectable_error(law, INTERPRET_ROWS) > 1.0, "the docstring's claim"
     check_exact(lambda rep: (g_test(sample_step(design, INTERPRET_ROWS, _seed("interpret", rep), "triton")["verify"],
-                                    law),), f"triton (interpreter) γ={INTERPRET_CASE[1]}")
+                                    law),), f"triton (interpreter) γ={INTERPRET_GAMMA}")
     for rep in range(3):
         counts = sample_step(design, INTERPRET_ROWS, _seed("interpret-plant", rep), "torch", bugs=("u[n]",))
         assert g_test(counts["u[n]"], law) < ALPHA, "at this size the test must still catch a re-used uniform"
