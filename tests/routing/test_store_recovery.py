@@ -68,7 +68,7 @@ def test_a_foreign_database_is_moved_aside_and_left_intact(tmp_path, foreign):
 
 def test_a_locked_store_keeps_the_update_and_writes_it_later(tmp_path):
     path = tmp_path / "r.sqlite3"
-    store = RouterStore(path, timeout=0.05)
+    store = RouterStore(path, timeout=0.5)
     blocker = sqlite3.connect(path, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")  # another process writing for longer than the timeout
     with pytest.warns(StoreUnavailable, match="locked"):
@@ -77,7 +77,7 @@ def test_a_locked_store_keeps_the_update_and_writes_it_later(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once
         store.record("tool", _one())
-    assert time.monotonic() - start < 0.04, "while behind, a write must not wait out the timeout again"
+    assert time.monotonic() - start < 0.25, "while behind, a write must not wait out the timeout again"
     blocker.execute("COMMIT")
     blocker.close()
     store.record("chat", _one("none"))
