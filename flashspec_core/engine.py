@@ -175,8 +175,9 @@ class SpecEngine:
         """Generate for one prompt (str, chat messages or token ids) or a list of them as a batch.
 
         json_schema: constrain the output to JSON valid against this schema (a forced tool call,
-        structured output; {"type": "object"} for JSON mode), exactly the target's distribution
-        conditioned on the grammar (see flashspec_core.constrained, whose Grammar is also accepted).
+        structured output; {"type": "object"} for JSON mode): exactly the law of grammar-masked
+        decoding of the target, not its law conditioned on a valid output (README, "What is
+        exact"; flashspec_core.constrained, whose Grammar is also accepted).
         """
         batch = is_batch(prompt)
         prompts = list(prompt) if batch else [prompt]

@@ -16,7 +16,8 @@ the loop and leaves single tokens alone. Two choices differ from HF `generate`:
 
 Like the penalty, the ban of a position depends on its prefix, so each verify position gets the ban
 of its own path (output + draft[:j]); the verifier then tests the draft against exactly the
-distribution autoregressive decoding samples from. HF's processor computes each ban.
+distribution autoregressive decoding samples from. HF's processor computes each ban, in float32
+whatever the model's dtype, as HF `generate` does.
 """
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ def ban_repeated_ngrams(
     logits: [B, P, V] processed logits (penalty and grammar mask applied); position j of row b
     scores the token after outputs[b] + drafts[b][:j]. outputs: B lists of the tokens generated so
     far (prompt excluded); drafts: B lists of at least P - 1 ids. size 0 returns `logits` itself.
-    exempt: [V] bool, tokens never banned (None: none). Returns a new [B, P, V] tensor; a position
-    the ban would empty keeps its logits.
+    exempt: [V] bool, tokens never banned (None: none). Returns a new [B, P, V] float32 tensor; a
+    position the ban would empty keeps its logits. size 0 returns `logits` itself.
     """
     if size <= 0:
         return logits
     processor = NoRepeatNGramLogitsProcessor(size)
     exempt = None if exempt is None else exempt.to(logits.device)
+    logits = logits.float()
     out = logits.clone()
     positions = logits.shape[1]
     for b in range(logits.shape[0]):

@@ -10,6 +10,10 @@ follow different prefixes: position j scores the token after context + draft[:j]
 therefore gets the penalty of its own prefix (as the grammar mask does, constrained/constraint.py),
 so the verifier tests the draft against exactly the distribution that autoregressive decoding
 with the penalty samples from, and the output law is unchanged by speculation.
+
+The penalty is computed in float32 whatever the model's dtype, as HF `generate` computes it (it
+casts the logits to float32 before any processor). In bfloat16, bf16 logits [24.0, 24.125] with
+both tokens seen and penalty 1.3 both round to 18.5 and greedy picks token 0; HF picks token 1.
 """
 from __future__ import annotations
 
@@ -25,10 +29,12 @@ def penalize_paths(
 
     logits: [B, P, V] raw logits; position j of row b scores the token after
     contexts[b] + drafts[b][:j]. contexts: B token lists; drafts: B lists of at least P - 1 ids.
-    Returns a new [B, P, V] tensor (the input is not modified); penalty 1 returns `logits` itself.
+    Returns a new [B, P, V] float32 tensor (the input is not modified); penalty 1 returns `logits`
+    itself, in its own dtype (casting to float32 is exact, so nothing downstream can tell).
     """
     if penalty == 1.0:
         return logits
+    logits = logits.float()
     bsz, positions, vocab = logits.shape
     seen = torch.zeros((bsz, positions, vocab), dtype=torch.bool)  # [B, P, V]
     for b in range(bsz):

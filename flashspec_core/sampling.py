@@ -6,29 +6,56 @@ then top-k, then top-p (nucleus) on what remains. The repetition penalty depends
 so the engine applies it to the target's logits along each draft path first (penalty.py), and
 so with the n-gram ban (ngram_ban.py).
 Temperature 0 means greedy: a one-hot distribution at the argmax (first index on ties, as
-`torch.argmax` and HF `generate` pick).
+`torch.argmax` and HF `generate` pick; a NaN logit is never the argmax).
+
+Everything here computes in float32 whatever the logits' dtype, as HF `generate` does (it casts
+the model's logits to float32 before any processor): in bfloat16, logits / T and the penalties
+round ties into existence (24.0 and 24.125 both become 18.5 under a penalty of 1.3).
 """
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+# Temperatures and penalties outside these bounds only produce overflow (logits / 1e-45 is ±inf
+# and the softmax NaN) or a distribution indistinguishable from greedy or uniform. vLLM clamps
+# temperatures below 0.01 for the same reason; here they are refused, so nothing is changed silently.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
+MIN_PENALTY, MAX_PENALTY = 0.01, 100.0
 
 
 class SamplingParams(BaseModel):
-    """How to sample. Validation errors are `ValueError`s naming the field."""
+    """How to sample. Validation errors are `ValueError`s naming the field; NaN and inf are refused."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    temperature: float = Field(0.0, ge=0.0, description="0 means greedy; must be >= 0")
+    temperature: float = Field(
+        0.0, ge=0.0, le=MAX_TEMPERATURE,
+        description=f"0 means greedy; otherwise in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]",
+    )
     top_k: int = Field(0, ge=0, description="0 disables; otherwise keep the k most likely tokens")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]; 1 disables")
-    seed: int | None = Field(None, description="seeds every random draw of a request")
+    seed: int | None = Field(
+        None, ge=0, lt=2**64, description="seeds every random draw of a request; an int in [0, 2**64), None for fresh"
+    )
     repetition_penalty: float = Field(
-        1.0, gt=0.0, description="HF's CTRL penalty on tokens already in the sequence; 1 disables (penalty.py)"
+        1.0, ge=MIN_PENALTY, le=MAX_PENALTY,
+        description="HF's CTRL penalty on tokens already in the sequence; 1 disables (penalty.py)",
     )
     no_repeat_ngram_size: int = Field(
         0, ge=0, description="ban tokens that would repeat an n-gram of the output; 0 disables (ngram_ban.py)"
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_absurdly_small(cls, value: float) -> float:
+        if 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature {value!r} is below {MIN_TEMPERATURE}: logits / T would overflow or be "
+                "greedy in all but name; use temperature=0 for greedy decoding"
+            )
+        return value
 
     @property
     def greedy(self) -> bool:
@@ -43,7 +70,7 @@ def logprobs_from_logits(logits: torch.Tensor, sampling: SamplingParams) -> torc
     logits = logits.float()
     if sampling.greedy:
         out = torch.full_like(logits, float("-inf"))
-        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
+        return out.scatter_(-1, greedy_argmax(logits)[..., None], 0.0)
     logits = logits / sampling.temperature
     vocab = logits.shape[-1]
     if 0 < sampling.top_k < vocab:
@@ -59,6 +86,16 @@ def logprobs_from_logits(logits: torch.Tensor, sampling: SamplingParams) -> torc
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.log_softmax(-1)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of the largest logit, NaN never chosen (`torch.argmax` takes NaN as the max).
+
+    logits: [..., V] any float dtype. Returns [...] int64. A row with no number at all gives 0;
+    verification refuses such target rows before this (verify/reference.py), so only a draft's
+    proposal can come from one, and the verifier then judges it.
+    """
+    return logits.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")).argmax(-1)
 
 
 def probs_from_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import random
 import zlib
 
-import numpy as np
 import pytest
 import torch
-from helpers import RandomRouter, check_exact, check_rejects, count_outcomes, g_test, next_logits, reference_probs
+from helpers import BACKENDS, RandomRouter, check_exact, check_rejects, count_outcomes, g_test, next_logits, on_backend
+from laws import marginal, prefix_law
 
 from flashspec_core.constrained import Constraint, Grammar, GrammarForcedDraft
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
@@ -78,43 +78,24 @@ def grammar() -> Grammar:
     return Grammar.from_ebnf(EBNF, VOCAB, stop_ids=[EOS])
 
 
-@torch.no_grad()
 def constrained_law(model, sampling: SamplingParams) -> dict[tuple[int, ...], float]:
     """Exact law of the first LENGTH tokens of constrained sampling (cut after EOS)."""
-    law: dict[tuple[int, ...], float] = {}
-    frontier: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
-    for depth in range(LENGTH):
-        if not frontier:
-            break
-        logits = next_logits(model, [PROMPT + list(prefix) for prefix, _ in frontier])
-        for row, (prefix, _) in enumerate(frontier):
-            forbidden = torch.ones(logits.shape[1], dtype=torch.bool)
-            forbidden[allowed_next(decode(prefix))] = False
-            logits[row, forbidden] = float("-inf")
-        probs = reference_probs(logits, sampling)
-        nxt = []
-        for (prefix, p_prefix), row in zip(frontier, probs):
-            for tok in np.flatnonzero(row > 0):
-                key, p = prefix + (int(tok),), p_prefix * float(row[tok])
-                if tok == EOS or depth == LENGTH - 1:
-                    law[key] = law.get(key, 0.0) + p
-                else:
-                    nxt.append((key, p))
-        frontier = nxt
-    assert abs(sum(law.values()) - 1.0) < 1e-9
-    return law
+    return prefix_law(model, PROMPT, sampling, frozenset({EOS}), LENGTH, allowed=lambda out: allowed_next(decode(out)))
 
 
-def _engine(tiny_target, tiny_draft_model, router_seed: int) -> SpecEngine:
+def _engine(tiny_target, tiny_draft_model, router_seed: int, backend: str = "torch") -> SpecEngine:
     pad = tiny_target.tokenizer.pad_token_id
-    drafts = [GrammarForcedDraft(), ModelDraft(tiny_draft_model, name="model", pad_token_id=pad), PromptLookupDraft()]
+    drafts = [GrammarForcedDraft(), ModelDraft(on_backend(tiny_draft_model, backend), name="model", pad_token_id=pad),
+              PromptLookupDraft()]
     arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in (1, 3, 8)]
-    return SpecEngine(tiny_target, drafts, router=RandomRouter(arms, router_seed), verify_backend="torch")
+    return SpecEngine(on_backend(tiny_target, backend), drafts, router=RandomRouter(arms, router_seed),
+                      verify_backend=backend)
 
 
-def _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name: str, replicate: int) -> tuple[float, float]:
+def _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name: str, replicate: int,
+             backend: str = "torch") -> tuple[float, float]:
     seed = zlib.crc32(f"{sampling_name}/{replicate}".encode())
-    engine = _engine(tiny_target, tiny_draft_model, seed)
+    engine = _engine(tiny_target, tiny_draft_model, seed, backend)
     outputs, records = [], []
     for call in range(CALLS):
         sampling = SAMPLINGS[sampling_name].model_copy(update={"seed": seed + call})
@@ -123,12 +104,9 @@ def _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name: str, replica
         outputs += [r.token_ids for r in results]
         records += results[0].stats.records
     law = constrained_law(tiny_target.model, SAMPLINGS[sampling_name])
-    law2: dict[tuple[int, ...], float] = {}
-    for key, prob in law.items():
-        law2[key[:2]] = law2.get(key[:2], 0.0) + prob
     drafted = {r.arm.draft for r in records if r.drafted > 0}
     assert drafted == {"grammar", "model", "prompt_lookup"}, f"every draft should have proposed; got {drafted}"
-    return (g_test(count_outcomes(outputs, 2, engine.eos_ids), law2),
+    return (g_test(count_outcomes(outputs, 2, engine.eos_ids), marginal(law, 2)),
             g_test(count_outcomes(outputs, LENGTH, engine.eos_ids), law))
 
 
@@ -147,12 +125,13 @@ def test_reference_grammar_agrees_with_xgrammar(grammar):
                 out.append(tok)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
 def test_constrained_speculative_sampling_matches_constrained_autoregressive(
-    tiny_target, tiny_draft_model, grammar, sampling_name
+    tiny_target, tiny_draft_model, grammar, sampling_name, backend
 ):
-    check_exact(lambda rep: _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name, rep),
-                f"constrained {sampling_name}")
+    check_exact(lambda rep: _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name, rep, backend),
+                f"constrained {sampling_name} {backend}")
 
 
 def test_the_g_test_rejects_when_the_target_is_not_masked(tiny_target, tiny_draft_model, grammar, monkeypatch):

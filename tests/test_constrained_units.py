@@ -172,11 +172,16 @@ def test_parse_tool_call():
     ("{not json", "json_schema: not valid JSON"),
     ('"a string"', "json_schema: a JSON schema is an object"),
     ("other vocabulary", "compile it with vocab_size=16"),
+    # Once "token ... violates the grammar: the target's logits were not masked" (issue 15): the
+    # grammar ended at its stop token 14, the row went on.
+    ("other stop id", r"stop ids \[14\] must be end-of-sequence ids of the model, which are \[15\]"),
 ])
 def test_engine_rejects_a_bad_json_schema(tiny_target, bad, match):
     engine = SpecEngine(tiny_target, [], router=FixedRouter(Arm(NO_DRAFT, 0)))
     if bad == "other vocabulary":
         bad = Grammar.from_ebnf(EBNF, VOCAB + ["pad"], stop_ids=[EOS])
+    elif bad == "other stop id":
+        bad = Grammar.from_ebnf(EBNF, VOCAB, stop_ids=[14])
     with pytest.raises(ValueError, match=match):
         engine.generate(PROMPT, max_new_tokens=4, json_schema=bad)
     assert engine.generate(PROMPT, max_new_tokens=2).token_ids, "the engine is still usable"

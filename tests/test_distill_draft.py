@@ -10,8 +10,8 @@ import zlib
 
 import pytest
 import torch
-from helpers import (break_residual, check_exact, check_rejects, count_outcomes, first_two_distribution, g_test,
-                     tiny_loaded)
+from helpers import break_residual, check_exact, check_rejects, count_outcomes, g_test, tiny_loaded
+from laws import marginal, prefix_law
 from safetensors.torch import save_file
 
 from flashspec_core.distill.model import DraftNetwork, IncompatibleDraft, save_draft
@@ -74,12 +74,10 @@ def _engine_pvalues(target, sampling_name: str, replicate: int) -> tuple[float, 
     sampling = SAMPLINGS[sampling_name].model_copy(update={"seed": seed})
     results = engine.generate([PROMPT] * N_ENGINE, max_new_tokens=4, sampling=sampling, stop=" t")
     outputs = [r.token_ids for r in results]
-    law = first_two_distribution(target.model, PROMPT, SAMPLINGS[sampling_name], engine.eos_ids)
-    law1: dict[tuple[int, ...], float] = {}
-    for key, prob in law.items():
-        law1[key[:1]] = law1.get(key[:1], 0.0) + prob
+    law = prefix_law(target.model, PROMPT, SAMPLINGS[sampling_name], engine.eos_ids, 2)
     assert any(key[0] not in HEAD and prob > 0.01 for key, prob in law.items()), "the head must miss likely tokens"
-    return g_test(count_outcomes(outputs, 1, engine.eos_ids), law1), g_test(count_outcomes(outputs, 2, engine.eos_ids), law)
+    return (g_test(count_outcomes(outputs, 1, engine.eos_ids), marginal(law, 1)),
+            g_test(count_outcomes(outputs, 2, engine.eos_ids), law))
 
 
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS))

@@ -11,6 +11,9 @@ tokens, computed from a tiny random target with transformers' own logits warpers
 
 Every random draw is seeded, so each case is deterministic. The power checks break the residual
 (a rejected position draws from p instead of max(0, p - q)) and require the same tests to reject.
+These tests see the first two tokens only; the joint law of everything one step emits (with bugs
+that only touch later positions as power checks) is tests/verify/test_joint_law.py, four tokens
+over several engine steps tests/test_engine_joint.py.
 """
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from helpers import (ALPHA, RandomRouter, break_residual, check_exact, check_rejects, count_outcomes, first_two_distribution, g_test,
-                     greedy_ids, next_logits, one_thread, reference_probs)
+from helpers import (ALPHA, BACKENDS, RandomRouter, break_residual, check_exact, check_rejects, count_outcomes, g_test,
+                     greedy_ids, next_logits, on_backend, one_thread, reference_probs)
+from laws import marginal, prefix_law
 
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
@@ -170,32 +174,32 @@ def test_verify_tests_reject_a_broken_residual(tables, monkeypatch, name, gamma,
 # ------------------------------------------------------------------------------ engine level
 
 
-def _drafts(kind: str, tiny_target, tiny_draft_model):
+def _drafts(kind: str, tiny_target, tiny_draft_model, backend: str = "torch"):
     """A fresh draft pool; the suffix cache is primed with the target's greedy continuation."""
     pad = tiny_target.tokenizer.pad_token_id
     suffix = SuffixCacheDraft()
     suffix.add(PROMPT[-2:] + greedy_ids(tiny_target.model, PROMPT, 9))
     pool = {"prompt_lookup": PromptLookupDraft(), "suffix_cache": suffix,
-            "model": ModelDraft(tiny_draft_model, name="model", pad_token_id=pad)}
+            "model": ModelDraft(on_backend(tiny_draft_model, backend), name="model", pad_token_id=pad)}
     return list(pool.values()) if kind == "all" else [pool[kind]]
 
 
 def _engine_pvalues(tiny_target, tiny_draft_model, kind: str, gamma: int, sampling_name: str, replicate: int,
-                    calls: int = 1, prompt: list[int] = PROMPT) -> tuple[float, float, SpecEngine]:
+                    calls: int = 1, prompt: list[int] = PROMPT, backend: str = "torch") -> tuple[float, float, SpecEngine]:
     """G-test p-values of the engine's first token and first two tokens over N_ENGINE rows.
 
     Rows run with max_new_tokens = γ + 1, so the first step drafts a full γ, and with the stop
     string " t": the words "tA tB" contain it once a second token exists, so each row stops after
     two tokens (at most two steps) while its first step still drafted, verified and rolled back γ.
     """
-    drafts = _drafts(kind, tiny_target, tiny_draft_model)
+    drafts = _drafts(kind, tiny_target, tiny_draft_model, backend)
     seed = _seed(kind, gamma, sampling_name, replicate)
     if kind == "all":
         arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in (1, 3, 8)]
         router = RandomRouter(arms, seed)
     else:
         router = FixedRouter(Arm(kind, gamma))
-    engine = SpecEngine(tiny_target, drafts, router=router, verify_backend="torch")
+    engine = SpecEngine(on_backend(tiny_target, backend), drafts, router=router, verify_backend=backend)
     outputs = []
     for call in range(calls):
         sampling = SAMPLINGS[sampling_name].model_copy(update={"seed": seed + call})
@@ -203,11 +207,8 @@ def _engine_pvalues(tiny_target, tiny_draft_model, kind: str, gamma: int, sampli
                                   stop=" t")
         outputs += [r.token_ids for r in results]
     sampling = SAMPLINGS[sampling_name]
-    law = first_two_distribution(tiny_target.model, prompt, sampling, engine.eos_ids)
-    law1: dict[tuple[int, ...], float] = {}
-    for key, prob in law.items():
-        law1[key[:1]] = law1.get(key[:1], 0.0) + prob
-    p_first = g_test(count_outcomes(outputs, 1, engine.eos_ids), law1)
+    law = prefix_law(tiny_target.model, prompt, sampling, engine.eos_ids, 2)
+    p_first = g_test(count_outcomes(outputs, 1, engine.eos_ids), marginal(law, 1))
     p_joint = g_test(count_outcomes(outputs, 2, engine.eos_ids), law)
     return p_first, p_joint, engine
 
@@ -231,18 +232,21 @@ def test_engine_exact_with_a_path_processor_on_a_short_prompt(tiny_target, sampl
                                             prompt=SHORT_PROMPT)[:2], f"engine model γ=3 {sampling_name} short prompt")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind, gamma, sampling_name", ENGINE_CASES, ids=[f"{k}-g{g}-{s}" for k, g, s in ENGINE_CASES])
-def test_engine_first_two_tokens_follow_the_target(tiny_target, tiny_draft_model, kind, gamma, sampling_name):
-    check_exact(lambda rep: _engine_pvalues(tiny_target, tiny_draft_model, kind, gamma, sampling_name, rep)[:2],
-                f"engine {kind} γ={gamma} {sampling_name}")
+def test_engine_first_two_tokens_follow_the_target(tiny_target, tiny_draft_model, kind, gamma, sampling_name, backend):
+    check_exact(lambda rep: _engine_pvalues(tiny_target, tiny_draft_model, kind, gamma, sampling_name, rep,
+                                            backend=backend)[:2], f"engine {kind} γ={gamma} {sampling_name} {backend}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sampling_name", ["T1", "T1.5-topk6-topp0.9"])
-def test_engine_exact_under_a_router_switching_arms_at_random(tiny_target, tiny_draft_model, sampling_name):
+def test_engine_exact_under_a_router_switching_arms_at_random(tiny_target, tiny_draft_model, sampling_name, backend):
     routers = []
 
     def run(rep: int) -> tuple[float, float]:
-        p_first, p_joint, engine = _engine_pvalues(tiny_target, tiny_draft_model, "all", 8, sampling_name, rep, calls=8)
+        p_first, p_joint, engine = _engine_pvalues(tiny_target, tiny_draft_model, "all", 8, sampling_name, rep, calls=8,
+                                                   backend=backend)
         routers.append(engine.router)
         return p_first, p_joint
 

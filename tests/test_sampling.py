@@ -12,7 +12,8 @@ from helpers import reference_probs
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from flashspec_core.sampling import SamplingParams, logprobs_from_logits, probs_from_logits, sample_from_probs
+from flashspec_core.sampling import (SamplingParams, greedy_argmax, logprobs_from_logits, probs_from_logits,
+                                     sample_from_probs)
 
 
 @st.composite
@@ -106,10 +107,30 @@ def test_sample_from_probs_is_inverse_cdf_of_unnormalised_weights():
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.2),
+    # Non-finite or absurd values: 1e-45 overflowed logits / T to inf and the engine emitted
+    # token V-1 from a NaN distribution; inf and NaN reached the processors unchecked.
+    ("temperature", 1e-45), ("temperature", 0.001), ("temperature", float("inf")), ("temperature", float("nan")),
+    ("temperature", 1e6), ("top_p", float("nan")), ("repetition_penalty", float("inf")),
+    ("repetition_penalty", 1e-30), ("repetition_penalty", float("nan")),
+    ("seed", 2**64), ("seed", -1),  # 2**64 failed in torch with "Overflow when unpacking long long"
 ])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_the_temperature_bounds_and_the_largest_seed_are_accepted():
+    for temperature in (0.0, 0.01, 100.0):
+        assert SamplingParams(temperature=temperature).temperature == temperature
+    seed = 2**64 - 1
+    torch.Generator().manual_seed(SamplingParams(seed=seed).seed)  # what the engine does with it
+
+
+def test_greedy_never_picks_a_nan():
+    """torch.argmax takes NaN as the maximum; a draft's greedy proposal must not."""
+    logits = torch.tensor([[1.0, float("nan"), 3.0, 2.0], [float("nan")] * 4])
+    assert probs_from_logits(logits, SamplingParams()).argmax(-1).tolist() == [2, 0]
+    assert greedy_argmax(logits.bfloat16()).tolist() == [2, 0]
 
 
 def test_sampling_params_reject_unknown_fields():

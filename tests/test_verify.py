@@ -131,3 +131,16 @@ def test_bad_input_names_the_argument(kwargs, name):
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
         verify(**args)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), T1], ids=["greedy", "T1"])
+def test_int32_draft_tokens_give_what_int64_ones_give(sampling):
+    """verify() accepted int32 ids, then crashed in `scatter` (issue 15)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 4, 9, generator=gen)
+    draft = logits[:, :3].argmax(-1)  # greedy accepts some of them
+    u = torch.rand(6, 4, generator=gen)
+    want = verify(logits, draft, None, sampling, uniforms=u, backend="torch")
+    got = verify(logits, draft.int(), None, sampling, uniforms=u, backend="torch")
+    assert got[1].dtype == torch.int64
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

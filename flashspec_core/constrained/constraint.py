@@ -118,8 +118,9 @@ class Constraint:
         """The target's logits masked by the grammar along each row's draft path.
 
         logits: [B, γ+1, V] (position j scores the token after draft_tokens[b][:j]);
-        draft_tokens: B lists of at least γ ids. Returns a new [B, γ+1, V] tensor, -inf where the
-        grammar forbids. Inactive rows, and positions after a forbidden draft token, are unmasked.
+        draft_tokens: B lists of at least γ ids. Returns a new [B, γ+1, V] float32 tensor (as every
+        logits processor, whatever the model's dtype), -inf where the grammar forbids. Inactive
+        rows, and positions after a forbidden draft token, are unmasked.
         """
         bsz, positions, vocab = logits.shape
         if bsz != self.batch_size or vocab != self.vocab_size:
@@ -131,7 +132,7 @@ class Constraint:
             if active[b]:
                 self._fill_path(b, list(draft_tokens[b][: positions - 1]), bitmask, b * positions)
         allowed = allowed_from_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
-        return logits.masked_fill(~allowed.view(bsz, positions, vocab), float("-inf"))
+        return logits.float().masked_fill(~allowed.view(bsz, positions, vocab), float("-inf"))
 
     def _fill_path(self, row: int, path: list[int], bitmask: torch.Tensor, base: int) -> None:
         matcher = self._matchers[row]

@@ -151,6 +151,14 @@ def as_grammar(spec: dict | str | Grammar, tokenizer: Any, vocab_size: int, stop
                 f"json_schema: the Grammar masks {spec.vocab_size} tokens but the model emits "
                 f"{vocab_size}; compile it with vocab_size={vocab_size}"
             )
+        # The grammar ends where it accepts a stop token, the row where it emits an EOS id: a stop
+        # id that is not an EOS would leave the row running past the end of the grammar.
+        eos = sorted(set(int(s) for s in stop_ids))
+        if not spec.stop_ids or not set(spec.stop_ids) <= set(eos):
+            raise ValueError(
+                f"json_schema: the Grammar's stop ids {list(spec.stop_ids)} must be end-of-sequence "
+                f"ids of the model, which are {eos}; build it with stop_ids={eos}"
+            )
         return spec
     if not isinstance(spec, (dict, str)):
         raise ValueError(

@@ -276,7 +276,7 @@ def _clean(value: str | None, name: str) -> str | None:
         raise ValueError(f"{name} must be a str or None, got {type(value).__name__}")
     cleaned = value.strip().lower()
     if not cleaned:
-        raise ValueError(f"{name} must not be empty; pass None to let the next source decide")
+        raise ValueError(f"{name} must not be empty or blank, got {value!r}; pass None to let the next source decide")
     return cleaned
 
 
@@ -286,7 +286,7 @@ def resolve_domain(explicit: str | None, hint: str | None, prompt_text: str) -> 
     Labels are lower-cased and stripped so that "Tool" and "tool " share statistics. Any label
     is accepted (the set is open); unknown ones simply get their own bandit.
     """
-    explicit_label = _clean(explicit, "explicit")
+    explicit_label = _clean(explicit, "domain")  # the caller's `domain=` argument
     if explicit_label is not None:
         return explicit_label
     hint_label = _clean(hint, "hint")

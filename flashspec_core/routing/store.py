@@ -10,9 +10,13 @@ rather than fail, and a process killed mid-write loses at most that one uncommit
 the last few commits).
 
 Failure policy, chosen so that routing state can never stop generation:
-- a corrupt or unreadable file is renamed to `<name>.corrupt-<time>-<pid>` (with its -wal and
-  -shm files, which must not be replayed into a fresh file), a warning names the new path, and
-  a fresh store starts at the original path;
+- a corrupt or unreadable file, or a SQLite file that is not a router store (tables or columns
+  that are not ours), is renamed to `<name>.corrupt-<time>-<pid>` (with its -wal and -shm files,
+  which must not be replayed into a fresh file), a warning names the new path, and a fresh store
+  starts at the original path; a half-made store (the version set, tables missing) is completed;
+- a write that finds the store locked past the timeout keeps its increments in memory and adds
+  them to the next write, which tries without waiting until one gets through (a warning says so
+  once): a busy moment in another process neither stalls every step nor loses the update;
 - a location that cannot be written (read-only directory, no permission) or a file written by a
   newer schema gives a warning and an in-memory store for this process (`persistent` is False):
   routing still learns, it just does not survive a restart. Set FLASHSPEC_CACHE_DIR or pass a
@@ -25,7 +29,7 @@ import sqlite3
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
@@ -131,6 +135,29 @@ class _NewerSchema(Exception):
     pass
 
 
+class _Foreign(sqlite3.DatabaseError):
+    """A readable SQLite file whose tables are not the router's: moved aside like a corrupt one."""
+
+
+def _schema_columns() -> dict[str, list[str]]:
+    """Each table of `_SCHEMA` and its columns, read from SQLite itself rather than restated."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.executescript(_SCHEMA)
+        return {name: [c[1] for c in conn.execute(f"PRAGMA table_info({name})")]
+                for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        conn.close()
+
+
+_COLUMNS = _schema_columns()
+
+
+def _add(into: ArmDelta, delta: ArmDelta) -> None:
+    for f in fields(ArmDelta):
+        setattr(into, f.name, getattr(into, f.name) + getattr(delta, f.name))
+
+
 class RouterStore:
     """SQLite-backed ledger of router statistics. Thread-safe; one connection per instance.
 
@@ -145,6 +172,8 @@ class RouterStore:
             raise ValueError(f"path must be a str, os.PathLike, ':memory:' or None, got {path!r}")
         self.timeout = float(timeout)
         self._lock = threading.Lock()
+        self._pending: dict[str, DomainStats] = {}  # increments not yet written (the store was locked)
+        self._behind = False  # the last write found the store locked
         if path is not None and os.fspath(path) == ":memory:":
             self.path: Path | None = None
             self.persistent = False
@@ -170,7 +199,9 @@ class RouterStore:
                                           or isinstance(exc, OSError) or code is None)
             if not (writable_dir and bad_file):
                 return self._fallback(f"cannot write {path} ({exc})")
-            if code in _ACCESS_CODES and not os.access(path, os.R_OK | os.W_OK):
+            if isinstance(exc, _Foreign):
+                reason = "not a router store"
+            elif code in _ACCESS_CODES and not os.access(path, os.R_OK | os.W_OK):
                 reason = "unreadable"
             elif code in _ACCESS_CODES:
                 # The file is accessible but SQLite cannot write beside it: not the file's fault.
@@ -215,11 +246,13 @@ class RouterStore:
             where, timeout=self.timeout, isolation_level=None, check_same_thread=False
         )
         try:
-            # Read-only checks first: a file we must not touch (newer schema) stays byte-identical.
+            # Read-only checks first: a file we must not touch (newer schema, not ours) stays
+            # byte-identical.
             check = conn.execute("PRAGMA quick_check").fetchone()
             if check is None or check[0] != "ok":
                 raise sqlite3.DatabaseError(f"quick_check failed: {check}")
             self._check_version(conn.execute("PRAGMA user_version").fetchone()[0], where)
+            self._check_tables(conn, where)
             self._retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL").fetchone())
             conn.execute("PRAGMA synchronous=NORMAL")
             self._retry_busy(lambda: self._ensure_schema(conn, where))
@@ -228,10 +261,10 @@ class RouterStore:
             raise
         return conn
 
-    def _retry_busy(self, fn: Callable[[], _T]) -> _T:
-        """Run `fn`, retrying "database is locked" until the timeout: a few setup statements
-        (switching to WAL) can report busy without waiting on the busy handler."""
-        deadline = time.monotonic() + self.timeout
+    def _retry_busy(self, fn: Callable[[], _T], timeout: float | None = None) -> _T:
+        """Run `fn`, retrying "database is locked" until the timeout (default `self.timeout`): a
+        few setup statements (switching to WAL) can report busy without waiting on the busy handler."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             try:
                 return fn()
@@ -253,16 +286,25 @@ class RouterStore:
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             self._check_version(version, where)  # again: another process may have migrated
+            # IF NOT EXISTS: a new file gets the tables, a half-made one the tables it lacks.
+            # Later versions add their migrations here, in order.
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
             if version < SCHEMA_VERSION:
-                # Version 0 is a new file; later versions add their migrations here, in order.
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
             raise
+
+    @staticmethod
+    def _check_tables(conn: sqlite3.Connection, where: str) -> None:
+        """Raise _Foreign unless every table, view, index or trigger in the file is one of ours."""
+        for kind, name in conn.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"):
+            columns = [c[1] for c in conn.execute(f"PRAGMA table_info({name!r})")] if kind == "table" else None
+            if _COLUMNS.get(name) != columns:
+                raise _Foreign(f"{where} holds a {kind} {name!r} that is not the router store's")
 
     def record(
         self,
@@ -272,38 +314,81 @@ class RouterStore:
         steps: int = 1,
         scale: float | None = None,
     ) -> None:
-        """Add one update's increments, all in one transaction (all or nothing)."""
+        """Add one update's increments, all in one transaction (all or nothing).
+
+        If another process holds the store locked past the timeout, the increments stay in memory
+        and go out with the next write (which then does not wait: the lock may last); other
+        SQLite errors raise, and the caller decides (the router keeps learning in memory).
+        """
         if not isinstance(domain, str) or not domain:
             raise ValueError(f"domain must be a non-empty str, got {domain!r}")
-        now = time.time()
-        rows = [
-            (domain, arm, d.pulls, d.scored, d.reward_n, d.reward_sum, d.reward_sumsq,
-             d.goodput_sum, d.seconds_sum, now)
-            for arm, d in arms.items()
-        ]
         with self._lock:
-            self._retry_busy(lambda: self._conn.execute("BEGIN IMMEDIATE"))
+            pending = self._pending.setdefault(domain, DomainStats())
+            pending.steps += steps
+            pending.scale = pending.scale if scale is None else scale
+            for arm, d in arms.items():
+                _add(pending.arms.setdefault(arm, ArmDelta()), d)
             try:
-                self._conn.executemany(_UPSERT_ARM, rows)
-                self._conn.execute(_UPSERT_DOMAIN, (domain, steps, scale, now))
-                self._conn.execute("COMMIT")
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
+                self._write_pending(0.0 if self._behind else self.timeout)
+            except sqlite3.OperationalError as exc:
+                if _code(exc) not in (5, 6):  # BUSY, LOCKED
+                    raise
+                if not self._behind:
+                    warnings.warn(
+                        f"router store {self.path} is locked by another process; this update is "
+                        "kept in memory and written with a later one",
+                        StoreUnavailable,
+                        stacklevel=2,
+                    )
+                self._behind = True
+                return
+            self._behind = False
+
+    def _write_pending(self, wait: float) -> None:
+        """One transaction with every pending increment; waits at most `wait` s for the lock."""
+        if wait != self.timeout:
+            self._conn.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
+        try:
+            self._retry_busy(lambda: self._conn.execute("BEGIN IMMEDIATE"), wait)
+        finally:
+            if wait != self.timeout:
+                self._conn.execute(f"PRAGMA busy_timeout={int(self.timeout * 1000)}")
+        now = time.time()
+        try:
+            for domain, st in self._pending.items():
+                self._conn.executemany(_UPSERT_ARM, [
+                    (domain, arm, d.pulls, d.scored, d.reward_n, d.reward_sum, d.reward_sumsq,
+                     d.goodput_sum, d.seconds_sum, now)
+                    for arm, d in st.arms.items()
+                ])
+                self._conn.execute(_UPSERT_DOMAIN, (domain, st.steps, st.scale, now))
+            self._conn.execute("COMMIT")
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._pending.clear()
 
     def load(self) -> dict[str, DomainStats]:
-        """Everything in the store, by domain."""
+        """Everything in the store, by domain (written increments only, not those still pending).
+
+        A store that cannot be read gives a warning and nothing: a cold start, never an error.
+        """
         out: dict[str, DomainStats] = {}
         with self._lock:
-            for domain, steps, scale in self._conn.execute(
-                "SELECT domain, steps, scale FROM domain_stats"
-            ):
-                out[domain] = DomainStats(steps=steps, scale=scale)
-            for row in self._conn.execute(
-                "SELECT domain, arm, pulls, scored, reward_n, reward_sum, reward_sumsq, "
-                "goodput_sum, seconds_sum FROM arm_stats"
-            ):
-                out.setdefault(row[0], DomainStats()).arms[row[1]] = ArmDelta(*row[2:])
+            try:
+                for domain, steps, scale in self._conn.execute(
+                    "SELECT domain, steps, scale FROM domain_stats"
+                ):
+                    out[domain] = DomainStats(steps=steps, scale=scale)
+                for row in self._conn.execute(
+                    "SELECT domain, arm, pulls, scored, reward_n, reward_sum, reward_sumsq, "
+                    "goodput_sum, seconds_sum FROM arm_stats"
+                ):
+                    out.setdefault(row[0], DomainStats()).arms[row[1]] = ArmDelta(*row[2:])
+            except sqlite3.Error as exc:
+                warnings.warn(f"router store {self.path} could not be read ({exc}); starting cold",
+                              StoreUnavailable, stacklevel=2)
+                return {}
         return out
 
     def close(self) -> None:

@@ -7,6 +7,12 @@ output distributed exactly as the target's (Leviathan et al. 2023, Chen et al. 2
 
 A draft token with q = 0 is rejected: it could not have been drawn from q, so accepting it would
 break exactness. Greedy sampling degenerates to exact argmax matching.
+
+Input with no target law is refused with a ValueError, in greedy and sampling mode alike, as the
+Triton kernel refuses it: a NaN or +inf target logit, a row that is all -inf (-inf alone is
+legal: it marks a masked token), a draft token outside [0, V), a NaN or negative q. Without the
+check a NaN row reads as "no token has mass" and the inverse CDF falls back to token V-1, or
+argmax takes the NaN as the maximum: plausible-looking output from no distribution at all.
 """
 from __future__ import annotations
 
@@ -15,6 +21,31 @@ import torch
 from flashspec_core.sampling import SamplingParams, logprobs_from_logits, sample_from_probs
 
 PAD = -1  # fills `tokens` after the recovered or bonus token
+
+
+def _refuse_bad_input(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None
+) -> None:
+    """Raise ValueError naming the argument if the step has no well-defined law.
+
+    target_logits: [B, γ+1, V]; draft_tokens: [B, γ] int64; draft_probs: [B, γ, V] or None.
+    One pass over the logits and one host sync: a row's max is NaN if the row holds a NaN, +inf if
+    it holds +inf and -inf if every token is masked, so a finite max says the row is usable.
+    """
+    vocab = target_logits.shape[-1]
+    checks = {
+        "target_logits hold NaN or +inf, or a row that is all -inf: the target has no distribution "
+        "there (check the model's dtype and inputs; -inf alone is fine, it masks a token)":
+            ~torch.isfinite(target_logits.amax(-1)).all(),
+        f"draft_tokens: a draft token is outside [0, V) with V = {vocab}; the draft must use the "
+        "target's vocabulary": ((draft_tokens < 0) | (draft_tokens >= vocab)).any(),
+    }
+    if draft_probs is not None:  # NaN fails ">= 0" too
+        checks["draft_probs hold NaN or a negative value: q must be the distribution each draft "
+               "token was drawn from"] = ~(draft_probs.amin(-1) >= 0).all()
+    for message, bad in zip(checks, torch.stack(list(checks.values())).tolist()):
+        if bad:
+            raise ValueError(message)
 
 
 def verify_torch(
@@ -28,7 +59,7 @@ def verify_torch(
     """One verification step.
 
     target_logits: [B, γ+1, V] target logits at the positions predicting each draft token and the bonus.
-    draft_tokens:  [B, γ] int64.
+    draft_tokens:  [B, γ] int64 or int32 ids in [0, V).
     draft_probs:   [B, γ, V] the q each draft token was drawn from, or None for one-hot drafts.
     uniforms:      [B, γ+1] in [0, 1): γ acceptance tests, then the recovered or bonus draw.
     Returns n_accepted [B] int64 and tokens [B, γ+1] int64: the accepted draft tokens, then the
@@ -37,8 +68,10 @@ def verify_torch(
     bsz, gamma_plus_1, _ = target_logits.shape
     gamma = gamma_plus_1 - 1
     positions = torch.arange(gamma_plus_1, device=target_logits.device)
+    draft_tokens = draft_tokens.long()  # int32 ids index and scatter like int64 ones
     if sampling.greedy:
-        target_tokens = target_logits.argmax(-1)
+        _refuse_bad_input(target_logits, draft_tokens, None)
+        target_tokens = target_logits.argmax(-1)  # no NaN left to win the argmax
         matches = (draft_tokens == target_tokens[:, :gamma]).long()
         n_accepted = matches.cumprod(-1).sum(-1)
         return n_accepted, target_tokens.masked_fill(positions > n_accepted[:, None], PAD)
@@ -47,6 +80,7 @@ def verify_torch(
         uniforms = torch.rand(
             (bsz, gamma_plus_1), generator=generator, device=target_logits.device
         )
+    _refuse_bad_input(target_logits, draft_tokens, draft_probs)
     logp = logprobs_from_logits(target_logits, sampling)  # [B, γ+1, V]
     logp_draft = logp[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, γ]
     if draft_probs is None:

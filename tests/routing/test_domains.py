@@ -92,9 +92,10 @@ def test_hints_are_an_open_set():
 @pytest.mark.parametrize(
     "args, name",
     [
-        (("", None, "x"), "explicit"),
+        (("", None, "x"), "domain must not be empty"),
+        (("  ", None, "x"), "domain must not be empty or blank, got '  '"),
         ((None, "  ", "x"), "hint"),
-        ((3, None, "x"), "explicit"),
+        ((3, None, "x"), "domain"),
         ((None, ["tool"], "x"), "hint"),
         ((None, None, [{"role": "user", "content": "hi"}]), "prompt_text"),
         ((None, None, None), "prompt_text"),

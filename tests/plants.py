@@ -1,0 +1,54 @@
+"""The planted bugs of issue 15 as verify functions: what the exactness tests must catch.
+
+Both keep every acceptance test (so n_accepted is unchanged) and the support of the output, and
+change only how the recovered token of a row rejected at draft position n >= 2 (0-based) is drawn:
+
+- "u[n]": from the right residual max(0, p_n - q_n), but with the acceptance uniform u[n] instead
+  of its own u[γ]. Given the rejection, u[n] >= p_n(x)/q_n(x) is not uniform, so the law moves
+  while the support stays: the kind of bug only a law test can see.
+- "q1": from max(0, p_n - q_1), the residual built with the draft's q at position 1.
+
+Before issue 15 every exactness test passed with either (they looked at the first two tokens).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashspec_core.sampling import probs_from_logits, sample_from_probs
+from flashspec_core.verify import verify
+
+BUGS = ("u[n]", "q1")
+
+
+def redraw(bug: str, p: torch.Tensor, q: torch.Tensor, n_acc: torch.Tensor, tokens: torch.Tensor,
+           uniforms: torch.Tensor) -> torch.Tensor:
+    """The tokens `verify` with `bug` returns, given the real call's output on the same inputs.
+
+    p: [N, γ+1, V] target probabilities; q: [N, γ, V] draft laws (one-hot for deterministic
+    drafts); n_acc: [N]; tokens: [N, γ+1]; uniforms: [N, γ+1]. Returns a new tokens [N, γ+1].
+    """
+    gamma = q.shape[1]
+    if gamma < 3:
+        return tokens  # no rejection at a position n >= 2
+    rows = ((n_acc >= 2) & (n_acc < gamma)).nonzero().flatten()
+    n = n_acc[rows]
+    q_used = q[rows, 1] if bug == "q1" else q[rows, n]
+    u = uniforms[rows, n] if bug == "u[n]" else uniforms[rows, gamma]
+    out = tokens.clone()
+    out[rows, n] = sample_from_probs((p[rows, n] - q_used.float()).clamp(min=0.0), u)
+    return out
+
+
+def planted_verify(bug: str):
+    """A drop-in for `flashspec_core.verify.verify` (torch backend) with `bug` planted."""
+
+    def run(target_logits, draft_tokens, draft_probs, sampling, uniforms=None, backend="auto", generator=None):
+        bsz, positions, vocab = target_logits.shape
+        if uniforms is None:
+            uniforms = torch.rand((bsz, positions), generator=generator, device=target_logits.device)
+        n_acc, tokens = verify(target_logits, draft_tokens, draft_probs, sampling, uniforms, backend="torch")
+        q = F.one_hot(draft_tokens.long(), vocab) if draft_probs is None else draft_probs
+        return n_acc, redraw(bug, probs_from_logits(target_logits, sampling), q, n_acc, tokens, uniforms)
+
+    return run
