@@ -83,6 +83,7 @@ class SpecEngine:
         # Kept across requests: prefix reuse.
         self._target_runner = make_runner(target, self.backend, pad, self.context_window)
         self._device = target.model.get_output_embeddings().weight.device
+        self._vocab = vocab_size(target.model)
         self.calibration = self._calibrate(gammas) if calibrate else None
         self._json_tokens: torch.Tensor | None = None  # [V] bool, built on the first ban under a schema
 
@@ -290,6 +291,10 @@ class SpecEngine:
             return [[] for _ in seqs], None, 0.0
         proposal = self.drafts[arm.draft].propose(seqs, gamma, sampling, gen)
         g = min(len(t) for t, a in zip(proposal.tokens, active) if a)
+        bad = sorted({t for row, a in zip(proposal.tokens, active) if a for t in row[:g] if not 0 <= t < self._vocab})
+        if bad:  # caught here: the target's embedding would meet the id before verify does
+            raise ValueError(f"drafts: {arm.draft!r} proposed token ids {bad[:5]} outside the target's vocabulary "
+                             f"[0, {self._vocab}); a draft must share the target's tokenizer")
         tokens = [(list(t[:g]) + [0] * g)[:g] for t in proposal.tokens]
         probs = None if proposal.probs is None else proposal.probs[:, :g].to(self._device)
         return tokens, probs, proposal.catchup_seconds

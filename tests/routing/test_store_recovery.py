@@ -38,6 +38,7 @@ def test_a_half_made_file_is_completed_not_fatal(tmp_path):
         warnings.simplefilter("error")  # nothing to warn about: the file is ours, only unfinished
         router = BanditRouter([NGRAM], store=RouterStore(path))  # loads the store: once "no such table"
     router.update(_record())
+    router.flush()  # the router queues writes; the engine flushes at every request's end
     router.store.close()
     with RouterStore(path) as store:
         assert store.persistent and store.load()["tool"].arms["ngram@4"].pulls == 1
@@ -96,9 +97,11 @@ def test_the_router_keeps_persisting_after_a_transient_lock(tmp_path):
         warnings.simplefilter("ignore", StoreUnavailable)
         warnings.simplefilter("error", RuntimeWarning)  # the router's "statistics stay in memory"
         router.update(_record())
+        router.flush()  # the write meets the lock
     blocker.execute("COMMIT")
     blocker.close()
     router.update(_record())
+    router.flush()
     router.store.close()
     with RouterStore(path) as store:
         assert store.load()["tool"].arms["ngram@4"].pulls == 2
