@@ -74,11 +74,12 @@ class Calibration:
     def table(self) -> str:
         """The measured table, for the CLI and BENCHMARKS.md."""
         widths = sorted(self.best)
-        lines = [f"CPU: {self.cpu}; torch threads: {self.threads}; ms per forward after {CONTEXT} tokens",
-                 f"{'kernel':<12}" + "".join(f"{'w=' + str(w):>9}" for w in widths)]
+        col = max(9, 2 + max(len(k) for k in self.seconds))
+        lines = [f"CPU: {self.cpu}; torch threads: {self.threads}; ms per forward after a cached context",
+                 f"{'kernel':<12}" + "".join(f"{'w=' + str(w):>{col}}" for w in widths)]
         for name, row in self.seconds.items():
-            lines.append(f"{name:<12}" + "".join(f"{row.get(w, float('nan')) * 1e3:>9.1f}" for w in widths))
-        lines.append(f"{'kept':<12}" + "".join(f"{self.best[w]:>9}" for w in widths))
+            lines.append(f"{name:<12}" + "".join(f"{row.get(w, float('nan')) * 1e3:>{col}.1f}" for w in widths))
+        lines.append(f"{'kept':<12}" + "".join(f"{self.best[w]:>{col}}" for w in widths))
         return "\n".join(lines)
 
 
