@@ -20,7 +20,7 @@ from pathlib import Path
 from langchain_core.messages import HumanMessage
 from tqdm import tqdm
 
-import flashspec_integrations.langchain_messages as langchain_messages
+import flashspec_integrations.langchain._messages as langchain_messages
 from flashspec_core.constrained.tool_suite import TOOL_SUITE
 from flashspec_integrations.langchain import ChatFlashSpec
 

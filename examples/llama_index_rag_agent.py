@@ -24,7 +24,7 @@ from llama_index.core.agent.workflow import FunctionAgent, ToolCallResult
 from llama_index.core.tools import FunctionTool, QueryEngineTool
 
 from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index_steps import record_steps
+from flashspec_integrations.llama_index.steps import record_steps
 
 try:  # run as a script (examples/ on sys.path) or imported as examples.llama_index_rag_agent
     from llama_index_rag_query_engine import DOCS, build_query_engine

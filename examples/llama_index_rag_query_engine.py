@@ -17,8 +17,8 @@ from typing import Sequence
 from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
 
 from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index_embedding import HashingEmbedding
-from flashspec_integrations.llama_index_steps import record_steps
+from flashspec_integrations.llama_index.embeddings import HashingEmbedding
+from flashspec_integrations.llama_index.steps import record_steps
 
 DOCS = Path(__file__).parent / "docs"
 QUESTION = "How long is the Tessel River?"

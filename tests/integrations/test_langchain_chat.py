@@ -13,7 +13,7 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 from test_langchain_fakes import ScriptedEngine, tiny_engine
 
-from flashspec_integrations import langchain_runtime
+from flashspec_integrations.langchain import _base as langchain_runtime
 from flashspec_integrations.langchain import ChatFlashSpec
 
 

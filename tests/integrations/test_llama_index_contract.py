@@ -13,8 +13,8 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from test_llama_index_support import TINY_CONTEXT, ScriptedEngine, tiny_engine
 
 from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index_responses import PARTIAL
-from flashspec_integrations.llama_index_steps import record_steps
+from flashspec_integrations.llama_index._responses import PARTIAL
+from flashspec_integrations.llama_index.steps import record_steps
 
 USER = [ChatMessage(role="user", content="hello there")]
 

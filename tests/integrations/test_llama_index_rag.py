@@ -10,8 +10,8 @@ from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
 from test_llama_index_support import tiny_engine
 
 from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index_embedding import HashingEmbedding, hashed_vector
-from flashspec_integrations.llama_index_steps import record_steps
+from flashspec_integrations.llama_index.embeddings import HashingEmbedding, hashed_vector
+from flashspec_integrations.llama_index.steps import record_steps
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DOCS = EXAMPLES / "docs"

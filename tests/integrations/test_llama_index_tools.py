@@ -13,9 +13,9 @@ from pydantic import BaseModel
 from test_llama_index_support import ScriptedEngine, char_tokenizer
 
 from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index_messages import render_chat, to_template_messages
-from flashspec_integrations.llama_index_responses import PARTIAL
-from flashspec_integrations.llama_index_tools import (
+from flashspec_integrations.llama_index._messages import render_chat, to_template_messages
+from flashspec_integrations.llama_index._responses import PARTIAL
+from flashspec_integrations.llama_index._tools import (
     CALL_CLOSE,
     constraint_kwargs,
     forced_call_schema,

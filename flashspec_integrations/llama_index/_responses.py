@@ -21,7 +21,7 @@ from llama_index.core.base.llms.types import (
 )
 
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
-from flashspec_integrations.llama_index_tools import parse_tool_calls
+from flashspec_integrations.llama_index._tools import parse_tool_calls
 
 PARTIAL = "flashspec_partial"
 

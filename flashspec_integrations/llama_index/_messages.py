@@ -18,7 +18,7 @@ from llama_index.core.base.llms.types import (
     ToolCallBlock,
 )
 
-from flashspec_integrations.llama_index_tools import render_call, render_result
+from flashspec_integrations.llama_index._tools import render_call, render_result
 
 _ROLES = {
     MessageRole.SYSTEM: "system",

@@ -20,7 +20,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 
 from flashspec_core.constrained.tool_schema import tool_call_schema
-from flashspec_integrations.langchain_messages import (
+from flashspec_integrations.langchain._messages import (
     TOOL_CALL_CLOSE,
     content_text,
     json_instruction,
@@ -28,7 +28,7 @@ from flashspec_integrations.langchain_messages import (
     render_chat,
     template_supports_tools,
 )
-from flashspec_integrations.langchain_runtime import (
+from flashspec_integrations.langchain._base import (
     FlashSpecParams,
     Outcome,
     Request,
@@ -37,7 +37,7 @@ from flashspec_integrations.langchain_runtime import (
     run_request,
     stream_request,
 )
-from flashspec_integrations.langchain_tools import (
+from flashspec_integrations.langchain._tools import (
     ToolCallStreamer,
     ToolChoice,
     first_json_value,

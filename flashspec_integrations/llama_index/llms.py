@@ -39,10 +39,10 @@ from llama_index.core.llms.llm import ToolSelection, default_completion_to_promp
 
 from flashspec_core import SamplingParams
 from flashspec_integrations.context import JSON, REACT, TOOL, TOOL_RESULT
-from flashspec_integrations.llama_index_async import iterate_in_thread, run_in_thread
-from flashspec_integrations.llama_index_hints import chat_decision, completion_decision, template_scope
-from flashspec_integrations.llama_index_messages import add_system_text, render_chat, to_template_messages
-from flashspec_integrations.llama_index_responses import (
+from flashspec_integrations.llama_index._async import iterate_in_thread, run_in_thread
+from flashspec_integrations.llama_index._hints import chat_decision, completion_decision, template_scope
+from flashspec_integrations.llama_index._messages import add_system_text, render_chat, to_template_messages
+from flashspec_integrations.llama_index._responses import (
     PARTIAL,
     Request,
     chat_response,
@@ -50,7 +50,7 @@ from flashspec_integrations.llama_index_responses import (
     completion_response,
     completion_stream,
 )
-from flashspec_integrations.llama_index_tools import (
+from flashspec_integrations.llama_index._tools import (
     CALL_CLOSE,
     TOOL_STOPS,
     constraint_kwargs,

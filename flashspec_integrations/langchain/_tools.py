@@ -22,7 +22,7 @@ from typing import Any, Iterator, Sequence
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from flashspec_integrations.langchain_messages import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from flashspec_integrations.langchain._messages import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
 _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")

@@ -18,8 +18,7 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from flashspec_core.routing.domains import classify_prompt
-from flashspec_integrations.langchain_chat import ChatFlashSpec
-from flashspec_integrations.langchain_runtime import (
+from flashspec_integrations.langchain._base import (
     FlashSpecParams,
     Outcome,
     Request,
@@ -28,7 +27,7 @@ from flashspec_integrations.langchain_runtime import (
     stream_request,
 )
 
-__all__ = ["FlashSpecLLM", "ChatFlashSpec"]
+__all__ = ["FlashSpecLLM"]
 
 
 class FlashSpecLLM(FlashSpecParams, BaseLLM):
