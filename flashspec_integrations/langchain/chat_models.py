@@ -1,6 +1,8 @@
 """ChatFlashSpec: a LangChain chat model over the FlashSpec engine, with tools and structured output."""
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -11,44 +13,36 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.output_parsers import JsonOutputKeyToolsParser
 from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda, RunnableMap, RunnablePassthrough
+from langchain_core.runnables.config import get_config_list
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
-from flashspec_core.constrained.tool_schema import tool_call_schema
-from flashspec_integrations.langchain._messages import (
-    TOOL_CALL_CLOSE,
-    content_text,
-    json_instruction,
-    message_roles,
-    render_chat,
-    template_supports_tools,
-)
-from flashspec_integrations.langchain._base import (
-    FlashSpecParams,
-    Outcome,
-    Request,
-    aiter_in_thread,
-    engine_takes_json_schema,
-    run_request,
-    stream_request,
-)
-from flashspec_integrations.langchain._tools import (
+from flashspec_integrations.async_bridge import aiter_in_thread
+from flashspec_integrations.calls import EngineCall, Outcome, stream_call
+from flashspec_integrations.langchain._base import LangChainParams, usage
+from flashspec_integrations.langchain._messages import content_text, to_openai_dicts
+from flashspec_integrations.prompts import json_instruction, render_prompt, template_supports_tools
+from flashspec_integrations.tool_calls import (
+    ParsedCall,
     ToolCallStreamer,
     ToolChoice,
-    first_json_value,
+    first_json_object,
+    forced_call_schema,
     forced_prefix,
     normalize_tool_choice,
     parse_tool_calls,
-    to_openai_tools,
-    tool_names,
+    reply_stops,
+    takes_json_schema,
+    tool_name,
 )
 
-_CALL_KWARGS = ("tools", "tool_choice", "response_format", "structured_output")
+_CALL_KWARGS = ("tools", "tool_choice", "response_format", "structured_output", "parallel_tool_calls", "strict")
 
 
 def _parse_json_reply(model: type | None, message: AIMessage) -> Any:
@@ -57,7 +51,7 @@ def _parse_json_reply(model: type | None, message: AIMessage) -> Any:
     `include_raw` can report it."""
     text = content_text(message.content, "reply")
     try:
-        value = first_json_value(text)
+        value = first_json_object(text)
         if model is None:
             return value
         return model.model_validate(value) if issubclass(model, BaseModel) else model.parse_obj(value)
@@ -65,24 +59,35 @@ def _parse_json_reply(model: type | None, message: AIMessage) -> Any:
         raise OutputParserException(f"the reply is not the requested JSON: {exc}", llm_output=text) from exc
 
 
+def _lc_call(call: ParsedCall) -> dict:
+    if call.valid:
+        return tool_call(name=call.name, args=call.arguments, id=call.id)
+    return invalid_tool_call(name=call.name, args=call.raw, id=call.id, error=call.error)
+
+
 @dataclass
 class _Plan:
-    """A prepared call: the engine request and how to read its output."""
+    """A prepared call: the engine call and how to read its output."""
 
-    request: Request
+    call: EngineCall
     names: list[str]
     parse_tools: bool
+    single_call: bool  # one call at most: forced, or parallel_tool_calls=False
 
 
-class ChatFlashSpec(FlashSpecParams, BaseChatModel):
+class ChatFlashSpec(LangChainParams, BaseChatModel):
     """A chat model: messages through the target's chat template, tool calling, structured output.
 
     Tool calls use the template's own tool format when it has one, else the Hermes `<tool_call>`
-    format (`langchain_messages`). A forced tool choice or structured output asks the engine for
-    schema-constrained decoding when the engine offers it (`_output_constraint`); otherwise the
-    reply starts with the call's forced prefix and is parsed leniently, with failures reported in
-    `AIMessage.invalid_tool_calls`.
+    format (`flashspec_integrations.prompts`). A forced tool choice or structured output is
+    decoded under its JSON schema (`_output_constraint`), so it always parses; unforced calls are
+    the model's choice and are parsed leniently, failures reported in `AIMessage.invalid_tool_calls`.
+    Calls without a timeout go through the engine's batcher: `batch`, `abatch` and concurrent
+    callers are decoded as engine batches.
     """
+
+    # LangChain's base class ignores unknown arguments; a misspelt setting should fail instead.
+    model_config = ConfigDict(extra="forbid")
 
     @property
     def _llm_type(self) -> str:
@@ -99,8 +104,8 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
         """Tokens of the prompt these messages (and tools) render to, generation prompt included."""
-        formatted = to_openai_tools(tools) if tools else []
-        return len(self.get_token_ids(render_chat(self.get_engine().tokenizer, messages, formatted)))
+        formatted = [convert_to_openai_tool(t) for t in tools or ()]
+        return len(self.get_token_ids(render_prompt(self.get_engine().tokenizer, to_openai_dicts(messages), formatted)))
 
     # ------------------------------------------------------------------------------- tools
 
@@ -109,15 +114,26 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         tools: Sequence[dict[str, Any] | type | Callable | Any],
         *,
         tool_choice: str | bool | dict | None = None,
+        strict: bool | None = None,
+        parallel_tool_calls: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (LangChain tools, functions, pydantic models or OpenAI dicts).
 
         tool_choice: "auto" (default), "none", "any"/"required"/True (some tool must be called) or
-        a tool's name.
+        a tool's name. A forced call is decoded under the tool's JSON schema, so its arguments
+        always match it. strict: as OpenAI's, the schemas are made strict (every property
+        required, no others: `convert_to_openai_tool(strict=True)`), which a forced call's grammar
+        then enforces; an unforced call cannot be constrained before the model chooses to call, and
+        its arguments are checked by the tool's own schema when it runs. parallel_tool_calls=False:
+        one call per reply at most (decoding stops where the first call closes).
         """
-        formatted = to_openai_tools(tools)
-        normalize_tool_choice(tool_choice, formatted)
+        if isinstance(tools, (str, dict)) or not isinstance(tools, Sequence):
+            raise ValueError("tools: pass a list of tools (BaseTool, functions, pydantic models or OpenAI dicts)")
+        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        normalize_tool_choice(tool_choice, formatted)  # a bad choice fails here, not at invoke
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
     def with_structured_output(
@@ -134,8 +150,8 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         method: "function_calling" forces a call of a tool shaped like the schema; "json_schema"
         asks for a JSON reply matching the schema; "json_mode" for a JSON object, decoded under the
         schema when one is given (an API's JSON mode only promises some object; here the reply
-        always parses into what was asked). `strict` is
-        accepted for compatibility: the parser validates either way.
+        always parses into what was asked). Every method decodes under the schema, so `strict`
+        changes nothing but the schema's form (see `bind_tools`).
         """
         if kwargs:
             raise ValueError(f"with_structured_output: unsupported arguments {sorted(kwargs)}")
@@ -144,8 +160,9 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
             if schema is None:
                 raise ValueError("schema: function_calling needs a schema; pass one or use method='json_mode'")
             name = convert_to_openai_tool(schema)["function"]["name"]
-            llm = self.bind_tools([schema], tool_choice=name, structured_output=True, ls_structured_output_format={
-                "kwargs": {"method": method, "strict": strict}, "schema": convert_to_openai_tool(schema)})
+            llm = self.bind_tools([schema], tool_choice=name, strict=strict, structured_output=True,
+                                  ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
+                                                               "schema": convert_to_openai_tool(schema)})
             parser: Runnable = (
                 PydanticToolsParser(tools=[schema], first_tool_only=True) if is_model
                 else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
@@ -153,8 +170,6 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         elif method in ("json_mode", "json_schema"):
             if method == "json_schema" and schema is None:
                 raise ValueError("schema: json_schema needs a schema; pass one or use method='json_mode'")
-            # JSON mode given a schema to parse into decodes under it too: a reply the parser would
-            # reject is never produced (an API's JSON mode only promises some object).
             fmt = {"type": "json_object"} if schema is None else {
                 "type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}}
             llm = self.bind(response_format=fmt, ls_structured_output_format={
@@ -170,14 +185,9 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
 
     @staticmethod
     def _output_constraint(tools: Sequence[dict], choice: ToolChoice, response_format: Any) -> dict | None:
-        """The JSON schema the whole reply must match, or None for free text.
-
-        This is the seam to schema-constrained decoding: an engine whose `stream` takes
-        `json_schema` receives it and decodes under it, exactly; the reply is then the bare JSON
-        call or object, which the parser reads as well as the tagged form.
-        """
+        """The JSON schema the whole reply must match (a forced call, structured output), or None."""
         if choice.forced:
-            return tool_call_schema(tools, choice.name or "any")
+            return forced_call_schema(tools, choice)
         if isinstance(response_format, dict):
             if response_format.get("type") == "json_schema":
                 return (response_format.get("json_schema") or {}).get("schema") or {"type": "object"}
@@ -193,47 +203,53 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
     # ------------------------------------------------------------------------------ calls
 
     def _plan(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, kwargs: dict) -> _Plan:
-        engine = self.get_engine()
-        max_new, sampling, stops = self._call_settings(stop, kwargs, allowed=_CALL_KWARGS)
+        self._check_kwargs(kwargs, _CALL_KWARGS)
+        tokenizer = self.get_engine().tokenizer
         tools = list(kwargs.get("tools") or [])
+        if kwargs.get("strict"):
+            tools = [convert_to_openai_tool(t, strict=True) for t in tools]
         choice = normalize_tool_choice(kwargs.get("tool_choice"), tools) if tools else ToolChoice()
         shown = [] if choice.none else tools
         response_format = kwargs.get("response_format")
         schema = self._output_constraint(shown, choice, response_format)
+        dicts = to_openai_dicts(messages)
         decision = self._decide(
             run_manager, kwargs,
             tools_bound=bool(shown), tool_choice_forced=choice.forced,
             structured_output=bool(kwargs.get("structured_output")) or response_format is not None,
-            roles=message_roles(messages),
-            prompt_text="\n".join(content_text(m.content, "messages") for m in messages),
+            roles=[d["role"] for d in dicts], prompt_text="\n".join(d["content"] for d in dicts),
         )
-        extra = json_instruction(schema) if response_format is not None else ""
-        text = render_chat(engine.tokenizer, messages, shown, extra)
-        constrained = schema is not None and engine_takes_json_schema(engine)
-        prefix = "" if constrained or template_supports_tools(engine.tokenizer) else forced_prefix(choice)
-        ids = engine.tokenizer(text + prefix, add_special_tokens=False).input_ids
-        if prefix:  # a forced call is one call: stop where its block closes
-            stops = [*stops, TOOL_CALL_CLOSE]
-        req = Request(ids, max_new, sampling, stops, decision, prefix, schema)
-        return _Plan(request=req, names=tool_names(shown), parse_tools=bool(shown))
+        text = render_prompt(tokenizer, dicts, shown, json_instruction(schema) if response_format is not None else "")
+        constrained = schema is not None and takes_json_schema(self.get_engine())
+        hermes = bool(shown) and not template_supports_tools(tokenizer)
+        single = choice.forced or kwargs.get("parallel_tool_calls") is False
+        call = self._engine_call(
+            text, stop, kwargs, decision, prefix=forced_prefix(choice, constrained) if hermes else "",
+            json_schema=schema if constrained else None, extra_stops=reply_stops(bool(shown), single, hermes),
+        )
+        return _Plan(call, [tool_name(t) for t in shown], bool(shown), single)
 
     def _metadata(self, outcome: Outcome, finish_reason: str) -> dict[str, Any]:
-        return {
-            "model_name": self.model_name,
-            "model_provider": "flashspec",
-            "finish_reason": finish_reason,
-            "flashspec": outcome.info(),
-        }
+        return {"model_name": self.model_name, "model_provider": "flashspec", "finish_reason": finish_reason,
+                "flashspec": outcome.info()}
 
-    def _message(self, plan: _Plan, outcome: Outcome) -> AIMessage:
-        content, calls, invalid = outcome.text, [], []
-        if plan.parse_tools:
-            content, calls, invalid = parse_tool_calls(outcome.text, plan.names, outcome.finish_reason != "length")
-        finish = "tool_calls" if calls else outcome.finish_reason
-        return AIMessage(
-            content=content, tool_calls=calls, invalid_tool_calls=invalid,
-            usage_metadata=outcome.usage(), response_metadata=self._metadata(outcome, finish),
+    def _calls(self, plan: _Plan, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+        if not plan.parse_tools:
+            return text, []
+        content, calls = parse_tool_calls(text, plan.names, finished)
+        return content, calls[:1] if plan.single_call else calls
+
+    def _result(self, plan: _Plan, outcome: Outcome) -> ChatResult:
+        content, calls = self._calls(plan, outcome.text, outcome.finish_reason != "length")
+        lc_calls = [_lc_call(c) for c in calls]
+        valid = [c for c in lc_calls if c["type"] == "tool_call"]
+        finish = "tool_calls" if valid else outcome.finish_reason
+        message = AIMessage(
+            content=content, tool_calls=valid, invalid_tool_calls=[c for c in lc_calls if c["type"] != "tool_call"],
+            usage_metadata=usage(outcome), response_metadata=self._metadata(outcome, finish),
         )
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": finish})],
+                          llm_output={"model_name": self.model_name})
 
     def _generate(
         self,
@@ -243,35 +259,69 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         plan = self._plan(messages, stop, run_manager, kwargs)
-        outcome = run_request(self.get_engine(), plan.request, self.timeout, self.max_retries)
-        message = self._message(plan, outcome)
-        info = {"finish_reason": message.response_metadata["finish_reason"]}
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)],
-                          llm_output={"model_name": self.model_name})
+        return self._result(plan, self._run([plan.call])[0])
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        # Planned in a worker (the first call loads the weights); then waits on the batcher.
+        plan = await asyncio.to_thread(self._plan, messages, stop, run_manager, kwargs)
+        return self._result(plan, (await self._arun([plan.call]))[0])
+
+    def batch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[AIMessage]:
+        """LangChain runs a chat model's `batch` as one `invoke` per input in a thread pool of
+        `max_concurrency` threads (by default min(32, cores + 4)); without a `max_concurrency` of
+        the caller's, the pool here is as wide as the batch, so every input reaches the engine's
+        batcher at once and the batch is decoded as one engine batch per domain."""
+        configs = get_config_list(config, len(inputs))
+        configs = [c if c.get("max_concurrency") is not None else {**c, "max_concurrency": len(inputs)} for c in configs]
+        return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
 
     def _chunks(self, plan: _Plan) -> Iterator[ChatGenerationChunk]:
         """Message chunks of one call; usage and stats come once, on the last chunk."""
-        req = plan.request
+        call = plan.call
         streamer = ToolCallStreamer(plan.names) if plan.parse_tools else None
-        text, ids, pending = req.prefix, [], req.prefix
+        text, ids, pending, index = call.prefix, [], call.prefix, 0
         start = time.perf_counter()
-        for chunk in stream_request(self.get_engine(), req, self.timeout):
+        for chunk in stream_call(self.get_engine(), call, self.timeout):
             text += chunk.text
             ids.extend(chunk.token_ids)
             delta, pending = pending + chunk.text, ""
             pieces = list(streamer.feed(delta)) if streamer else [(delta, None)]
             if chunk.finish_reason is not None and streamer:
                 pieces += list(streamer.finish(chunk.finish_reason != "length"))
-            for content, call in pieces:
-                if content or call:
-                    yield ChatGenerationChunk(message=AIMessageChunk(content=content, tool_call_chunks=[call] if call else []))
+            for content, parsed in pieces:
+                if parsed is not None and plan.single_call and index:
+                    parsed = None  # one call at most
+                if not (content or parsed):
+                    continue
+                calls = []
+                if parsed is not None:
+                    # LangChain parses chunk args with a partial-JSON parser when it aggregates, which
+                    # would turn a cut-off call into a valid one; an invalid call's raw text is
+                    # therefore sent as a JSON string, which that parser never reads as arguments.
+                    args = json.dumps(parsed.arguments if parsed.valid else parsed.raw, ensure_ascii=False)
+                    calls = [tool_call_chunk(name=parsed.name, args=args, id=parsed.id, index=index)]
+                    index += 1
+                yield ChatGenerationChunk(message=AIMessageChunk(content=content, tool_call_chunks=calls))
             if chunk.finish_reason is None:
                 continue
-            seconds = time.perf_counter() - start  # wall time, as for invoke
-            outcome = Outcome(text, ids, chunk.finish_reason, chunk.stats, len(req.prompt_ids), seconds, req.decision)
-            called = plan.parse_tools and bool(parse_tool_calls(text, plan.names, chunk.finish_reason != "length")[1])
+            outcome = Outcome(text, ids, chunk.finish_reason, chunk.stats, len(call.prompt_ids),
+                              time.perf_counter() - start, call.decision)  # wall time, as for invoke
+            called = any(c.valid for c in self._calls(plan, text, chunk.finish_reason != "length")[1])
             finish = "tool_calls" if called else chunk.finish_reason
-            last = AIMessageChunk(content="", usage_metadata=outcome.usage(),
+            last = AIMessageChunk(content="", usage_metadata=usage(outcome),
                                   response_metadata=self._metadata(outcome, finish), chunk_position="last")
             yield ChatGenerationChunk(message=last, generation_info={"finish_reason": finish})
 
@@ -295,8 +345,7 @@ class ChatFlashSpec(FlashSpecParams, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         # Planned in the worker too: the first call loads the weights.
-        make = lambda: self._chunks(self._plan(messages, stop, run_manager, kwargs))  # noqa: E731
-        async for chunk in aiter_in_thread(make):
+        async for chunk in aiter_in_thread(lambda: self._chunks(self._plan(messages, stop, run_manager, kwargs))):
             if run_manager is not None:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk

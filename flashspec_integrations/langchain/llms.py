@@ -1,42 +1,37 @@
-"""LangChain models over the FlashSpec engine: `FlashSpecLLM` (text in, text out) and `ChatFlashSpec`.
+"""FlashSpecLLM for LangChain: a completion model (text in, text out) over the FlashSpec engine.
 
-    from flashspec_integrations.langchain import ChatFlashSpec, FlashSpecLLM
+    from flashspec_integrations.langchain import FlashSpecLLM
     llm = FlashSpecLLM(max_tokens=64)            # instant: the default model loads on first use
     llm.invoke("Once upon a time")
 
 Every call picks its router domain from the LangChain run (see `flashspec_integrations.context`)
-and returns the engine's per-call statistics: `generation_info["flashspec"]` here,
-`response_metadata["flashspec"]` on chat messages.
+and returns the engine's per-call statistics in `generation_info["flashspec"]`.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator, Iterator
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import ConfigDict
 
-from flashspec_core.routing.domains import classify_prompt
-from flashspec_integrations.langchain._base import (
-    FlashSpecParams,
-    Outcome,
-    Request,
-    aiter_in_thread,
-    run_request,
-    stream_request,
-)
-
-__all__ = ["FlashSpecLLM"]
+from flashspec_integrations.async_bridge import aiter_in_thread
+from flashspec_integrations.calls import EngineCall, Outcome, stream_call
+from flashspec_integrations.langchain._base import LangChainParams, usage
 
 
-class FlashSpecLLM(FlashSpecParams, BaseLLM):
+class FlashSpecLLM(LangChainParams, BaseLLM):
     """A completion model: the prompt text goes to the target as is (no chat template).
 
-    A batch is decoded as one engine batch per domain (the engine verifies a batch's rows
-    together, and a batch shares one router domain); with `timeout` set, prompts run one by one
-    so each can be timed.
+    `batch` (and concurrent callers) are decoded as engine batches, one per domain (a batch shares
+    one router domain); with `timeout` set, prompts run one by one so each can be timed.
     """
+
+    # LangChain's base class ignores unknown arguments; a misspelt setting should fail instead.
+    model_config = ConfigDict(extra="forbid")
 
     @property
     def _llm_type(self) -> str:
@@ -49,18 +44,24 @@ class FlashSpecLLM(FlashSpecParams, BaseLLM):
         """Token ids of `text` under the target tokenizer (offline)."""
         return self.get_engine().tokenizer(text, add_special_tokens=False).input_ids
 
-    def _request(self, prompt: str, stop: list[str] | None, run_manager: Any, kwargs: dict) -> Request:
+    def _call(self, prompt: str, stop: list[str] | None, run_manager: Any, kwargs: dict) -> EngineCall:
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("prompt: FlashSpecLLM takes a non-empty string; use ChatFlashSpec for messages")
-        max_new, sampling, stops = self._call_settings(stop, kwargs)
+        self._check_kwargs(kwargs)
         decision = self._decide(run_manager, kwargs, prompt_text=prompt)
-        ids = self.get_engine().tokenizer(prompt).input_ids
-        return Request(ids, max_new, sampling, stops, decision)
+        return self._engine_call(prompt, stop, kwargs, decision, chat=False)
 
     @staticmethod
-    def _generation(outcome: Outcome) -> Generation:
-        info = {"finish_reason": outcome.finish_reason, "usage": dict(outcome.usage()), "flashspec": outcome.info()}
-        return Generation(text=outcome.text, generation_info=info)
+    def _generation_info(outcome: Outcome) -> dict[str, Any]:
+        return {"finish_reason": outcome.finish_reason, "usage": dict(usage(outcome)), "flashspec": outcome.info()}
+
+    def _result(self, outcomes: list[Outcome]) -> LLMResult:
+        usages = [usage(o) for o in outcomes]
+        token_usage = {k: sum(u[k] for u in usages) for k in ("input_tokens", "output_tokens", "total_tokens")}
+        return LLMResult(
+            generations=[[Generation(text=o.text, generation_info=self._generation_info(o))] for o in outcomes],
+            llm_output={"model_name": self.model_name, "token_usage": token_usage},
+        )
 
     def _generate(
         self,
@@ -69,56 +70,33 @@ class FlashSpecLLM(FlashSpecParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        requests = [self._request(p, stop, run_manager, kwargs) for p in prompts]
-        engine = self.get_engine()
-        if self.timeout is not None or len(requests) == 1:
-            outcomes = [run_request(engine, r, self.timeout, self.max_retries) for r in requests]
-        else:
-            outcomes = self._generate_batched(prompts, requests)
-        usage = [o.usage() for o in outcomes]
-        token_usage = {k: sum(u[k] for u in usage) for k in ("input_tokens", "output_tokens", "total_tokens")}
-        return LLMResult(
-            generations=[[self._generation(o)] for o in outcomes],
-            llm_output={"model_name": self.model_name, "token_usage": token_usage},
-        )
+        return self._result(self._run([self._call(p, stop, run_manager, kwargs) for p in prompts]))
 
-    def _generate_batched(self, prompts: list[str], requests: list[Request]) -> list[Outcome]:
-        """One engine batch per (domain, hint); classifier-decided prompts are grouped by label."""
-        engine = self.get_engine()
-        groups: dict[tuple, list[int]] = {}
-        for i, (prompt, req) in enumerate(zip(prompts, requests)):
-            d = req.decision
-            key = (d.domain, d.hint if d.label else classify_prompt(prompt))
-            groups.setdefault(key, []).append(i)
-        outcomes: list[Outcome | None] = [None] * len(requests)
-        for (domain, hint), rows in groups.items():
-            first = requests[rows[0]]
-            results = engine.generate(
-                [requests[i].prompt_ids for i in rows], max_new_tokens=first.max_new_tokens,
-                sampling=first.sampling, stop=first.stop or None, domain=domain, hint=hint,
-            )
-            for i, res in zip(rows, results):
-                outcomes[i] = Outcome(
-                    res.text, list(res.token_ids), res.finish_reason, res.stats, res.prompt_tokens,
-                    res.stats.seconds, requests[i].decision, {"batch_size": len(rows)},
-                )
-        return [o for o in outcomes if o is not None]
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        # Built in a worker (the first call loads the weights); then waits on the batcher.
+        calls = await asyncio.to_thread(lambda: [self._call(p, stop, run_manager, kwargs) for p in prompts])
+        return self._result(await self._arun(calls))
 
-    def _chunks(self, req: Request) -> Iterator[GenerationChunk]:
-        """GenerationChunks of one request; the last carries finish_reason, usage and stats."""
-        engine = self.get_engine()
+    def _chunks(self, call: EngineCall) -> Iterator[GenerationChunk]:
+        """GenerationChunks of one call; the last carries finish_reason, usage and stats."""
         text, ids = "", []
         start = time.perf_counter()
-        for chunk in stream_request(engine, req, self.timeout):
+        for chunk in stream_call(self.get_engine(), call, self.timeout):
             text += chunk.text
             ids.extend(chunk.token_ids)
             if chunk.finish_reason is None:
                 if chunk.text:
                     yield GenerationChunk(text=chunk.text)
                 continue
-            seconds = time.perf_counter() - start  # wall time, as for invoke
-            outcome = Outcome(text, ids, chunk.finish_reason, chunk.stats, len(req.prompt_ids), seconds, req.decision)
-            yield GenerationChunk(text=chunk.text, generation_info=self._generation(outcome).generation_info)
+            outcome = Outcome(text, ids, chunk.finish_reason, chunk.stats, len(call.prompt_ids),
+                              time.perf_counter() - start, call.decision)  # wall time, as for invoke
+            yield GenerationChunk(text=chunk.text, generation_info=self._generation_info(outcome))
 
     def _stream(
         self,
@@ -127,7 +105,7 @@ class FlashSpecLLM(FlashSpecParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for chunk in self._chunks(self._request(prompt, stop, run_manager, kwargs)):
+        for chunk in self._chunks(self._call(prompt, stop, run_manager, kwargs)):
             if run_manager is not None:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
@@ -139,8 +117,8 @@ class FlashSpecLLM(FlashSpecParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        # The request is built in the worker too: the first call loads the weights.
-        async for chunk in aiter_in_thread(lambda: self._chunks(self._request(prompt, stop, run_manager, kwargs))):
+        # The call is built in the worker too: the first call loads the weights.
+        async for chunk in aiter_in_thread(lambda: self._chunks(self._call(prompt, stop, run_manager, kwargs))):
             if run_manager is not None:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk

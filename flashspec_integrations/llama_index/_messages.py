@@ -1,106 +1,59 @@
-"""LlamaIndex chat messages -> the target's chat template -> prompt text.
+"""LlamaIndex chat messages -> OpenAI-form dicts with text content, for `flashspec_integrations.prompts`.
 
-The target model was trained on its own chat template, so messages go through
-`tokenizer.apply_chat_template` rather than LlamaIndex's generic "role: content" rendering.
-Tool traffic is written in the form the tool instructions describe (calls in `<tool_call>` tags,
-results in `<tool_response>` tags), so a model sees its earlier calls as it was asked to write them.
+Tool calls come from `ToolCallBlock`s, or, from older integrations, from
+`additional_kwargs["tool_calls"]` in OpenAI's shape; tool results keep their `tool_call_id`.
+Content a text-only model cannot read is an error naming the message, not silently dropped.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from llama_index.core.base.llms.types import (
-    CachePoint,
-    ChatMessage,
-    MessageRole,
-    TextBlock,
-    ThinkingBlock,
-    ToolCallBlock,
-)
+from llama_index.core.base.llms.types import CachePoint, ChatMessage, TextBlock, ThinkingBlock, ToolCallBlock
 
-from flashspec_integrations.llama_index._tools import render_call, render_result
+from flashspec_integrations.context import TOOL_ROLE, normalize_role
 
-_ROLES = {
-    MessageRole.SYSTEM: "system",
-    MessageRole.DEVELOPER: "system",
-    MessageRole.USER: "user",
-    MessageRole.ASSISTANT: "assistant",
-    MessageRole.CHATBOT: "assistant",
-    MessageRole.MODEL: "assistant",
-    MessageRole.TOOL: "tool",
-    MessageRole.FUNCTION: "tool",
-}
 _SKIPPED_BLOCKS = (ThinkingBlock, CachePoint)
 
 
-def _legacy_calls(message: ChatMessage) -> list[str]:
-    """Calls stored the OpenAI way in additional_kwargs['tool_calls'] (older integrations)."""
-    rendered = []
+def _legacy_calls(message: ChatMessage) -> list[dict]:
+    """Calls stored the OpenAI way in additional_kwargs['tool_calls'] (dicts or OpenAI objects)."""
+    calls = []
     for call in message.additional_kwargs.get("tool_calls") or ():
         function = call.get("function", call) if isinstance(call, Mapping) else getattr(call, "function", call)
-        name = function.get("name") if isinstance(function, Mapping) else getattr(function, "name", None)
-        args = function.get("arguments") if isinstance(function, Mapping) else getattr(function, "arguments", None)
-        if name:
-            rendered.append(render_call(str(name), args))
-    return rendered
+        get = function.get if isinstance(function, Mapping) else lambda k, f=function: getattr(f, k, None)
+        if get("name"):
+            call_id = call.get("id") if isinstance(call, Mapping) else getattr(call, "id", None)
+            calls.append({"id": call_id, "type": "function",
+                          "function": {"name": str(get("name")), "arguments": get("arguments")}})
+    return calls
 
 
-def message_text(message: ChatMessage, index: int) -> str:
-    """The text of one message, tool calls written out; ValueError for content a text model cannot read."""
-    parts: list[str] = []
-    has_call_blocks = False
+def openai_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    """One message as an OpenAI-form dict; ValueError for content a text-only model cannot read."""
+    if not isinstance(message, ChatMessage):
+        raise ValueError(f"messages: item {index} is a {type(message).__name__}, expected a ChatMessage")
+    texts, calls = [], []
     for block in message.blocks:
         if isinstance(block, TextBlock):
-            parts.append(block.text)
+            texts.append(block.text)
         elif isinstance(block, ToolCallBlock):
-            has_call_blocks = True
-            parts.append(render_call(block.tool_name, block.tool_kwargs))
+            calls.append({"id": block.tool_call_id, "type": "function",
+                          "function": {"name": block.tool_name, "arguments": block.tool_kwargs}})
         elif not isinstance(block, _SKIPPED_BLOCKS):
             raise ValueError(
                 f"messages: message {index} has a {type(block).__name__}; FlashSpecLLM reads text only, "
                 "so pass text blocks (describe images or documents in text)"
             )
-    if not has_call_blocks:
-        parts.extend(_legacy_calls(message))
-    return "\n".join(p for p in parts if p)
+    item: dict[str, Any] = {"role": normalize_role(message.role), "content": "\n".join(t for t in texts if t)}
+    calls = calls or _legacy_calls(message)
+    if calls:
+        item["tool_calls"] = calls
+    if item["role"] == TOOL_ROLE and message.additional_kwargs.get("tool_call_id"):
+        item["tool_call_id"] = message.additional_kwargs["tool_call_id"]
+    return item
 
 
-def to_template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Role/content dicts for the chat template; tool results wrapped in `<tool_response>` tags."""
+def to_openai_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     if not messages:
         raise ValueError("messages: empty; pass at least one ChatMessage")
-    out: list[dict[str, str]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, ChatMessage):
-            raise ValueError(f"messages: item {i} is a {type(message).__name__}, expected a ChatMessage")
-        role = _ROLES.get(message.role, str(getattr(message.role, "value", message.role)))
-        text = message_text(message, i)
-        out.append({"role": role, "content": render_result(text) if role == "tool" else text})
-    return out
-
-
-def add_system_text(messages: list[dict[str, str]], text: str) -> list[dict[str, str]]:
-    """Append `text` to the leading system message, or start the conversation with one."""
-    if messages and messages[0]["role"] == "system":
-        first = dict(messages[0], content=(messages[0]["content"] + "\n\n" + text).strip())
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], assistant_prefix: str = "") -> str:
-    """The prompt text: the chat template with the generation prompt, then the assistant's prefill.
-
-    A template that rejects the `tool` role gets tool results as user turns instead (the
-    `<tool_response>` tags still mark them).
-    """
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the target tokenizer has no chat template; pass messages_to_prompt= to FlashSpecLLM")
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # jinja2 raises its own TemplateError for unsupported roles
-        if not any(m["role"] == "tool" for m in messages):
-            raise ValueError(f"messages: the target's chat template rejected them: {exc}") from exc
-        fallback = [dict(m, role="user") if m["role"] == "tool" else m for m in messages]
-        text = tokenizer.apply_chat_template(fallback, add_generation_prompt=True, tokenize=False)
-    return text + assistant_prefix
-
+    return [openai_message(m, i) for i, m in enumerate(messages)]

@@ -1,15 +1,21 @@
-"""Engine results -> LlamaIndex responses, with token usage and FlashSpec statistics.
+"""Engine outcomes -> LlamaIndex responses, with token usage and FlashSpec statistics.
 
 Every finished response carries the same information in two places, because LlamaIndex code
 reads both: `raw` (a dict: `usage` in the OpenAI shape that TokenCountingHandler understands, and
 `flashspec` with the step domain, the arm of every step and the acceptance counts) and
 `additional_kwargs` (flat token counts plus `flashspec`). Streamed chunks before the last are
 marked `flashspec_partial` and carry no statistics yet: the engine reports them when it finishes.
+
+Tool calls go on the message twice as well: as `ToolCallBlock`s (what `get_tool_calls_from_response`
+and chat history read) and in `message.additional_kwargs["tool_calls"]` in OpenAI's shape, which is
+where llama-index-core's structured streaming (`process_streaming_objects`) looks for them.
 """
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -20,88 +26,98 @@ from llama_index.core.base.llms.types import (
     ToolCallBlock,
 )
 
-from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
-from flashspec_integrations.llama_index._tools import parse_tool_calls
+from flashspec_core.results import StreamChunk
+from flashspec_integrations.calls import EngineCall, Outcome
+from flashspec_integrations.tool_calls import ParsedCall, new_call_id, parse_tool_calls
 
 PARTIAL = "flashspec_partial"
 
 
 @dataclass
 class Request:
-    """One prepared call: the prompt the engine gets and how to read what comes back."""
+    """One prepared call: the engine call and how to read what comes back."""
 
-    prompt_ids: list[int]
-    engine_kwargs: dict[str, Any]  # max_new_tokens, sampling, stop, domain, hint (+ constraint)
-    prefix: str = ""  # assistant text written before generation: the start of a forced call
+    call: EngineCall
     tool_names: tuple[str, ...] | None = None  # parse tool calls from the output when set
     single_call: bool = False  # keep only the first call (parallel calls not allowed)
     forced_name: str | None = None  # the tool a forced call must call, known before generation
 
-    @property
-    def hint(self) -> str | None:
-        return self.engine_kwargs.get("hint")
 
-
-def _final_info(req: Request, completion_tokens: int, stats: GenerationStats | None, finish_reason: str | None):
-    prompt_tokens = len(req.prompt_ids)
+def _final_info(outcome: Outcome) -> tuple[dict, dict]:
     usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
     }
-    flashspec = dict(stats.as_dict() if stats is not None else {})
-    flashspec.update(finish_reason=finish_reason, hint=req.hint)
-    raw = {"usage": usage, "flashspec": flashspec, "finish_reason": finish_reason}
-    return raw, {**usage, "flashspec": flashspec}
+    flashspec = outcome.info()
+    return {"usage": usage, "flashspec": flashspec, "finish_reason": outcome.finish_reason}, {**usage, "flashspec": flashspec}
 
 
-def _message(req: Request, text: str, final: bool) -> ChatMessage:
-    if not final or req.tool_names is None:
-        return ChatMessage(role=MessageRole.ASSISTANT, content=text)
-    before, calls = parse_tool_calls(text, req.tool_names)
+def _calls(req: Request, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+    content, calls = parse_tool_calls(text, req.tool_names or (), finished)
+    calls = [c for c in calls if c.name]  # a call without a tool name cannot be run
+    if req.single_call:
+        calls = calls[:1]
     if not calls and req.forced_name is not None:
         # The call was forced, so its tool is certain even when its arguments came out unreadable
         # (cut off by the token limit): report the call and let the tool reject the arguments.
-        raw_args = text[len(req.prefix):].strip()
-        calls = [ToolCallBlock(tool_call_id="call_forced", tool_name=req.forced_name, tool_kwargs=raw_args or {})]
+        raw = text[len(req.call.prefix):].strip()
+        return content, [ParsedCall(new_call_id(), req.forced_name, None, raw, "unreadable arguments")]
+    return content, calls
+
+
+def _message(req: Request, text: str, final: bool, finished: bool = True) -> ChatMessage:
+    if not final or req.tool_names is None:
+        return ChatMessage(role=MessageRole.ASSISTANT, content=text)
+    content, calls = _calls(req, text, finished)
     if not calls:
         return ChatMessage(role=MessageRole.ASSISTANT, content=text)
-    if req.single_call:
-        calls = calls[:1]
-    blocks = ([TextBlock(text=before)] if before else []) + calls
-    return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)
+    blocks = [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments if c.valid else c.raw)
+              for c in calls]
+    openai_calls = [{"id": c.id, "type": "function", "function": {
+        "name": c.name, "arguments": json.dumps(c.arguments) if c.valid else c.raw}} for c in calls]
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=([TextBlock(text=content)] if content else []) + blocks,
+                       additional_kwargs={"tool_calls": openai_calls})
 
 
-def completion_response(req: Request, result: GenerationResult) -> CompletionResponse:
-    raw, extra = _final_info(req, len(result.token_ids), result.stats, result.finish_reason)
-    return CompletionResponse(text=req.prefix + result.text, raw=raw, additional_kwargs=extra)
+def completion_response(req: Request, outcome: Outcome) -> CompletionResponse:
+    raw, extra = _final_info(outcome)
+    return CompletionResponse(text=outcome.text, raw=raw, additional_kwargs=extra)
 
 
-def chat_response(req: Request, result: GenerationResult) -> ChatResponse:
-    raw, extra = _final_info(req, len(result.token_ids), result.stats, result.finish_reason)
-    message = _message(req, req.prefix + result.text, final=True)
+def chat_response(req: Request, outcome: Outcome) -> ChatResponse:
+    raw, extra = _final_info(outcome)
+    message = _message(req, outcome.text, final=True, finished=outcome.finish_reason != "length")
     return ChatResponse(message=message, raw=raw, additional_kwargs=extra)
 
 
-def _stream_steps(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[tuple[str, str, bool, tuple]]:
-    """(delta, text so far, final, (raw, additional_kwargs)) per chunk; the prefix comes first."""
-    text, tokens = req.prefix, 0
-    if req.prefix:
-        yield req.prefix, text, False, (None, {PARTIAL: True})
+def _stream_steps(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[tuple[str, str, Outcome | None]]:
+    """(delta, text so far, the Outcome on the last chunk) per chunk; the prefix comes first."""
+    call = req.call
+    text, ids, start = call.prefix, [], time.perf_counter()
+    if call.prefix:
+        yield call.prefix, text, None
     for chunk in chunks:
         text += chunk.text
-        tokens += len(chunk.token_ids)
-        if chunk.stats is not None:
-            yield chunk.text, text, True, _final_info(req, tokens, chunk.stats, chunk.finish_reason)
-        else:
-            yield chunk.text, text, False, (None, {PARTIAL: True})
+        ids.extend(chunk.token_ids)
+        outcome = None
+        if chunk.finish_reason is not None:
+            outcome = Outcome(text, ids, chunk.finish_reason, chunk.stats, len(call.prompt_ids),
+                              time.perf_counter() - start, call.decision)
+        yield chunk.text, text, outcome
 
 
 def completion_stream(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[CompletionResponse]:
-    for delta, text, _, (raw, extra) in _stream_steps(req, chunks):
+    for delta, text, outcome in _stream_steps(req, chunks):
+        raw, extra = _final_info(outcome) if outcome is not None else (None, {PARTIAL: True})
         yield CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=extra)
 
 
 def chat_stream(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[ChatResponse]:
-    for delta, text, final, (raw, extra) in _stream_steps(req, chunks):
-        yield ChatResponse(message=_message(req, text, final), delta=delta, raw=raw, additional_kwargs=extra)
+    for delta, text, outcome in _stream_steps(req, chunks):
+        if outcome is None:
+            yield ChatResponse(message=_message(req, text, False), delta=delta, additional_kwargs={PARTIAL: True})
+            continue
+        raw, extra = _final_info(outcome)
+        message = _message(req, text, True, outcome.finish_reason != "length")
+        yield ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)

@@ -7,16 +7,19 @@
 One class serves both LlamaIndex contracts: it is a `CustomLLM` (completion model: `complete`,
 `stream_complete` and their async forms) and a `FunctionCallingLLM` (`chat_with_tools`,
 `get_tool_calls_from_response`, `tool_required`), so query engines, `ReActAgent` and
-`FunctionAgent` all take it. Every call tells the engine what kind of step it is (see
-`llama_index_hints`), so the router picks drafts per step kind, and every response carries
-token usage and the engine's per-step statistics (see `llama_index_responses`).
-
-The async methods run the engine in worker threads: decoding never blocks the event loop.
+`FunctionAgent` all take it. Its fields are the ones LangChain's `ChatFlashSpec` takes
+(`flashspec_integrations.settings`). Every call tells the engine what kind of step it is (see
+`_hints`), so the router picks drafts per step kind, and every response carries token usage and
+the engine's per-step statistics (see `_responses`). Non-streaming calls, async ones included,
+go through the engine's batcher, so concurrent calls are decoded as engine batches; async
+streams run the engine in a worker thread. Decoding never blocks the event loop.
 """
 from __future__ import annotations
 
-import threading
-from typing import Any, Sequence
+import asyncio
+import contextlib
+import contextvars
+from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (
@@ -31,17 +34,18 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 
-from flashspec_core import SamplingParams
+from flashspec_integrations.async_bridge import aiter_in_thread
+from flashspec_integrations.batching import arun_calls, run_calls
+from flashspec_integrations.calls import EngineCall, stream_call
 from flashspec_integrations.context import JSON, REACT, TOOL, TOOL_RESULT
-from flashspec_integrations.llama_index._async import iterate_in_thread, run_in_thread
 from flashspec_integrations.llama_index._hints import chat_decision, completion_decision, template_scope
-from flashspec_integrations.llama_index._messages import add_system_text, render_chat, to_template_messages
+from flashspec_integrations.llama_index._messages import to_openai_dicts
 from flashspec_integrations.llama_index._responses import (
     PARTIAL,
     Request,
@@ -50,17 +54,17 @@ from flashspec_integrations.llama_index._responses import (
     completion_response,
     completion_stream,
 )
-from flashspec_integrations.llama_index._tools import (
-    CALL_CLOSE,
-    TOOL_STOPS,
-    constraint_kwargs,
+from flashspec_integrations.prompts import render_prompt, template_supports_tools, tools_instructions
+from flashspec_integrations.settings import FlashSpecFields
+from flashspec_integrations.tool_calls import (
+    ToolChoice,
     forced_call_schema,
     forced_prefix,
-    forced_tool,
     loads_lenient,
+    normalize_tool_choice,
+    reply_stops,
+    takes_json_schema,
     tool_name,
-    tool_spec,
-    tools_instructions,
 )
 
 # Lines a ReAct step must never write itself: the observation is the tool's to supply.
@@ -68,67 +72,62 @@ REACT_STOPS = ("\nObservation:",)
 # Every ReAct turn must open with a thought; small models drift out of the format unless the turn
 # is started for them (the output is still exactly the target's, conditioned on this prefix).
 REACT_PREFIX = "Thought:"
-_ENGINE_LOCK = threading.Lock()
+
+# Set while llama-index-core's structured streaming runs: its FunctionCallingProgram.stream_call
+# (0.14.x) drops `tool_required` (run-llama/llama_index#19620), so the call it makes would be
+# neither forced nor decoded under the output schema; the tool calls made under this flag are
+# forced. A program streamed directly, not through this LLM, takes tool_choice="required".
+_structured_call: contextvars.ContextVar[bool] = contextvars.ContextVar("flashspec_structured_call", default=False)
 
 
-class FlashSpecLLM(FunctionCallingLLM, CustomLLM):
+@contextlib.contextmanager
+def _forcing_calls() -> Iterator[None]:
+    token = _structured_call.set(True)
+    try:
+        yield
+    finally:
+        _structured_call.reset(token)
+
+
+def tool_spec(tool: Any) -> dict:
+    """An OpenAI-style function spec from a LlamaIndex tool, or a spec dict passed through."""
+    if isinstance(tool, Mapping):
+        spec = dict(tool)
+        if "function" not in spec and "name" in spec:
+            spec = {"type": "function", "function": spec}
+        if not isinstance(spec.get("function"), Mapping) or "name" not in spec["function"]:
+            raise ValueError(f"tools: a tool dict needs a function name; got {str(tool)[:80]!r}")
+        return spec
+    metadata = getattr(tool, "metadata", None)
+    if metadata is None or not hasattr(metadata, "to_openai_tool"):
+        raise ValueError(f"tools: expected LlamaIndex tools or OpenAI-style dicts; got {type(tool).__name__}")
+    return metadata.to_openai_tool(skip_length_check=True)
+
+
+class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
     """A LlamaIndex LLM backed by a FlashSpec `SpecEngine` (exact speculative decoding).
 
     engine: a ready `SpecEngine` (or anything with its `generate`/`stream`/`tokenizer` surface);
-    None builds one on first use: `SpecEngine.from_pretrained(**engine_kwargs)` when
-    `engine_kwargs` is given, else the shared `SpecEngine.from_default()`. Construction is instant.
+    None resolves the process-wide engine for `target`/`drafts`/`router`/`device` on first use
+    (shared with every other adapter instance of the same settings). Construction is instant.
     """
 
-    max_new_tokens: int = Field(default=256, gt=0, description="Tokens generated per call at most (num_output).")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
-    top_k: int = Field(default=0, ge=0, description="0 disables top-k.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="1 disables nucleus sampling.")
-    seed: int | None = Field(default=None, description="Seeds every random draw of a call.")
-    repetition_penalty: float = Field(default=1.0, gt=0.0, description="HF's penalty on repeated tokens; 1 disables.")
-    no_repeat_ngram_size: int = Field(default=0, ge=0, description="Ban repeating an n-gram of the output; 0 disables.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings for every call.")
-    domain: str | None = Field(default=None, description="Router domain for every call (call kwargs and tags win).")
     context_window: int | None = Field(default=None, gt=0, description="None: the model's own.")
-    react_prefill: bool = Field(
-        default=True, description="Start ReAct turns with 'Thought:', as the ReAct header demands."
-    )
-    engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict, exclude=True, description="Arguments of SpecEngine.from_pretrained."
-    )
-    _engine: Any = PrivateAttr(default=None)
-
-    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._engine = engine
+    react_prefill: bool = Field(default=True, description="Start ReAct turns with 'Thought:', as the ReAct header demands.")
 
     @classmethod
     def class_name(cls) -> str:
         return "FlashSpecLLM"
 
     @property
-    def engine(self) -> Any:
-        """The engine, built on first use (the default model loads once per process)."""
-        if self._engine is None:
-            with _ENGINE_LOCK:
-                if self._engine is None:
-                    from flashspec_core import SpecEngine
-
-                    self._engine = (
-                        SpecEngine.from_pretrained(**self.engine_kwargs)
-                        if self.engine_kwargs
-                        else SpecEngine.from_default()
-                    )
-        return self._engine
-
-    @property
     def metadata(self) -> LLMMetadata:
-        engine = self.engine
+        engine = self.get_engine()
         return LLMMetadata(
             context_window=self.context_window or engine.context_window,
-            num_output=self.max_new_tokens,
+            num_output=self.max_tokens,
             is_chat_model=self._uses_chat_template() or self._custom_messages_to_prompt(),
             is_function_calling_model=True,
-            model_name=str(engine.model_name),
+            model_name=self.model_name,
         )
 
     # --------------------------------------------------------------------- request building
@@ -137,143 +136,114 @@ class FlashSpecLLM(FunctionCallingLLM, CustomLLM):
         return self.messages_to_prompt is not generic_messages_to_prompt
 
     def _uses_chat_template(self) -> bool:
-        return not self._custom_messages_to_prompt() and getattr(self.engine.tokenizer, "chat_template", None) is not None
+        return not self._custom_messages_to_prompt() and getattr(self.get_engine().tokenizer, "chat_template", None) is not None
 
-    def _engine_kwargs(self, kwargs: dict, decision: Any, extra_stops: Sequence[str]) -> dict:
-        max_new_tokens = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
-        sampling = SamplingParams(
-            temperature=kwargs.get("temperature", self.temperature),
-            top_k=kwargs.get("top_k", self.top_k),
-            top_p=kwargs.get("top_p", self.top_p),
-            seed=kwargs.get("seed", self.seed),
-            repetition_penalty=kwargs.get("repetition_penalty", self.repetition_penalty),
-            no_repeat_ngram_size=kwargs.get("no_repeat_ngram_size", self.no_repeat_ngram_size),
-        )
-        call_stop = kwargs.get("stop") or []
-        call_stop = [call_stop] if isinstance(call_stop, str) else list(call_stop)
-        stops = list(dict.fromkeys([*self.stop, *call_stop, *extra_stops]))
-        return {
-            "max_new_tokens": max_new_tokens,
-            "sampling": sampling,
-            "stop": stops or None,
-            "domain": decision.domain,
-            "hint": decision.hint,
-        }
-
-    def _encode(self, text: str, templated: bool) -> list[int]:
-        """Token ids; a rendered chat template already holds its special tokens."""
-        return list(self.engine.tokenizer(text, add_special_tokens=not templated).input_ids)
-
-    def _render(self, messages: Sequence[ChatMessage], specs: list[dict], prefix: str) -> list[int]:
-        """Prompt ids: the tool instructions in the system turn, the template, the prefill."""
-        if self._uses_chat_template():
-            dicts = to_template_messages(messages)
-            if specs:
-                dicts = add_system_text(dicts, tools_instructions(specs))
-            return self._encode(render_chat(self.engine.tokenizer, dicts, prefix), templated=True)
-        if specs:
-            messages = [ChatMessage(role=MessageRole.SYSTEM, content=tools_instructions(specs)), *messages]
-        return self._encode(self.messages_to_prompt(messages) + prefix, templated=False)
+    def _engine_call(self, text: str, kwargs: dict, decision: Any, templated: bool, prefix: str = "",
+                     extra_stops: Sequence[str] = (), json_schema: dict | None = None) -> EngineCall:
+        max_new, sampling = self.decoding(kwargs)
+        # A rendered chat template already holds its special tokens.
+        ids = self.get_engine().tokenizer(text + prefix, add_special_tokens=not templated).input_ids
+        return EngineCall(list(ids), max_new, sampling, self.stops(kwargs.get("stop"), *extra_stops), decision,
+                          text, prefix, json_schema)
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> Request:
         """Everything about a chat call that is known before generation, computed in the caller's context."""
-        if not messages:
-            raise ValueError("messages: empty; pass at least one ChatMessage")
-        tool_choice = kwargs.get("tool_choice")
-        specs = [] if tool_choice == "none" else [tool_spec(t) for t in kwargs.get("tools") or ()]
-        forced, forced_name = forced_tool(specs, tool_choice, bool(kwargs.get("tool_required"))) if specs else (False, None)
-        decision = chat_decision(messages, kwargs.get("domain"), self.domain, bool(specs), forced)
+        engine = self.get_engine()
+        specs = [tool_spec(t) for t in kwargs.get("tools") or ()]
+        required = bool(kwargs.get("tool_required")) or _structured_call.get()
+        choice = normalize_tool_choice(kwargs.get("tool_choice"), specs, required) if specs else ToolChoice()
+        shown = [] if choice.none else specs
+        dicts = to_openai_dicts(messages)
+        decision = chat_decision(dicts, kwargs.get("domain"), self.domain, bool(shown), choice.forced, self.domain_per_node)
         label = decision.label
-        stops: list[str] = []
-        if specs or label in (TOOL, TOOL_RESULT, JSON):
-            stops += TOOL_STOPS
-        if forced or (specs and not kwargs.get("allow_parallel_tool_calls", False)):
-            stops.append(CALL_CLOSE)
+        templated = self._uses_chat_template()
+        hermes = bool(shown) and not (templated and template_supports_tools(engine.tokenizer))
+        single = choice.forced or not kwargs.get("allow_parallel_tool_calls", False)
+        stops = list(reply_stops(bool(shown) or label in (TOOL, TOOL_RESULT, JSON), single and bool(shown), hermes))
+        prefix, schema = "", None
         if label == REACT:
             stops += REACT_STOPS
-        engine_kwargs = self._engine_kwargs(kwargs, decision, stops)
-        prefix = REACT_PREFIX if label == REACT and self.react_prefill else ""
-        if forced:
-            constraint = constraint_kwargs(self.engine, forced_call_schema(specs, forced_name))
-            engine_kwargs.update(constraint)
-            params = next((s["function"].get("parameters") for s in specs if tool_name(s) == forced_name), None)
-            prefix = forced_prefix(forced_name, constrained=bool(constraint), parameters=params)
-        ids = self._render(messages, specs, prefix)
-        names = tuple(tool_name(s) for s in specs) if specs else None
-        single = forced or not kwargs.get("allow_parallel_tool_calls", False)
-        return Request(ids, engine_kwargs, prefix=prefix, tool_names=names, single_call=single, forced_name=forced_name)
+            prefix = REACT_PREFIX if self.react_prefill else ""
+        if choice.forced:
+            constrained = takes_json_schema(engine)
+            schema = forced_call_schema(shown, choice) if constrained else None
+            prefix = forced_prefix(choice, constrained) if hermes else ""
+        if templated:
+            text = render_prompt(engine.tokenizer, dicts, shown)
+        else:
+            if shown:
+                messages = [ChatMessage(role=MessageRole.SYSTEM, content=tools_instructions(shown)), *messages]
+            text = self.messages_to_prompt(messages)
+        call = self._engine_call(text, kwargs, decision, templated, prefix, stops, schema)
+        names = tuple(tool_name(s) for s in shown) if shown else None
+        return Request(call, tool_names=names, single_call=single, forced_name=choice.name)
 
     def _completion_request(self, prompt: str, formatted: bool, kwargs: dict) -> Request:
         """A completion: raw text when `formatted`, else `completion_to_prompt` or a user turn."""
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("prompt: expected a non-empty string")
-        decision = completion_decision(prompt, kwargs.get("domain"), self.domain)
-        engine_kwargs = self._engine_kwargs(kwargs, decision, REACT_STOPS if decision.label == REACT else ())
+        decision = completion_decision(prompt, kwargs.get("domain"), self.domain, self.domain_per_node)
+        stops = REACT_STOPS if decision.label == REACT else ()
         if not formatted and self.completion_to_prompt is not default_completion_to_prompt:
-            ids = self._encode(self.completion_to_prompt(prompt), templated=False)
-        elif not formatted and self._uses_chat_template():
+            return Request(self._engine_call(self.completion_to_prompt(prompt), kwargs, decision, False, "", stops))
+        if not formatted and self._uses_chat_template():
             turns = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
-            turns.append({"role": "user", "content": prompt})
-            ids = self._encode(render_chat(self.engine.tokenizer, turns), templated=True)
-        else:
-            ids = self._encode(prompt, templated=False)
-        return Request(ids, engine_kwargs)
+            text = render_prompt(self.get_engine().tokenizer, [*turns, {"role": "user", "content": prompt}])
+            return Request(self._engine_call(text, kwargs, decision, True, "", stops))
+        return Request(self._engine_call(prompt, kwargs, decision, False, "", stops))
 
     def _run(self, req: Request):
-        return self.engine.generate(req.prompt_ids, **req.engine_kwargs)
+        return run_calls(self.get_engine(), [req.call], self.batch_window)[0]
 
-    def _run_stream(self, req: Request):
-        return self.engine.stream(req.prompt_ids, **req.engine_kwargs)
+    async def _arun(self, req: Request):
+        return (await arun_calls(self.get_engine(), [req.call], self.batch_window))[0]
 
-    def _complete(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponse:
-        req = self._completion_request(prompt, formatted, kwargs)
-        return completion_response(req, self._run(req))
-
-    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> ChatResponse:
-        req = self._chat_request(messages, kwargs)
-        return chat_response(req, self._run(req))
+    def _stream(self, req: Request):
+        return stream_call(self.get_engine(), req.call)
 
     # ----------------------------------------------------------------------- the LLM surface
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._complete(prompt, formatted, kwargs)
+        req = self._completion_request(prompt, formatted, kwargs)
+        return completion_response(req, self._run(req))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         req = self._completion_request(prompt, formatted, kwargs)
-        return completion_stream(req, self._run_stream(req))
+        return completion_stream(req, self._stream(req))
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat(messages, kwargs)
+        req = self._chat_request(messages, kwargs)
+        return chat_response(req, self._run(req))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         req = self._chat_request(messages, kwargs)
-        return chat_stream(req, self._run_stream(req))
+        return chat_stream(req, self._stream(req))
+
+    # Requests are built in a worker (the first call loads the weights), in the caller's context.
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await run_in_thread(self._complete, prompt, formatted, kwargs)
+        req = await asyncio.to_thread(self._completion_request, prompt, formatted, kwargs)
+        return completion_response(req, await self._arun(req))
 
     @llm_completion_callback()
-    async def astream_complete(
-        self, prompt: str, formatted: bool = False, **kwargs: Any
-    ) -> CompletionResponseAsyncGen:
-        req = await run_in_thread(self._completion_request, prompt, formatted, kwargs)
-        return iterate_in_thread(lambda: completion_stream(req, self._run_stream(req)))
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        req = await asyncio.to_thread(self._completion_request, prompt, formatted, kwargs)
+        return aiter_in_thread(lambda: completion_stream(req, self._stream(req)))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await run_in_thread(self._chat, messages, kwargs)
+        req = await asyncio.to_thread(self._chat_request, messages, kwargs)
+        return chat_response(req, await self._arun(req))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        req = await run_in_thread(self._chat_request, messages, kwargs)
-        return iterate_in_thread(lambda: chat_stream(req, self._run_stream(req)))
+        req = await asyncio.to_thread(self._chat_request, messages, kwargs)
+        return aiter_in_thread(lambda: chat_stream(req, self._stream(req)))
 
     # Prompt-template entry points: remember the template, so synthesis calls are filed as rag.
 
@@ -292,6 +262,22 @@ class FlashSpecLLM(FunctionCallingLLM, CustomLLM):
     async def astream(self, prompt: Any, **prompt_args: Any):
         with template_scope(prompt):
             return await super().astream(prompt, **prompt_args)
+
+    # Structured streaming: the call is forced (see `_structured_call`).
+
+    def _structured_stream_call(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        objects = super()._structured_stream_call(*args, **kwargs)
+        while True:
+            with _forcing_calls():  # only around the program's own steps, never the consumer's
+                try:
+                    item = next(objects)
+                except StopIteration:
+                    return
+            yield item
+
+    async def _structured_astream_call(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        with _forcing_calls():  # the program makes its call before it returns the stream
+            return await super()._structured_astream_call(*args, **kwargs)
 
     # --------------------------------------------------------------------- function calling
 
@@ -338,11 +324,9 @@ class FlashSpecLLM(FunctionCallingLLM, CustomLLM):
                     arguments = loads_lenient(arguments)
                 except ValueError:
                     arguments = {}
-            selections.append(
-                ToolSelection(
-                    tool_id=block.tool_call_id or f"call_{len(selections)}",
-                    tool_name=block.tool_name,
-                    tool_kwargs=arguments if isinstance(arguments, dict) else {},
-                )
-            )
+            selections.append(ToolSelection(
+                tool_id=block.tool_call_id or f"call_{len(selections)}",
+                tool_name=block.tool_name,
+                tool_kwargs=arguments if isinstance(arguments, dict) else {},
+            ))
         return selections

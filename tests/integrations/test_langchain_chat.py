@@ -11,9 +11,10 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Sys
 from langchain_core.runnables import RunnableLambda
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
-from test_langchain_fakes import ScriptedEngine, tiny_engine
+from fakes import ScriptedEngine, UnconstrainedEngine, tiny_engine
 
-from flashspec_integrations.langchain import _base as langchain_runtime
+from flashspec_integrations import settings
+from flashspec_integrations.engines import EngineSettings
 from flashspec_integrations.langchain import ChatFlashSpec
 
 
@@ -41,14 +42,6 @@ class Person(BaseModel):
     age: int
 
 
-class ConstrainedEngine(ScriptedEngine):
-    """A scripted engine whose `stream` takes `json_schema` (the constraint seam) and records it."""
-
-    def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, json_schema=None):
-        self.schemas = getattr(self, "schemas", []) + [json_schema]
-        yield from super().stream(prompt, max_new_tokens, sampling, stop, domain, hint)
-
-
 def chat(script, **kw) -> tuple[ChatFlashSpec, ScriptedEngine]:
     engine = ScriptedEngine(script)
     return ChatFlashSpec(engine=engine, **kw), engine
@@ -64,21 +57,34 @@ def test_invoke_reports_usage_metadata_and_stats():
     n_out = len(engine.tokenizer(msg.content, add_special_tokens=False).input_ids)
     assert msg.usage_metadata == {"input_tokens": n_prompt, "output_tokens": n_out, "total_tokens": n_prompt + n_out}
     meta = msg.response_metadata
-    assert (meta["model_name"], meta["finish_reason"]) == ("SmolLM2-135M-Instruct", "stop")
+    assert (meta["model_name"], meta["finish_reason"]) == ("scripted", "stop")
     assert meta["flashspec"]["domain"] == engine.calls[0]["label"]
     assert meta["flashspec"]["domain_source"] == "classifier"
 
 
-def test_construction_is_lazy_and_the_engine_is_shared(monkeypatch):
+def test_construction_is_lazy_and_resolves_the_engine_once(monkeypatch):
     built = []
-    monkeypatch.setattr(langchain_runtime, "engine_for", lambda *a: built.append(a) or ScriptedEngine(["ok"]))
+    monkeypatch.setattr(settings, "engine_for", lambda s: built.append(s) or ScriptedEngine(["ok"]))
     model = ChatFlashSpec(max_tokens=5)
     assert built == []
     model.invoke("hi")
     model.invoke("hi again")
-    assert built == [(None, None, "thompson", None)]
+    assert built == [EngineSettings()]
     ChatFlashSpec(model="some/other-model").invoke("hi")
-    assert built[-1][0] == "some/other-model"
+    assert built[-1] == EngineSettings(target="some/other-model")
+
+
+def test_the_model_is_named_for_what_decodes():
+    """With engine= or target=, traces and responses name that model, not the default one."""
+    model = ChatFlashSpec(engine=ScriptedEngine(["ok"], model_name="org/my-target"))
+    assert model._get_ls_params()["ls_model_name"] == "org/my-target"
+    assert model.invoke("x").response_metadata["model_name"] == "org/my-target"
+    assert ChatFlashSpec(target="org/other-model")._get_ls_params()["ls_model_name"] == "org/other-model"
+    assert ChatFlashSpec(model="org/other-model").model_name == "org/other-model"
+    assert ChatFlashSpec()._get_ls_params()["ls_model_name"] == "SmolLM2-135M-Instruct"
+    assert ChatFlashSpec()._get_ls_params(model="override")["ls_model_name"] == "override"
+    with pytest.raises(ValueError, match="model="):  # a call cannot switch the target
+        model.invoke("x", model="another")
 
 
 def test_auto_tool_call_is_parsed_with_ids_and_domain_tool():
@@ -93,8 +99,9 @@ def test_auto_tool_call_is_parsed_with_ids_and_domain_tool():
     assert '"name": "shout"' in engine.calls[0]["prompt"] and "<tools>" in engine.calls[0]["prompt"]
 
 
-def test_forced_named_call_is_prefilled_stopped_and_parsed():
-    model, engine = chat(['"a": 1, "b": 2}}\n</tool_call>\nmore text'])
+def test_forced_named_call_is_prefilled_stopped_and_parsed_without_a_constraint():
+    engine = UnconstrainedEngine(['"a": 1, "b": 2}}\n</tool_call>\nmore text'])
+    model = ChatFlashSpec(engine=engine)
     msg = model.bind_tools([add, shout], tool_choice="add").invoke("one plus two")
     call = engine.calls[0]
     assert call["prompt"].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {')
@@ -102,8 +109,9 @@ def test_forced_named_call_is_prefilled_stopped_and_parsed():
     assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("add", {"a": 1, "b": 2})]
 
 
-def test_forced_any_prefills_only_the_opening():
-    model, engine = chat(['shout", "arguments": {"text": "hi"}}'])
+def test_forced_any_prefills_only_the_opening_without_a_constraint():
+    engine = UnconstrainedEngine(['shout", "arguments": {"text": "hi"}}'])
+    model = ChatFlashSpec(engine=engine)
     msg = model.bind_tools([add, shout], tool_choice="any").invoke("say hi loudly")
     assert engine.calls[0]["prompt"].endswith('<tool_call>\n{"name": "')
     assert msg.tool_calls[0]["name"] == "shout" and msg.tool_calls[0]["args"] == {"text": "hi"}
@@ -189,7 +197,7 @@ def test_tool_history_renders_calls_and_results_and_reads_as_tool_result():
 @pytest.mark.parametrize("method", ["function_calling", "json_schema", "json_mode"])
 def test_with_structured_output(method):
     body = '{"name": "Ada Lovelace", "age": 36}'
-    reply = f'"name": "Ada Lovelace", "age": 36}}}}' if method == "function_calling" else f"Here: {body}"
+    reply = f'{{"name": "Person", "arguments": {body}}}' if method == "function_calling" else f"Here: {body}"
     model, engine = chat([reply])
     schema = Person if method != "json_mode" else None
     out = model.with_structured_output(schema, method=method).invoke("Who wrote the first program?")
@@ -203,38 +211,37 @@ def test_with_structured_output(method):
 
 
 def test_json_mode_with_a_schema_decodes_under_it():
-    engine = ConstrainedEngine(['{"name": "Ada Lovelace", "age": 36}'] * 2)
-    model = ChatFlashSpec(engine=engine)
+    model, engine = chat(['{"name": "Ada Lovelace", "age": 36}'])
     assert model.with_structured_output(Person, method="json_mode").invoke("x") == Person(name="Ada Lovelace", age=36)
-    assert engine.schemas[0]["required"] == ["name", "age"]
+    assert engine.calls[0]["json_schema"]["required"] == ["name", "age"]
     model.with_structured_output(None, method="json_mode").invoke("x")
-    assert engine.schemas[1] == {"type": "object"}
+    assert engine.calls[1]["json_schema"] == {"type": "object"}
 
 
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
 def test_with_structured_output_takes_a_pydantic_v1_model(method):
     body = '{"name": "Ada Lovelace", "age": 36}'
-    reply = f'"name": "Ada Lovelace", "age": 36}}}}' if method == "function_calling" else body
+    reply = f'{{"name": "PersonV1", "arguments": {body}}}' if method == "function_calling" else body
     model, _ = chat([reply])
     out = model.with_structured_output(PersonV1, method=method).invoke("Who wrote the first program?")
     assert isinstance(out, PersonV1) and out.age == 36
 
 
 def test_structured_output_include_raw_reports_parse_errors():
-    model, _ = chat(['"name": 5, "age": "old"}}'])
+    model, _ = chat(['{"name": "Person", "arguments": {"name": 5, "age": "old"}}'])
     out = model.with_structured_output(Person, include_raw=True).invoke("x")
     assert out["parsed"] is None and out["parsing_error"] is not None and isinstance(out["raw"], AIMessage)
 
 
-def test_constraint_seam_sends_the_schema_instead_of_a_prefix():
-    engine = ConstrainedEngine(['{"name": "add", "arguments": {"a": 1, "b": 2}}'])
-    msg = ChatFlashSpec(engine=engine).bind_tools([add, shout], tool_choice="add").invoke("1+2")
-    assert engine.calls[0]["prompt"].endswith("<|im_start|>assistant\n")
-    schema = engine.schemas[0]
+def test_a_forced_call_is_decoded_under_its_schema_after_the_tag():
+    model, engine = chat(['{"name": "add", "arguments": {"a": 1, "b": 2}}'])
+    msg = model.bind_tools([add, shout], tool_choice="add").invoke("1+2")
+    assert engine.calls[0]["prompt"].endswith("<|im_start|>assistant\n<tool_call>\n")
+    schema = engine.calls[0]["json_schema"]
     assert schema["properties"]["name"] == {"const": "add"} and "a" in schema["properties"]["arguments"]["properties"]
     assert msg.tool_calls[0]["args"] == {"a": 1, "b": 2}
-    ChatFlashSpec(engine=engine).invoke("plain")
-    assert engine.schemas[1] is None
+    model.invoke("plain")
+    assert engine.calls[1]["json_schema"] is None
 
 
 def test_domain_precedence_and_agent_node():
@@ -306,6 +313,10 @@ class SlowEngine(ScriptedEngine):
             time.sleep(0.05)
             yield chunk
 
+    def generate(self, *args, **kwargs):
+        time.sleep(0.4)
+        return super().generate(*args, **kwargs)
+
 
 def test_timeout_raises_after_the_retries():
     engine = SlowEngine(["a" * 30])
@@ -335,15 +346,17 @@ def test_async_paths_do_not_block_the_event_loop():
 
     ticks, streamed, invoked = asyncio.run(main())
     assert streamed == invoked == "abcdefghijklmnopqrstuvwxyz"
-    assert ticks >= 20  # ~0.9 s of engine time ran while the loop kept ticking
+    assert ticks >= 40  # ~0.85 s of engine time ran while the loop kept ticking
 
 
-def test_batch_is_thread_safe_on_a_real_engine():
-    model = ChatFlashSpec(engine=tiny_engine(), max_tokens=12)
+def test_batch_decodes_as_one_engine_batch_and_matches_single_calls():
+    model = ChatFlashSpec(engine=tiny_engine(), max_tokens=12, batch_window=0.2)  # a wide window: no flakes
     prompts = [f"question {i}" for i in range(4)]
-    alone = [model.invoke(p).content for p in prompts]
-    together = [m.content for m in model.batch(prompts, config={"max_concurrency": 4})]
-    assert together == alone
+    alone = [model.invoke(p) for p in prompts]
+    together = model.batch(prompts)
+    assert [m.content for m in together] == [m.content for m in alone]
+    assert [m.response_metadata["flashspec"]["batch_size"] for m in alone] == [1, 1, 1, 1]
+    assert [m.response_metadata["flashspec"]["batch_size"] for m in together] == [4, 4, 4, 4]
 
 
 def test_real_engine_stream_matches_invoke_and_respects_stop():
@@ -374,3 +387,59 @@ def test_a_template_with_tool_support_renders_tools_natively():
     assert prompt.startswith("TOOLS:add;shout;") and prompt.endswith("assistant:")  # no forced prefix
     assert 'CALL add({"a": 1, "b": 1})' in prompt and "tool: 2" in prompt
     assert msg.tool_calls[0]["args"] == {"a": 1, "b": 1}
+
+
+def test_chat_batch_and_concurrent_ainvoke_reach_the_engine_as_one_batch():
+    model, engine = chat(["ok"])
+    model = model.model_copy(update={"batch_window": 0.2})
+    model.batch([f"q{i}" for i in range(5)])
+    assert engine.batches == [5] and {c["batch"] for c in engine.calls} == {5}
+
+    async def gathered():
+        return await asyncio.gather(*(model.ainvoke(f"r{i}") for i in range(3)), model.abatch(["s0", "s1"]))
+
+    asyncio.run(gathered())
+    assert engine.batches == [5, 5]
+
+
+def test_calls_that_cannot_share_a_batch_run_apart():
+    """A batch shares every engine argument, so rows of other domains or lengths get batches of their own."""
+    model, engine = chat(["ok"])
+    model = model.model_copy(update={"batch_window": 0.2})
+    configs = [{}, {}, {"metadata": {"flashspec_domain": "code"}}]
+    model.batch(["a", "b", "c"], config=configs)
+    assert sorted(engine.batches) == [1, 2]
+    assert {c["label"]: c["batch"] for c in engine.calls} == {"chat": 2, "code": 1}
+
+
+def test_strict_tools_are_accepted_and_make_forced_schemas_strict():
+    model, engine = chat(['{"name": "add", "arguments": {"a": 1, "b": 2}}'])
+    msg = model.bind_tools([add], tool_choice="add", strict=True).invoke("1+2")
+    assert msg.tool_calls[0]["args"] == {"a": 1, "b": 2}
+    assert engine.calls[0]["json_schema"]["properties"]["arguments"]["additionalProperties"] is False
+    model.bind_tools([add], tool_choice="add").invoke("1+2")
+    assert "additionalProperties" not in engine.calls[1]["json_schema"]["properties"]["arguments"]
+    model.bind_tools([add], strict=True).invoke("1+2")  # unforced: accepted, parsed as usual
+
+
+def test_openai_penalties_are_accepted_at_zero_and_refused_with_the_fix_otherwise():
+    model, engine = chat(["ok"])
+    assert model.invoke("x", frequency_penalty=0.0, presence_penalty=0).content == "ok"
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        model.invoke("x", frequency_penalty=0.5)
+    with pytest.raises(ValueError, match="presence_penalty"):
+        model.invoke("x", presence_penalty=1)
+
+
+def test_parallel_tool_calls_false_means_one_call():
+    two = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+           '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>')
+    model, engine = chat([two])
+    assert len(model.bind_tools([add]).invoke("x").tool_calls) == 2
+    assert "</tool_call>" not in engine.calls[0]["stop"]
+    one = model.bind_tools([add], parallel_tool_calls=False).invoke("x")
+    assert [c["args"] for c in one.tool_calls] == [{"a": 1, "b": 2}] and "</tool_call>" in engine.calls[1]["stop"]
+    streamed = None
+    for chunk in model.bind_tools([add]).stream("x", parallel_tool_calls=False):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [c["args"] for c in streamed.tool_calls] == [{"a": 1, "b": 2}]

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_langchain_fakes import ScriptedEngine
+from fakes import ScriptedEngine
 
 from flashspec_core import SpecEngine
 from flashspec_integrations.langchain import ChatFlashSpec
@@ -41,8 +41,8 @@ class RecordingRouter:
 def agent_script(prompt: str) -> str:
     if "<tool_response>" in prompt:
         return "17 times 23 is 391."
-    if prompt.endswith('{"name": "'):
-        return 'calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
+    if prompt.endswith("<tool_call>\n"):  # a forced call: decoded under its schema after the tag
+        return '{"name": "calculator", "arguments": {"expression": "17 * 23"}}'
     return "I do not know."
 
 

@@ -19,10 +19,10 @@ from llama_index.core import Settings
 from llama_index.core.agent.react.formatter import ReActChatFormatter
 from llama_index.core.agent.workflow import FunctionAgent, ReActAgent
 from llama_index.core.tools import FunctionTool
-from test_llama_index_support import ScriptedEngine
+from fakes import ScriptedEngine
 
 from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index.steps import record_steps
+from flashspec_integrations.llama_index import record_steps
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # A ReAct header short enough for a 135M model to keep the format in view.

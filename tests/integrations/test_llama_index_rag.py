@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
-from test_llama_index_support import tiny_engine
+from fakes import tiny_engine
 
 from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index.embeddings import HashingEmbedding, hashed_vector
-from flashspec_integrations.llama_index.steps import record_steps
+from flashspec_integrations.hashing import hashed_vector
+from flashspec_integrations.llama_index import HashingEmbedding
+from flashspec_integrations.llama_index import record_steps
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DOCS = EXAMPLES / "docs"
