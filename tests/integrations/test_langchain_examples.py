@@ -112,3 +112,18 @@ def test_default_model_rag_example_runs(recording_default_engine, capsys):
     assert [s["domain"] for s in steps] == ["rag", "chat"]
     assert set(recording_default_engine.router.domains) == {"rag", "chat"}
     assert all(s["draft"] for s in steps)
+
+
+def test_agent_example_lets_a_tool_calling_target_choose(capsys):
+    """--auto-tools drops the forcing middleware: the model (scripted here as a larger target that
+    calls tools) decides, and nothing is forced or decoded under a schema."""
+    def chooses(prompt: str) -> str:
+        if "<tool_response>" in prompt:
+            return "It is 391."
+        return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
+
+    engine = ScriptedEngine(chooses)
+    steps = langchain_agent.main(["--auto-tools", "What is 17 * 23?"], llm=ChatFlashSpec(engine=engine))
+    assert "tool calculator -> 391" in capsys.readouterr().out
+    assert [s["domain"] for s in steps] == ["tool", "tool/result"]
+    assert all(c["json_schema"] is None for c in engine.calls)
