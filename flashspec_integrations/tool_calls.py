@@ -15,8 +15,8 @@ an object all come back as invalid calls with the reason, never as valid ones.
 
 Forced calls (tool choice "any"/"required"/True, LlamaIndex's `tool_required`, or a tool's name)
 are decoded under the call's JSON schema when the engine takes `json_schema=` (the real engine
-does: `flashspec_core/constrained`), so they always parse; engines without it (test doubles,
-custom engines) get the call's opening written for them (`forced_prefix`) and the parser.
+does: `flashspec_core/constrained`), so they always parse, as a bare call object; engines without
+it (test doubles, custom engines) get the call's opening written for them (`forced_prefix`).
 """
 from __future__ import annotations
 
@@ -103,12 +103,12 @@ def forced_call_schema(tools: Sequence[Mapping], choice: ToolChoice) -> dict:
 
 
 def forced_prefix(choice: ToolChoice, constrained: bool) -> str:
-    """The reply's opening for a forced call in the Hermes format: the tag (the schema does the
-    rest), or, unconstrained, as far as the tool's name when it is known."""
-    if not choice.forced:
+    """The reply's opening for a forced call in the Hermes format. Under a schema, none: the
+    grammar writes the bare call object (with the tag written first, the 135M default model
+    rambled inside the JSON strings until the token limit: langchain-tests' pydantic Joke ran to
+    128 tokens instead of 49). Unconstrained, the tag and the call as far as the tool's name."""
+    if not choice.forced or constrained:
         return ""
-    if constrained:
-        return f"{CALL_OPEN}\n"
     if choice.name is None:
         return f'{CALL_OPEN}\n{{"name": "'
     return f'{CALL_OPEN}\n{{"name": {json.dumps(choice.name)}, "arguments": {{'

@@ -47,7 +47,7 @@ def test_tool_required_is_decoded_under_the_call_schema():
     llm, engine = _tool_llm(['{"name": "multiply", "arguments": {"a": 6, "b": 7}}'])
     res = llm.chat_with_tools(TOOLS[:1], user_msg="What is 6 times 7?", tool_required=True)
     call = engine.calls[0]
-    assert call["prompt"].endswith("<|im_start|>assistant\n<tool_call>\n") and call["hint"] == "json"
+    assert call["prompt"].endswith("<|im_start|>assistant\n") and call["hint"] == "json"
     assert call["json_schema"]["properties"]["name"] == {"const": "multiply"}
     assert '"name": "multiply"' in call["prompt"].split("<|im_start|>user")[0]  # tools listed in the system turn
     selections = llm.get_tool_calls_from_response(res)
