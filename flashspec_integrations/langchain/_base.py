@@ -8,18 +8,20 @@ cache are `flashspec_integrations.settings`; the domain rules are `flashspec_int
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.runnables.config import var_child_runnable_config
 from pydantic import Field
 
+from flashspec_integrations.async_bridge import aiter_in_thread
 from flashspec_integrations.batching import arun_calls, run_calls
 from flashspec_integrations.calls import EngineCall, Outcome, run_streamed
 from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
 from flashspec_integrations.settings import DECODING_KWARGS, FlashSpecFields
 
 PROVIDER = "flashspec"
+T = TypeVar("T")
 # Call keywords LangChain passes that need no action here.
 _PASSED_THROUGH = frozenset({"model", "stream", "ls_structured_output_format"})
 
@@ -52,6 +54,10 @@ class LangChainParams(FlashSpecFields):
     streaming: bool = Field(False, description="invoke streams under the hood (callbacks see every token)")
     api_key: Any = Field(None, exclude=True, repr=False,
                          description="unused: accepted so code written for API models runs; the engine is local")
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` under the target tokenizer (offline)."""
+        return self.get_engine().tokenizer(text, add_special_tokens=False).input_ids
 
     def _check_kwargs(self, kwargs: Mapping[str, Any], allowed: Sequence[str] = ()) -> None:
         """Reject call keywords that would otherwise be silently ignored."""
@@ -98,6 +104,23 @@ class LangChainParams(FlashSpecFields):
         if self.timeout is not None:
             return await asyncio.to_thread(self._run, calls)
         return await arun_calls(self.get_engine(), calls, self.batch_window)
+
+    @staticmethod
+    def _relay(chunks: Iterator[T], run_manager: Any) -> Iterator[T]:
+        """A stream's chunks, each handed to the run's callbacks as it is yielded."""
+        for chunk in chunks:
+            if run_manager is not None:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    @staticmethod
+    async def _arelay(make_chunks: Callable[[], Iterator[T]], run_manager: Any) -> AsyncIterator[T]:
+        """`_relay` for a coroutine: the stream runs in a worker thread (where `make_chunks`, which
+        may load the weights, is called too)."""
+        async for chunk in aiter_in_thread(make_chunks):
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
 
     def _ls_common(self, stop: Sequence[str] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         model = kwargs.get("model")

@@ -23,7 +23,6 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict
 
-from flashspec_integrations.async_bridge import aiter_in_thread
 from flashspec_integrations.calls import EngineCall, Outcome, stream_call
 from flashspec_integrations.langchain._base import LangChainParams, usage
 from flashspec_integrations.langchain._messages import content_text, to_openai_dicts
@@ -97,10 +96,6 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         return {**self._ls_common(stop, kwargs), "ls_model_type": "chat"}
 
     # ------------------------------------------------------------------------ token counting
-
-    def get_token_ids(self, text: str) -> list[int]:
-        """Token ids of `text` under the target tokenizer (offline)."""
-        return self.get_engine().tokenizer(text, add_special_tokens=False).input_ids
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
         """Tokens of the prompt these messages (and tools) render to, generation prompt included."""
@@ -332,10 +327,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        for chunk in self._chunks(self._plan(messages, stop, run_manager, kwargs)):
-            if run_manager is not None:
-                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
+        yield from self._relay(self._chunks(self._plan(messages, stop, run_manager, kwargs)), run_manager)
 
     async def _astream(
         self,
@@ -344,8 +336,5 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        # Planned in the worker too: the first call loads the weights.
-        async for chunk in aiter_in_thread(lambda: self._chunks(self._plan(messages, stop, run_manager, kwargs))):
-            if run_manager is not None:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+        async for chunk in self._arelay(lambda: self._chunks(self._plan(messages, stop, run_manager, kwargs)), run_manager):
             yield chunk

@@ -18,7 +18,6 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
-from flashspec_integrations.async_bridge import aiter_in_thread
 from flashspec_integrations.calls import EngineCall, Outcome, stream_call
 from flashspec_integrations.langchain._base import LangChainParams, usage
 
@@ -39,10 +38,6 @@ class FlashSpecLLM(LangChainParams, BaseLLM):
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         return {**self._ls_common(stop, kwargs), "ls_model_type": "llm"}
-
-    def get_token_ids(self, text: str) -> list[int]:
-        """Token ids of `text` under the target tokenizer (offline)."""
-        return self.get_engine().tokenizer(text, add_special_tokens=False).input_ids
 
     def _call(self, prompt: str, stop: list[str] | None, run_manager: Any, kwargs: dict) -> EngineCall:
         if not isinstance(prompt, str) or not prompt:
@@ -105,10 +100,7 @@ class FlashSpecLLM(LangChainParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for chunk in self._chunks(self._call(prompt, stop, run_manager, kwargs)):
-            if run_manager is not None:
-                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
+        yield from self._relay(self._chunks(self._call(prompt, stop, run_manager, kwargs)), run_manager)
 
     async def _astream(
         self,
@@ -117,8 +109,5 @@ class FlashSpecLLM(LangChainParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        # The call is built in the worker too: the first call loads the weights.
-        async for chunk in aiter_in_thread(lambda: self._chunks(self._call(prompt, stop, run_manager, kwargs))):
-            if run_manager is not None:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+        async for chunk in self._arelay(lambda: self._chunks(self._call(prompt, stop, run_manager, kwargs)), run_manager):
             yield chunk
