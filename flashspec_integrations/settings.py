@@ -19,7 +19,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "repetition_penalty"
 # OpenAI's additive penalties: frameworks pass them (often as 0); the engine has HF's penalties.
 OPENAI_PENALTIES = ("frequency_penalty", "presence_penalty")
 DECODING_KWARGS = frozenset({"max_tokens", "max_new_tokens", "stop", "domain", *SAMPLING_FIELDS, *OPENAI_PENALTIES})
-_ENGINE_FIELDS = ("target", "drafts", "router", "device")
+_ENGINE_FIELDS = ("target", "model", "drafts", "router", "device")  # `model` is a name of target
 
 
 class FlashSpecFields(BaseModel):
@@ -71,8 +71,8 @@ class FlashSpecFields(BaseModel):
                 "engine_kwargs: pass the engine settings as fields instead: target=, drafts=, router=, device= "
                 "(the same names in both adapters)"
             )
-        if values.get("engine") is not None and any(values.get(k) is not None for k in ("target", "model", "drafts", "device")):
-            raise ValueError("engine: pass either a ready engine= or the settings target=/drafts=/device=, not both")
+        if values.get("engine") is not None and any(values.get(k) is not None for k in _ENGINE_FIELDS):
+            raise ValueError("engine: pass either a ready engine= or the settings target=/drafts=/router=/device=, not both")
         return values
 
     # ----------------------------------------------------------------------------- engine
