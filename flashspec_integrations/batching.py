@@ -9,7 +9,10 @@ has arrived for `window` seconds (the adapters' `batch_window`, 10 ms by default
 `MAX_GATHER_WINDOWS` windows), then decodes the waiting calls that share every engine argument
 (`EngineCall.batch_key`: domain, length, sampling, stops, schema) as one `engine.generate` batch,
 and repeats while calls are waiting. Calls that arrive while a batch runs wait for the next one,
-so nothing is serialised one by one behind the engine's lock.
+so nothing is serialised one by one behind the engine's lock. When the caller knows how many
+calls are coming (LangChain's `batch`/`abatch` of n inputs: `expect(n)`), the runner waits for all
+n (at most `COHORT_WAIT` seconds) rather than for a quiet window, which a busy machine's thread
+scheduling can stretch.
 
 Each row of a batch has exactly the distribution it has alone (the engine's guarantee); greedy
 rows are the same tokens. A seeded sampled call runs alone, so its draws do not depend on its
@@ -19,22 +22,52 @@ alone, so one bad call fails alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import threading
 import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Iterator, Sequence
 
 from flashspec_integrations.calls import EngineCall, Outcome
 
 MAX_GATHER_WINDOWS = 10
+COHORT_WAIT = 2.0
+
+
+class _Cohort:
+    """Calls announced together (`expect`): how many will come, how many have, until when to wait."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.arrived = 0
+        self.deadline = float("inf")  # set by the first arrival
+
+    def waiting(self, now: float) -> bool:
+        return self.arrived < self.size and now < self.deadline
+
+
+_cohort: contextvars.ContextVar[_Cohort | None] = contextvars.ContextVar("flashspec_cohort", default=None)
+
+
+@contextlib.contextmanager
+def expect(n: int) -> Iterator[None]:
+    """The calls submitted inside (threads and tasks started inside inherit it) come as a group of
+    `n`: the batcher waits for all of them before it runs a batch."""
+    token = _cohort.set(_Cohort(n) if n > 1 else None)
+    try:
+        yield
+    finally:
+        _cohort.reset(token)
 
 
 @dataclass
 class _Job:
     call: EngineCall
     window: float
+    cohort: _Cohort | None = None
     future: Future = field(default_factory=Future)
     key: Hashable = None
 
@@ -53,8 +86,12 @@ class Batcher:
 
     def submit(self, calls: Sequence[EngineCall], window: float) -> list[Future]:
         """Queue `calls`; each future resolves to the call's Outcome (or its exception)."""
-        jobs = [_Job(c, window) for c in calls]
+        cohort = _cohort.get()
+        jobs = [_Job(c, window, cohort) for c in calls]
         with self._cond:
+            if cohort is not None:
+                cohort.arrived += len(jobs)
+                cohort.deadline = min(cohort.deadline, time.monotonic() + COHORT_WAIT)
             self._pending.extend(jobs)
             self._cond.notify_all()
             start = not self._running
@@ -64,10 +101,18 @@ class Batcher:
         return [j.future for j in jobs]
 
     def _gather(self) -> list[_Job]:
-        """Under the lock: wait for arrivals to go quiet, then take the first waiting call's group."""
+        """Under the lock: wait for announced calls to arrive and for arrivals to go quiet, then
+        take the first waiting call's group."""
         window = max(j.window for j in self._pending)
-        deadline = time.monotonic() + window * MAX_GATHER_WINDOWS
-        while window > 0 and time.monotonic() < deadline:
+        quiet_deadline = time.monotonic() + window * MAX_GATHER_WINDOWS
+        while True:
+            now = time.monotonic()
+            cohorts = {id(j.cohort): j.cohort for j in self._pending if j.cohort is not None and j.cohort.waiting(now)}
+            if cohorts:
+                self._cond.wait(min(c.deadline for c in cohorts.values()) - now)
+                continue
+            if window <= 0 or now >= quiet_deadline:
+                break
             seen = len(self._pending)
             self._cond.wait(window)
             if len(self._pending) == seen:

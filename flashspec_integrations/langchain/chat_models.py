@@ -23,6 +23,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict
 
+from flashspec_integrations.batching import expect
 from flashspec_integrations.calls import EngineCall, Outcome, stream_call
 from flashspec_integrations.langchain._base import LangChainParams, usage
 from flashspec_integrations.langchain._messages import content_text, to_openai_dicts
@@ -276,12 +277,30 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         **kwargs: Any,
     ) -> list[AIMessage]:
         """LangChain runs a chat model's `batch` as one `invoke` per input in a thread pool of
-        `max_concurrency` threads (by default min(32, cores + 4)); without a `max_concurrency` of
-        the caller's, the pool here is as wide as the batch, so every input reaches the engine's
-        batcher at once and the batch is decoded as one engine batch per domain."""
+        `max_concurrency` threads (by default min(32, cores + 4)). Unless the caller set
+        `max_concurrency`, the pool here is as wide as the batch and the batcher is told how many
+        calls are coming, so the inputs are decoded as one engine batch per domain."""
         configs = get_config_list(config, len(inputs))
-        configs = [c if c.get("max_concurrency") is not None else {**c, "max_concurrency": len(inputs)} for c in configs]
-        return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
+        if any(c.get("max_concurrency") is not None for c in configs):
+            return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
+        configs = [{**c, "max_concurrency": len(inputs)} for c in configs]
+        with expect(len(inputs)):
+            return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
+
+    async def abatch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[AIMessage]:
+        """`batch` for coroutines: the inputs' calls are announced to the batcher as one group."""
+        configs = get_config_list(config, len(inputs))
+        if any(c.get("max_concurrency") is not None for c in configs):
+            return await super().abatch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
+        with expect(len(inputs)):
+            return await super().abatch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
 
     def _chunks(self, plan: _Plan) -> Iterator[ChatGenerationChunk]:
         """Message chunks of one call; usage and stats come once, on the last chunk."""

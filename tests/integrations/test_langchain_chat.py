@@ -391,14 +391,31 @@ def test_a_template_with_tool_support_renders_tools_natively():
 
 def test_chat_batch_and_concurrent_ainvoke_reach_the_engine_as_one_batch():
     model, engine = chat(["ok"])
-    model = model.model_copy(update={"batch_window": 0.2})
     model.batch([f"q{i}" for i in range(5)])
     assert engine.batches == [5] and {c["batch"] for c in engine.calls} == {5}
+    model.batch([f"q{i}" for i in range(4)], config={"max_concurrency": 2})  # the caller's pool: 2 at a time
+    assert max(engine.batches[1:]) <= 2
 
     async def gathered():
         return await asyncio.gather(*(model.ainvoke(f"r{i}") for i in range(3)), model.abatch(["s0", "s1"]))
 
+    model = model.model_copy(update={"batch_window": 0.2})  # concurrent callers, not announced: a window
     asyncio.run(gathered())
+    assert engine.batches[-1] == 5
+
+
+def test_batch_waits_for_every_input_however_late_its_thread(monkeypatch):
+    """A busy machine can start batch()'s threads far apart; the batcher is told how many come."""
+    model, engine = chat(["ok"])
+    plan = ChatFlashSpec._plan
+
+    def late_plan(self, messages, *args):
+        time.sleep(0.1 * int(messages[0].content[1:]))  # q0 at once ... q4 after 0.4 s
+        return plan(self, messages, *args)
+
+    monkeypatch.setattr(ChatFlashSpec, "_plan", late_plan)
+    model.batch([f"q{i}" for i in range(5)])
+    asyncio.run(model.abatch([f"q{i}" for i in range(5)]))
     assert engine.batches == [5, 5]
 
 
