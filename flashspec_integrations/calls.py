@@ -101,7 +101,8 @@ def stream_call(engine: Any, call: EngineCall, timeout: float | None = None) -> 
         for chunk in chunks:
             yield chunk
             if deadline is not None and chunk.finish_reason is None and time.monotonic() > deadline:
-                raise TimeoutError(f"generation took longer than timeout={timeout} s; raise timeout or lower max_tokens")
+                raise TimeoutError(
+                    f"generation took longer than timeout={timeout} s; raise timeout or lower max_tokens")
     finally:
         chunks.close()
 

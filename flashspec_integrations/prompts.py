@@ -74,9 +74,8 @@ def _native(messages: Sequence[Mapping]) -> list[dict]:
     for m in messages:
         item = {**m, "role": normalize_role(m["role"])}
         if m.get("tool_calls"):
-            item["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
-                "name": c.get("function", c).get("name"), "arguments": _arguments(c.get("function", c).get("arguments"))}}
-                for c in m["tool_calls"]]
+            item["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {"name": name, "arguments": args}}
+                                  for c, (name, args) in zip(m["tool_calls"], _calls(m))]
         out.append(item)
     return out
 
@@ -132,4 +131,5 @@ def render_prompt(
     extra = system_extra
     if tools:
         extra = f"{tools_instructions(tools)}\n\n{extra}" if extra else tools_instructions(tools)
-    return tokenizer.apply_chat_template(_with_system(_hermes(messages), extra), add_generation_prompt=True, tokenize=False)
+    dicts = _with_system(_hermes(messages), extra)
+    return tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False)

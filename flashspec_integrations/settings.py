@@ -72,7 +72,8 @@ class FlashSpecFields(BaseModel):
                 "(the same names in both adapters)"
             )
         if values.get("engine") is not None and any(values.get(k) is not None for k in _ENGINE_FIELDS):
-            raise ValueError("engine: pass either a ready engine= or the settings target=/drafts=/router=/device=, not both")
+            raise ValueError(
+                "engine: pass either a ready engine= or the settings target=/drafts=/router=/device=, not both")
         return values
 
     # ----------------------------------------------------------------------------- engine

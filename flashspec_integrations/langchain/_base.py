@@ -43,13 +43,15 @@ def run_context(run_manager: Any) -> tuple[dict[str, Any], list[str]]:
 
 def usage(outcome: Outcome) -> UsageMetadata:
     out = outcome.completion_tokens
-    return UsageMetadata(input_tokens=outcome.prompt_tokens, output_tokens=out, total_tokens=outcome.prompt_tokens + out)
+    return UsageMetadata(input_tokens=outcome.prompt_tokens, output_tokens=out,
+                         total_tokens=outcome.prompt_tokens + out)
 
 
 class LangChainParams(FlashSpecFields):
     """The shared fields plus LangChain's own, and the steps of a call both LangChain models take."""
 
-    timeout: float | None = Field(None, gt=0, description="seconds per call, TimeoutError past it (timed calls are not batched)")
+    timeout: float | None = Field(
+        None, gt=0, description="seconds per call, TimeoutError past it (timed calls are not batched)")
     max_retries: int = Field(0, ge=0, description="retries of a timed-out call")
     streaming: bool = Field(False, description="invoke streams under the hood (callbacks see every token)")
     api_key: Any = Field(None, exclude=True, repr=False,
@@ -92,7 +94,8 @@ class LangChainParams(FlashSpecFields):
         """The engine call for rendered prompt `text` (+ `prefix`, the reply's forced opening)."""
         max_new, sampling = self.decoding(kwargs)
         ids = self.get_engine().tokenizer(text + prefix, add_special_tokens=not chat).input_ids
-        return EngineCall(list(ids), max_new, sampling, self.stops(stop, *extra_stops), decision, text, prefix, json_schema)
+        stops = self.stops(stop, *extra_stops)
+        return EngineCall(list(ids), max_new, sampling, stops, decision, text, prefix, json_schema)
 
     def _run(self, calls: Sequence[EngineCall]) -> list[Outcome]:
         engine = self.get_engine()

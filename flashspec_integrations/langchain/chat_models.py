@@ -355,5 +355,6 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        async for chunk in self._arelay(lambda: self._chunks(self._plan(messages, stop, run_manager, kwargs)), run_manager):
+        make = lambda: self._chunks(self._plan(messages, stop, run_manager, kwargs))  # noqa: E731
+        async for chunk in self._arelay(make, run_manager):
             yield chunk

@@ -109,5 +109,6 @@ class FlashSpecLLM(LangChainParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        async for chunk in self._arelay(lambda: self._chunks(self._call(prompt, stop, run_manager, kwargs)), run_manager):
+        make = lambda: self._chunks(self._call(prompt, stop, run_manager, kwargs))  # noqa: E731
+        async for chunk in self._arelay(make, run_manager):
             yield chunk

@@ -101,7 +101,9 @@ def chat_decision(
     return _decide(ctx, default_domain, per_node)
 
 
-def completion_decision(prompt: str, explicit: str | None, default_domain: str | None, per_node: bool = False) -> DomainDecision:
+def completion_decision(
+    prompt: str, explicit: str | None, default_domain: str | None, per_node: bool = False
+) -> DomainDecision:
     """Domain and hint of a completion call."""
     ctx = StepContext(explicit_domain=explicit, metadata=tag_metadata(), prompt_text=prompt)
     return _decide(ctx, default_domain, per_node)

@@ -50,7 +50,8 @@ def _final_info(outcome: Outcome) -> tuple[dict, dict]:
         "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
     }
     flashspec = outcome.info()
-    return {"usage": usage, "flashspec": flashspec, "finish_reason": outcome.finish_reason}, {**usage, "flashspec": flashspec}
+    raw = {"usage": usage, "flashspec": flashspec, "finish_reason": outcome.finish_reason}
+    return raw, {**usage, "flashspec": flashspec}
 
 
 def _calls(req: Request, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:

@@ -113,7 +113,8 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
     """
 
     context_window: int | None = Field(default=None, gt=0, description="None: the model's own.")
-    react_prefill: bool = Field(default=True, description="Start ReAct turns with 'Thought:', as the ReAct header demands.")
+    react_prefill: bool = Field(
+        default=True, description="Start ReAct turns with 'Thought:', as the ReAct header demands.")
 
     @classmethod
     def class_name(cls) -> str:
@@ -136,7 +137,9 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         return self.messages_to_prompt is not generic_messages_to_prompt
 
     def _uses_chat_template(self) -> bool:
-        return not self._custom_messages_to_prompt() and getattr(self.get_engine().tokenizer, "chat_template", None) is not None
+        if self._custom_messages_to_prompt():
+            return False
+        return getattr(self.get_engine().tokenizer, "chat_template", None) is not None
 
     def _engine_call(self, text: str, kwargs: dict, decision: Any, templated: bool, prefix: str = "",
                      extra_stops: Sequence[str] = (), json_schema: dict | None = None) -> EngineCall:
@@ -154,7 +157,8 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         choice = normalize_tool_choice(kwargs.get("tool_choice"), specs, required) if specs else ToolChoice()
         shown = [] if choice.none else specs
         dicts = to_openai_dicts(messages)
-        decision = chat_decision(dicts, kwargs.get("domain"), self.domain, bool(shown), choice.forced, self.domain_per_node)
+        decision = chat_decision(
+            dicts, kwargs.get("domain"), self.domain, bool(shown), choice.forced, self.domain_per_node)
         label = decision.label
         templated = self._uses_chat_template()
         hermes = bool(shown) and not (templated and template_supports_tools(engine.tokenizer))
