@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     chain = build_chain(ChatFlashSpec(max_tokens=args.max_tokens), build_retriever())
     chain.invoke(QUESTIONS[0])  # warm-up: loads the weights
+    load_before = os.getloadavg()[0]
     best: dict[str, tuple[float, list[str], BatchSizes]] = {}
     for _ in range(args.repeats):
         for mode in ("sequential", "batch"):
@@ -99,10 +101,12 @@ def main() -> None:
         })
     env = {"cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "max_tokens": args.max_tokens, "questions": len(QUESTIONS), "repeats": args.repeats}
+           "max_tokens": args.max_tokens, "questions": len(QUESTIONS), "repeats": args.repeats,
+           "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
     print(f"chain.batch vs sequential invoke: {len(QUESTIONS)} RAG questions, greedy, max_tokens={args.max_tokens}, "
           f"best of {args.repeats}")
-    print(f"CPU: {env['cpu']}, torch {env['torch']}, {env['torch_threads']} threads, {env['date']}")
+    print(f"CPU: {env['cpu']}, {os.cpu_count()} cores, torch {env['torch']}, {env['torch_threads']} threads, "
+          f"load average {env['load_average'][0]} before / {env['load_average'][1]} after, {env['date']}")
     print(f"{'mode':<12}{'seconds':>9}{'tokens':>8}{'tok/s':>8}{'speedup':>9}{'batch':>7}{'same':>6}")
     for r in rows:
         print(f"{r['mode']:<12}{r['seconds']:>9.2f}{r['tokens']:>8}{r['tokens_per_second']:>8.1f}"
