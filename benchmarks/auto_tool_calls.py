@@ -5,7 +5,8 @@ Forced calls are decoded under the tool's schema and always parse; under "auto" 
 measures that choice: each of the 50 requests of the tool suite (flashspec_core/constrained/
 tool_suite.py) with its tool and two others bound, and ten requests that need no tool, greedy. It
 also takes another tool-prompt template (`--tools-header FILE`, a str.format template with a
-`{tools}` field, as `langchain_messages._TOOLS_HEADER`), to tell a prompt problem from a model one.
+`{tools}` field, as `flashspec_integrations.prompts.TOOLS_HEADER`), to tell a prompt problem from a
+model one.
 
     python benchmarks/auto_tool_calls.py --out bench_out/auto_tool_calls
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from langchain_core.messages import HumanMessage
 from tqdm import tqdm
 
-import flashspec_integrations.langchain_messages as langchain_messages
+import flashspec_integrations.prompts as prompts
 from flashspec_core.constrained.tool_suite import TOOL_SUITE
 from flashspec_integrations.langchain import ChatFlashSpec
 
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out/auto_tool_calls")
     args = parser.parse_args()
     if args.tools_header:
-        langchain_messages._TOOLS_HEADER = Path(args.tools_header).read_text()
+        prompts.TOOLS_HEADER = Path(args.tools_header).read_text()
     rng = random.Random(0)
     tools = [entry["tool"] for entry in TOOL_SUITE]
     cases = [(e["tool"], e["request"]) for e in TOOL_SUITE] + [(None, r) for r in NO_TOOL_REQUESTS]

@@ -1,13 +1,16 @@
 """A tool-calling agent (langchain.agents.create_agent) with two real Python tools, fully offline.
 
     python examples/langchain_agent.py [--max-tokens 40] [question ...]
+    python examples/langchain_agent.py --target path/to/Qwen2.5-1.5B-Instruct --auto-tools [question ...]
 
 The agent's model is ChatFlashSpec over the embedded default model. Each model call prints the
 router domain it reached and the draft chosen: the step that must pick a tool is a forced call
 (domain "json": one JSON object matching the tool's schema), the step that reads the tool's
-result and answers is "tool/result". The default model has 135M parameters, so a middleware keeps
-the loop short and deterministic: the first model call must call a tool, the call after a tool
-result must answer in words. Larger targets can drop that middleware.
+result and answers is "tool/result". The default model has 135M parameters and never calls a tool
+on its own (0 of 50 requests, benchmarks/auto_tool_calls.py), so a middleware keeps the loop short
+and deterministic: the first model call must call a tool, the call after a tool result must answer
+in words. A larger target of your own (`--target`, a local folder or cached HF id) can drop that
+middleware (`--auto-tools`): the model then decides when to call.
 """
 from __future__ import annotations
 
@@ -68,22 +71,24 @@ def one_tool_then_answer(request: ModelRequest, handler):
     return handler(request.override(tool_choice="none" if answered else "any"))
 
 
-def build_agent(llm: BaseChatModel):
-    return create_agent(llm, [calculator, word_count], system_prompt=SYSTEM, middleware=[one_tool_then_answer],
-                        name="helper")
+def build_agent(llm: BaseChatModel, force_tools: bool = True):
+    middleware = [one_tool_then_answer] if force_tools else []
+    return create_agent(llm, [calculator, word_count], system_prompt=SYSTEM, middleware=middleware, name="helper")
 
 
 def main(argv: Sequence[str] | None = None, llm: BaseChatModel | None = None) -> list[dict]:
     """Runs the agent on each question; returns the recorded model steps."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--target", default=None, help="a target of your own: local folder, .gguf or cached HF id")
+    parser.add_argument("--auto-tools", action="store_true", help="let the model choose when to call a tool")
     parser.add_argument("questions", nargs="*", default=QUESTIONS)
     args = parser.parse_args(argv)
     if llm is None:
         from flashspec_integrations.langchain import ChatFlashSpec
 
-        llm = ChatFlashSpec(max_tokens=args.max_tokens)
-    agent = build_agent(llm)
+        llm = ChatFlashSpec(target=args.target, max_tokens=args.max_tokens)
+    agent = build_agent(llm, force_tools=not args.auto_tools)
     printer = StepPrinter()
     for question in args.questions:
         print(f"Q: {question}")

@@ -2,8 +2,8 @@
 
     python examples/langchain_rag_chain.py [--max-tokens 48] [question ...]
 
-The retriever ranks a small local document set with a hashing TF-IDF embedding written here
-(words and word pairs hashed into 1024 signed buckets, sublinear tf, idf fitted on the corpus, L2
+The retriever ranks a small local document set with the package's offline hashing embedding
+(`HashingEmbeddings`: words and word pairs hashed into 1024 signed buckets, sublinear tf, L2
 normalised), so retrieval really depends on the question and nothing is downloaded. The prompt is
 a retrieval-synthesis prompt, so each call reaches the router under the "rag" domain; a chat turn
 without retrieval follows for contrast. Each model call prints its domain and the draft chosen.
@@ -11,19 +11,16 @@ without retrieval follows for contrast. Each model call prints its domain and th
 from __future__ import annotations
 
 import argparse
-import hashlib
-import math
-import re
-from collections import Counter
 from typing import Sequence
 
 from langchain_core.documents import Document
-from langchain_core.embeddings import Embeddings
 from langchain_core.language_models import BaseChatModel
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
+
+from flashspec_integrations.langchain import HashingEmbeddings
 
 try:
     from langchain_steps import StepPrinter
@@ -46,44 +43,11 @@ PROMPT = ChatPromptTemplate.from_messages([
     ("system", "You are a support assistant. Answer the question based only on the following context.\n\nContext:\n{context}"),
     ("human", "Question: {question}"),
 ])
-_WORD = re.compile(r"[a-z0-9]+")
-
-
-class HashingTfidfEmbeddings(Embeddings):
-    """TF-IDF over hashed words and word pairs; idf is fitted by `embed_documents`."""
-
-    def __init__(self, dim: int = 1024) -> None:
-        if dim <= 0:
-            raise ValueError(f"dim must be positive; got {dim}")
-        self.dim = dim
-        self.idf: dict[int, float] = {}
-
-    def _features(self, text: str) -> Counter:
-        words = _WORD.findall(text.lower())
-        grams = words + [f"{a} {b}" for a, b in zip(words, words[1:])]
-        return Counter(int.from_bytes(hashlib.blake2b(g.encode(), digest_size=8).digest(), "little") for g in grams)
-
-    def _vector(self, feats: Counter) -> list[float]:
-        vec = [0.0] * self.dim
-        for h, count in feats.items():
-            sign = 1.0 if (h >> 32) & 1 else -1.0
-            vec[h % self.dim] += sign * (1.0 + math.log(count)) * self.idf.get(h, max(self.idf.values(), default=1.0))
-        norm = math.sqrt(sum(v * v for v in vec)) or 1.0
-        return [v / norm for v in vec]
-
-    def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        feats = [self._features(t) for t in texts]
-        df = Counter(h for f in feats for h in f)
-        self.idf = {h: math.log((1 + len(texts)) / (1 + n)) + 1.0 for h, n in df.items()}
-        return [self._vector(f) for f in feats]
-
-    def embed_query(self, text: str) -> list[float]:
-        return self._vector(self._features(text))
 
 
 def build_retriever(k: int = 2):
     docs = [Document(page_content=text, metadata={"source": name}) for name, text in DOCUMENTS]
-    return InMemoryVectorStore.from_documents(docs, HashingTfidfEmbeddings()).as_retriever(search_kwargs={"k": k})
+    return InMemoryVectorStore.from_documents(docs, HashingEmbeddings()).as_retriever(search_kwargs={"k": k})
 
 
 def format_docs(docs: Sequence[Document]) -> str:

@@ -23,8 +23,7 @@ from llama_index.core import Settings
 from llama_index.core.agent.workflow import FunctionAgent, ToolCallResult
 from llama_index.core.tools import FunctionTool, QueryEngineTool
 
-from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index_steps import record_steps
+from flashspec_integrations.llama_index import FlashSpecLLM, record_steps
 
 try:  # run as a script (examples/ on sys.path) or imported as examples.llama_index_rag_agent
     from llama_index_rag_query_engine import DOCS, build_query_engine
@@ -67,8 +66,8 @@ def calculate(expression: str) -> str:
     return str(int(value) if float(value).is_integer() else round(value, 6))
 
 
-def build_agent(docs_dir: Path = DOCS, max_new_tokens: int = 64) -> FunctionAgent:
-    Settings.llm = FlashSpecLLM(max_new_tokens=max_new_tokens)
+def build_agent(docs_dir: Path = DOCS, max_tokens: int = 64) -> FunctionAgent:
+    Settings.llm = FlashSpecLLM(max_tokens=max_tokens)
     search = QueryEngineTool.from_defaults(
         build_query_engine(docs_dir),
         name="search_docs",
@@ -97,11 +96,11 @@ def main(argv: Sequence[str] | None = None) -> tuple[str, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("question", nargs="?", default=QUESTION)
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder of documents to index")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-iterations", type=int, default=6)
     args = parser.parse_args(argv)
 
-    agent = build_agent(args.docs, args.max_new_tokens)
+    agent = build_agent(args.docs, args.max_tokens)
     with record_steps() as recorder:
         answer, called = asyncio.run(run(args.question, agent, args.max_iterations))
     for i, step in enumerate(recorder.steps, 1):

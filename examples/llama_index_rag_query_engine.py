@@ -1,7 +1,7 @@
 """A LlamaIndex RAG query engine over a local folder of documents, decoded by FlashSpec (offline).
 
     python examples/llama_index_rag_query_engine.py "How long is the Tessel River?"
-    python examples/llama_index_rag_query_engine.py --docs path/to/folder --max-new-tokens 128 "..."
+    python examples/llama_index_rag_query_engine.py --docs path/to/folder --max-tokens 128 "..."
 
 `Settings.llm = FlashSpecLLM()` puts the embedded default model under the whole query engine; the
 synthesis call is filed under the `rag` domain, where the router learns that copying from the
@@ -16,9 +16,7 @@ from typing import Sequence
 
 from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
 
-from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index_embedding import HashingEmbedding
-from flashspec_integrations.llama_index_steps import record_steps
+from flashspec_integrations.llama_index import FlashSpecLLM, HashingEmbedding, record_steps
 
 DOCS = Path(__file__).parent / "docs"
 QUESTION = "How long is the Tessel River?"
@@ -38,11 +36,11 @@ def main(argv: Sequence[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("question", nargs="?", default=QUESTION)
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder of documents to index")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=1, help="chunks retrieved per question")
     args = parser.parse_args(argv)
 
-    Settings.llm = FlashSpecLLM(max_new_tokens=args.max_new_tokens)
+    Settings.llm = FlashSpecLLM(max_tokens=args.max_tokens)
     query_engine = build_query_engine(args.docs, args.top_k)
     with record_steps() as recorder:
         response = query_engine.query(args.question)

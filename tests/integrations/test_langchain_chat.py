@@ -1,4 +1,5 @@
-"""ChatFlashSpec contract: template rendering, tools, parsing, streaming, structured output, domains."""
+"""ChatFlashSpec contract: rendering, structured output, domains, streaming, async, batching, bad
+input (tool calls: test_langchain_tools.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,13 +8,14 @@ import time
 
 import pydantic.v1
 import pytest
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import RunnableLambda
 from langchain_core.tools import tool
+from fakes import ScriptedEngine, tiny_engine
 from pydantic import BaseModel, Field
-from test_langchain_fakes import ScriptedEngine, tiny_engine
 
-from flashspec_integrations import langchain_runtime
+from flashspec_integrations import settings
+from flashspec_integrations.engines import EngineSettings
 from flashspec_integrations.langchain import ChatFlashSpec
 
 
@@ -41,14 +43,6 @@ class Person(BaseModel):
     age: int
 
 
-class ConstrainedEngine(ScriptedEngine):
-    """A scripted engine whose `stream` takes `json_schema` (the constraint seam) and records it."""
-
-    def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, json_schema=None):
-        self.schemas = getattr(self, "schemas", []) + [json_schema]
-        yield from super().stream(prompt, max_new_tokens, sampling, stop, domain, hint)
-
-
 def chat(script, **kw) -> tuple[ChatFlashSpec, ScriptedEngine]:
     engine = ScriptedEngine(script)
     return ChatFlashSpec(engine=engine, **kw), engine
@@ -64,132 +58,40 @@ def test_invoke_reports_usage_metadata_and_stats():
     n_out = len(engine.tokenizer(msg.content, add_special_tokens=False).input_ids)
     assert msg.usage_metadata == {"input_tokens": n_prompt, "output_tokens": n_out, "total_tokens": n_prompt + n_out}
     meta = msg.response_metadata
-    assert (meta["model_name"], meta["finish_reason"]) == ("SmolLM2-135M-Instruct", "stop")
+    assert (meta["model_name"], meta["finish_reason"]) == ("scripted", "stop")
     assert meta["flashspec"]["domain"] == engine.calls[0]["label"]
     assert meta["flashspec"]["domain_source"] == "classifier"
 
 
-def test_construction_is_lazy_and_the_engine_is_shared(monkeypatch):
+def test_construction_is_lazy_and_resolves_the_engine_once(monkeypatch):
     built = []
-    monkeypatch.setattr(langchain_runtime, "engine_for", lambda *a: built.append(a) or ScriptedEngine(["ok"]))
+    monkeypatch.setattr(settings, "engine_for", lambda s: built.append(s) or ScriptedEngine(["ok"]))
     model = ChatFlashSpec(max_tokens=5)
     assert built == []
     model.invoke("hi")
     model.invoke("hi again")
-    assert built == [(None, None, "thompson", None)]
+    assert built == [EngineSettings()]
     ChatFlashSpec(model="some/other-model").invoke("hi")
-    assert built[-1][0] == "some/other-model"
+    assert built[-1] == EngineSettings(target="some/other-model")
 
 
-def test_auto_tool_call_is_parsed_with_ids_and_domain_tool():
-    reply = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-    model, engine = chat([reply])
-    msg = model.bind_tools([add, shout]).invoke("What is 2 + 3?")
-    assert msg.content == "Let me add."
-    assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("add", {"a": 2, "b": 3})]
-    assert msg.tool_calls[0]["id"].startswith("call_") and msg.invalid_tool_calls == []
-    assert msg.response_metadata["finish_reason"] == "tool_calls"
-    assert engine.calls[0]["label"] == "tool"
-    assert '"name": "shout"' in engine.calls[0]["prompt"] and "<tools>" in engine.calls[0]["prompt"]
-
-
-def test_forced_named_call_is_prefilled_stopped_and_parsed():
-    model, engine = chat(['"a": 1, "b": 2}}\n</tool_call>\nmore text'])
-    msg = model.bind_tools([add, shout], tool_choice="add").invoke("one plus two")
-    call = engine.calls[0]
-    assert call["prompt"].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {')
-    assert "</tool_call>" in call["stop"] and call["label"] == "json"
-    assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("add", {"a": 1, "b": 2})]
-
-
-def test_forced_any_prefills_only_the_opening():
-    model, engine = chat(['shout", "arguments": {"text": "hi"}}'])
-    msg = model.bind_tools([add, shout], tool_choice="any").invoke("say hi loudly")
-    assert engine.calls[0]["prompt"].endswith('<tool_call>\n{"name": "')
-    assert msg.tool_calls[0]["name"] == "shout" and msg.tool_calls[0]["args"] == {"text": "hi"}
-
-
-@pytest.mark.parametrize(
-    "reply, name, args",
-    [
-        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}</tool_call>', "add", {"a": 1, "b": 2}),
-        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2,},}</tool_call>', "add", {"a": 1, "b": 2}),
-        ('<tool_call>{"name": "add", "parameters": {"a": 1, "b": 2}}</tool_call>', "add", {"a": 1, "b": 2}),
-        ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 4, \\"b\\": 5}"}</tool_call>', "add", {"a": 4, "b": 5}),
-        ('```json\n{"name": "shout", "arguments": {"text": "x"}}\n```', "shout", {"text": "x"}),
-    ],
-)
-def test_lenient_parsing_repairs_what_is_clearly_meant(reply, name, args):
-    model, _ = chat([reply])
-    msg = model.bind_tools([add, shout]).invoke("go")
-    assert [(c["name"], c["args"]) for c in msg.tool_calls] == [(name, args)]
-    assert msg.invalid_tool_calls == []
-
-
-@pytest.mark.parametrize(
-    "reply, max_tokens, error",
-    [
-        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b"', 1000, "not valid JSON"),
-        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 22222222222}}', 40, "incomplete JSON"),
-        ('<tool_call>{"name": "divide", "arguments": {}}</tool_call>', 1000, "unknown tool"),
-        ('<tool_call>{"arguments": {"a": 1}}</tool_call>', 1000, "no \"name\""),
-        ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', 1000, "not a JSON object"),
-    ],
-)
-def test_what_fails_to_parse_goes_to_invalid_tool_calls(reply, max_tokens, error):
-    model, _ = chat([reply], max_tokens=max_tokens)
-    msg = model.bind_tools([add]).invoke("go")
-    assert msg.tool_calls == []
-    assert len(msg.invalid_tool_calls) == 1 and error in msg.invalid_tool_calls[0]["error"]
-
-
-def test_stream_yields_tool_call_chunks_and_usage_once():
-    reply = 'Sure <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call> done'
-    model, _ = chat([reply])
-    chunks = list(model.bind_tools([add]).stream("2+3?"))
-    assert all(isinstance(c, AIMessageChunk) for c in chunks)
-    assert not any("<tool" in c.content for c in chunks if isinstance(c.content, str))
-    assert sum(c.usage_metadata is not None for c in chunks) == 1
-    full = chunks[0]
-    for c in chunks[1:]:
-        full += c
-    assert [(c["name"], c["args"]) for c in full.tool_calls] == [("add", {"a": 2, "b": 3})]
-    assert full.content.replace(" ", "") == "Suredone"
-    assert full.response_metadata["finish_reason"] == "tool_calls"
-    assert full.usage_metadata["output_tokens"] > 0
-
-
-def test_stream_keeps_a_truncated_call_invalid():
-    model, _ = chat(['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 99999999999999}}'], max_tokens=35)
-    full = None
-    for c in model.bind_tools([add]).stream("go"):
-        full = c if full is None else full + c
-    assert full.tool_calls == [] and len(full.invalid_tool_calls) == 1
-
-
-def test_tool_history_renders_calls_and_results_and_reads_as_tool_result():
-    model, engine = chat(["It is 5."])
-    history = [
-        HumanMessage("What is 2 + 3?"),
-        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "c1"}]),
-        ToolMessage("5", tool_call_id="c1", name="add"),
-    ]
-    model.bind_tools([add]).invoke(history)
-    prompt = engine.calls[0]["prompt"]
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>' in prompt
-    assert "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>" in prompt
-    assert engine.calls[0]["label"] == "tool/result"
-    # Anthropic-style list content with tool_use blocks renders the same way.
-    listed = AIMessage([{"type": "text", "text": "hm"}, {"type": "tool_use", "id": "c1", "name": "add", "input": {}}],
-                       tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "c1"}])
-    model.bind_tools([add]).invoke([history[0], listed, history[2]])
-    assert "hm\n<tool_call>" in engine.calls[1]["prompt"]
+def test_the_model_is_named_for_what_decodes():
+    """With engine= or target=, traces and responses name that model, not the default one."""
+    model = ChatFlashSpec(engine=ScriptedEngine(["ok"], model_name="org/my-target"))
+    assert model._get_ls_params()["ls_model_name"] == "org/my-target"
+    assert model.invoke("x").response_metadata["model_name"] == "org/my-target"
+    assert ChatFlashSpec(target="org/other-model")._get_ls_params()["ls_model_name"] == "org/other-model"
+    assert ChatFlashSpec(model="org/other-model").model_name == "org/other-model"
+    assert ChatFlashSpec()._get_ls_params()["ls_model_name"] == "SmolLM2-135M-Instruct"
+    assert ChatFlashSpec()._get_ls_params(model="override")["ls_model_name"] == "override"
+    with pytest.raises(ValueError, match="model="):  # a call cannot switch the target
+        model.invoke("x", model="another")
 
 
 @pytest.mark.parametrize("method", ["function_calling", "json_schema", "json_mode"])
 def test_with_structured_output(method):
     body = '{"name": "Ada Lovelace", "age": 36}'
-    reply = f'"name": "Ada Lovelace", "age": 36}}}}' if method == "function_calling" else f"Here: {body}"
+    reply = f'{{"name": "Person", "arguments": {body}}}' if method == "function_calling" else f"Here: {body}"
     model, engine = chat([reply])
     schema = Person if method != "json_mode" else None
     out = model.with_structured_output(schema, method=method).invoke("Who wrote the first program?")
@@ -203,38 +105,26 @@ def test_with_structured_output(method):
 
 
 def test_json_mode_with_a_schema_decodes_under_it():
-    engine = ConstrainedEngine(['{"name": "Ada Lovelace", "age": 36}'] * 2)
-    model = ChatFlashSpec(engine=engine)
+    model, engine = chat(['{"name": "Ada Lovelace", "age": 36}'])
     assert model.with_structured_output(Person, method="json_mode").invoke("x") == Person(name="Ada Lovelace", age=36)
-    assert engine.schemas[0]["required"] == ["name", "age"]
+    assert engine.calls[0]["json_schema"]["required"] == ["name", "age"]
     model.with_structured_output(None, method="json_mode").invoke("x")
-    assert engine.schemas[1] == {"type": "object"}
+    assert engine.calls[1]["json_schema"] == {"type": "object"}
 
 
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
 def test_with_structured_output_takes_a_pydantic_v1_model(method):
     body = '{"name": "Ada Lovelace", "age": 36}'
-    reply = f'"name": "Ada Lovelace", "age": 36}}}}' if method == "function_calling" else body
+    reply = f'{{"name": "PersonV1", "arguments": {body}}}' if method == "function_calling" else body
     model, _ = chat([reply])
     out = model.with_structured_output(PersonV1, method=method).invoke("Who wrote the first program?")
     assert isinstance(out, PersonV1) and out.age == 36
 
 
 def test_structured_output_include_raw_reports_parse_errors():
-    model, _ = chat(['"name": 5, "age": "old"}}'])
+    model, _ = chat(['{"name": "Person", "arguments": {"name": 5, "age": "old"}}'])
     out = model.with_structured_output(Person, include_raw=True).invoke("x")
     assert out["parsed"] is None and out["parsing_error"] is not None and isinstance(out["raw"], AIMessage)
-
-
-def test_constraint_seam_sends_the_schema_instead_of_a_prefix():
-    engine = ConstrainedEngine(['{"name": "add", "arguments": {"a": 1, "b": 2}}'])
-    msg = ChatFlashSpec(engine=engine).bind_tools([add, shout], tool_choice="add").invoke("1+2")
-    assert engine.calls[0]["prompt"].endswith("<|im_start|>assistant\n")
-    schema = engine.schemas[0]
-    assert schema["properties"]["name"] == {"const": "add"} and "a" in schema["properties"]["arguments"]["properties"]
-    assert msg.tool_calls[0]["args"] == {"a": 1, "b": 2}
-    ChatFlashSpec(engine=engine).invoke("plain")
-    assert engine.schemas[1] is None
 
 
 def test_domain_precedence_and_agent_node():
@@ -306,6 +196,10 @@ class SlowEngine(ScriptedEngine):
             time.sleep(0.05)
             yield chunk
 
+    def generate(self, *args, **kwargs):
+        time.sleep(0.4)
+        return super().generate(*args, **kwargs)
+
 
 def test_timeout_raises_after_the_retries():
     engine = SlowEngine(["a" * 30])
@@ -335,15 +229,17 @@ def test_async_paths_do_not_block_the_event_loop():
 
     ticks, streamed, invoked = asyncio.run(main())
     assert streamed == invoked == "abcdefghijklmnopqrstuvwxyz"
-    assert ticks >= 20  # ~0.9 s of engine time ran while the loop kept ticking
+    assert ticks >= 40  # ~0.85 s of engine time ran while the loop kept ticking
 
 
-def test_batch_is_thread_safe_on_a_real_engine():
-    model = ChatFlashSpec(engine=tiny_engine(), max_tokens=12)
+def test_batch_decodes_as_one_engine_batch_and_matches_single_calls():
+    model = ChatFlashSpec(engine=tiny_engine(), max_tokens=12, batch_window=0.2)  # a wide window: no flakes
     prompts = [f"question {i}" for i in range(4)]
-    alone = [model.invoke(p).content for p in prompts]
-    together = [m.content for m in model.batch(prompts, config={"max_concurrency": 4})]
-    assert together == alone
+    alone = [model.invoke(p) for p in prompts]
+    together = model.batch(prompts)
+    assert [m.content for m in together] == [m.content for m in alone]
+    assert [m.response_metadata["flashspec"]["batch_size"] for m in alone] == [1, 1, 1, 1]
+    assert [m.response_metadata["flashspec"]["batch_size"] for m in together] == [4, 4, 4, 4]
 
 
 def test_real_engine_stream_matches_invoke_and_respects_stop():
@@ -355,22 +251,50 @@ def test_real_engine_stream_matches_invoke_and_respects_stop():
     assert json.dumps(model.invoke("hello").response_metadata["flashspec"]["arms"])
 
 
-def test_a_template_with_tool_support_renders_tools_natively():
-    engine = ScriptedEngine(['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'])
-    engine.tokenizer.chat_template = (
-        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
-        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
-        "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}\n"
-        "{% endfor %}assistant:"
-    )
-    model = ChatFlashSpec(engine=engine)
-    history = [
-        HumanMessage("1+1?"),
-        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 1}, "id": "c1"}]),
-        ToolMessage("2", tool_call_id="c1"),
-    ]
-    msg = model.bind_tools([add, shout], tool_choice="add").invoke(history)
-    prompt = engine.calls[0]["prompt"]
-    assert prompt.startswith("TOOLS:add;shout;") and prompt.endswith("assistant:")  # no forced prefix
-    assert 'CALL add({"a": 1, "b": 1})' in prompt and "tool: 2" in prompt
-    assert msg.tool_calls[0]["args"] == {"a": 1, "b": 1}
+def test_chat_batch_and_concurrent_ainvoke_reach_the_engine_as_one_batch():
+    model, engine = chat(["ok"])
+    model.batch([f"q{i}" for i in range(5)])
+    assert engine.batches == [5] and {c["batch"] for c in engine.calls} == {5}
+    model.batch([f"q{i}" for i in range(4)], config={"max_concurrency": 2})  # the caller's pool: 2 at a time
+    assert max(engine.batches[1:]) <= 2
+
+    async def gathered():
+        return await asyncio.gather(*(model.ainvoke(f"r{i}") for i in range(3)), model.abatch(["s0", "s1"]))
+
+    model = model.model_copy(update={"batch_window": 0.2})  # concurrent callers, not announced: a window
+    asyncio.run(gathered())
+    assert engine.batches[-1] == 5
+
+
+def test_batch_waits_for_every_input_however_late_its_thread(monkeypatch):
+    """A busy machine can start batch()'s threads far apart; the batcher is told how many come."""
+    model, engine = chat(["ok"])
+    plan = ChatFlashSpec._plan
+
+    def late_plan(self, messages, *args):
+        time.sleep(0.1 * int(messages[0].content[1:]))  # q0 at once ... q4 after 0.4 s
+        return plan(self, messages, *args)
+
+    monkeypatch.setattr(ChatFlashSpec, "_plan", late_plan)
+    model.batch([f"q{i}" for i in range(5)])
+    asyncio.run(model.abatch([f"q{i}" for i in range(5)]))
+    assert engine.batches == [5, 5]
+
+
+def test_calls_that_cannot_share_a_batch_run_apart():
+    """A batch shares every engine argument, so rows of other domains or lengths get batches of their own."""
+    model, engine = chat(["ok"])
+    model = model.model_copy(update={"batch_window": 0.2})
+    configs = [{}, {}, {"metadata": {"flashspec_domain": "code"}}]
+    model.batch(["a", "b", "c"], config=configs)
+    assert sorted(engine.batches) == [1, 2]
+    assert {c["label"]: c["batch"] for c in engine.calls} == {"chat": 2, "code": 1}
+
+
+def test_openai_penalties_are_accepted_at_zero_and_refused_with_the_fix_otherwise():
+    model, engine = chat(["ok"])
+    assert model.invoke("x", frequency_penalty=0.0, presence_penalty=0).content == "ok"
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        model.invoke("x", frequency_penalty=0.5)
+    with pytest.raises(ValueError, match="presence_penalty"):
+        model.invoke("x", presence_penalty=1)

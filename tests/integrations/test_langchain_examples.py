@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_langchain_fakes import ScriptedEngine
+from fakes import ScriptedEngine
 
 from flashspec_core import SpecEngine
 from flashspec_integrations.langchain import ChatFlashSpec
@@ -39,11 +39,11 @@ class RecordingRouter:
 
 
 def agent_script(prompt: str) -> str:
+    """The example forces a call first (the grammar writes the bare call object), then an answer."""
     if "<tool_response>" in prompt:
         return "17 times 23 is 391."
-    if prompt.endswith('{"name": "'):
-        return 'calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
-    return "I do not know."
+    return '{"name": "calculator", "arguments": {"expression": "17 * 23"}}'
+
 
 
 def test_agent_example_calls_a_real_tool_and_switches_domain(capsys):
@@ -112,3 +112,18 @@ def test_default_model_rag_example_runs(recording_default_engine, capsys):
     assert [s["domain"] for s in steps] == ["rag", "chat"]
     assert set(recording_default_engine.router.domains) == {"rag", "chat"}
     assert all(s["draft"] for s in steps)
+
+
+def test_agent_example_lets_a_tool_calling_target_choose(capsys):
+    """--auto-tools drops the forcing middleware: the model (scripted here as a larger target that
+    calls tools) decides, and nothing is forced or decoded under a schema."""
+    def chooses(prompt: str) -> str:
+        if "<tool_response>" in prompt:
+            return "It is 391."
+        return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
+
+    engine = ScriptedEngine(chooses)
+    steps = langchain_agent.main(["--auto-tools", "What is 17 * 23?"], llm=ChatFlashSpec(engine=engine))
+    assert "tool calculator -> 391" in capsys.readouterr().out
+    assert [s["domain"] for s in steps] == ["tool", "tool/result"]
+    assert all(c["json_schema"] is None for c in engine.calls)

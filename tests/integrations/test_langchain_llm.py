@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
-from test_langchain_fakes import ScriptedEngine, tiny_engine
+from fakes import ScriptedEngine, tiny_engine
 
 from flashspec_integrations.langchain import FlashSpecLLM
 

@@ -19,10 +19,10 @@ from llama_index.core import Settings
 from llama_index.core.agent.react.formatter import ReActChatFormatter
 from llama_index.core.agent.workflow import FunctionAgent, ReActAgent
 from llama_index.core.tools import FunctionTool
-from test_llama_index_support import ScriptedEngine
+from fakes import ScriptedEngine
 
 from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index_steps import record_steps
+from flashspec_integrations.llama_index import record_steps
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # A ReAct header short enough for a 135M model to keep the format in view.
@@ -96,7 +96,7 @@ def test_function_agent_calls_the_tool_and_finishes_on_the_default_model(default
     calls: list = []
     agent = FunctionAgent(
         tools=[_multiply_tool(calls)],
-        llm=FlashSpecLLM(max_new_tokens=24),
+        llm=FlashSpecLLM(max_tokens=32),  # the forced call, bare JSON under its schema, is 25 tokens
         system_prompt="You are a calculator. Use the multiply tool, then state the result.",
         initial_tool_choice="multiply",
     )
@@ -113,7 +113,7 @@ def test_react_agent_calls_the_tool_and_finishes_on_the_default_model(default_en
     calls: list = []
     agent = ReActAgent(
         tools=[_multiply_tool(calls, return_direct=True)],
-        llm=FlashSpecLLM(max_new_tokens=32),
+        llm=FlashSpecLLM(max_tokens=32),
         formatter=ReActChatFormatter.from_defaults(system_header=COMPACT_REACT_HEADER),
     )
     answer, steps = _run(agent, REACT_REQUEST)
@@ -129,7 +129,7 @@ def test_rag_agent_example_on_the_default_model(capsys, default_engine):
     try:
         import llama_index_rag_agent as example
 
-        answer, called = example.main(["--max-new-tokens", "24", "--max-iterations", "4"])
+        answer, called = example.main(["--max-tokens", "24", "--max-iterations", "4"])
     finally:
         sys.path.remove(str(EXAMPLES))
         Settings._llm, Settings._embed_model = saved

@@ -10,7 +10,7 @@ from llama_index.core.instrumentation.dispatcher import instrument_tags
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.prompts.default_prompt_selectors import DEFAULT_REFINE_PROMPT_SEL, DEFAULT_TEXT_QA_PROMPT_SEL
 from llama_index.core.tools import FunctionTool
-from test_llama_index_support import ScriptedEngine
+from fakes import ScriptedEngine
 
 from flashspec_integrations.llama_index import FlashSpecLLM
 
@@ -25,7 +25,9 @@ def _llm(script=("ok",) * 4, **kwargs):
 def test_plain_chat_leaves_the_domain_to_the_engine_classifier():
     llm, engine = _llm()
     res = llm.chat(USER)
-    assert (engine.calls[0]["domain"], engine.calls[0]["hint"]) == (None, None)
+    # The engine gets the classifier's label as its hint (so a batch holds one label's prompts).
+    assert (engine.calls[0]["domain"], engine.calls[0]["hint"]) == (None, "chat")
+    assert (res.raw["flashspec"]["hint"], res.raw["flashspec"]["domain_source"]) == (None, "classifier")
     assert res.raw["flashspec"]["domain"] == "chat"
 
 
@@ -102,15 +104,15 @@ def test_synthesis_templates_mean_a_rag_step_on_every_entry_point(template, args
 
 def test_other_templates_are_not_rag():
     llm, engine = _llm()
-    llm.predict(PromptTemplate("Write a haiku about {topic}."), topic="snow")
-    assert engine.calls[0]["hint"] is None
+    out = llm.predict(PromptTemplate("Write a haiku about {topic}."), topic="snow")
+    assert out == "ok" and engine.calls[0]["hint"] == "chat"  # the classifier's label, not rag
 
 
 def test_the_template_scope_ends_with_the_call():
     llm, engine = _llm()
     llm.predict(DEFAULT_TEXT_QA_PROMPT_SEL, context_str="a", query_str="b")
     llm.chat(USER)
-    assert [c["hint"] for c in engine.calls] == ["rag", None]
+    assert [c["hint"] for c in engine.calls] == ["rag", "chat"]
 
 
 def test_a_formatted_synthesis_prompt_is_rag_even_without_the_template():

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
-from test_llama_index_support import tiny_engine
+from fakes import tiny_engine
 
 from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index_embedding import HashingEmbedding, hashed_vector
-from flashspec_integrations.llama_index_steps import record_steps
+from flashspec_integrations.hashing import hashed_vector
+from flashspec_integrations.llama_index import HashingEmbedding
+from flashspec_integrations.llama_index import record_steps
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DOCS = EXAMPLES / "docs"
@@ -56,7 +57,7 @@ def test_hashing_vectors_are_unit_length_even_for_text_without_words():
 
 
 def test_query_engine_on_settings_llm_retrieves_and_files_synthesis_as_rag(settings, documents, torch_one_thread):
-    settings.llm = FlashSpecLLM(engine=tiny_engine(), max_new_tokens=8)
+    settings.llm = FlashSpecLLM(engine=tiny_engine(), max_tokens=8)
     settings.embed_model = HashingEmbedding()
     index = VectorStoreIndex.from_documents(documents)
     with record_steps() as recorder:
@@ -81,9 +82,9 @@ def test_rag_query_engine_example_on_the_default_model(settings, capsys, default
         import llama_index_rag_query_engine as example
     finally:
         sys.path.remove(str(EXAMPLES))
-    response = example.main(["--max-new-tokens", "16"])
+    response = example.main(["--max-tokens", "16"])
     out = capsys.readouterr().out
-    assert isinstance(settings.llm, FlashSpecLLM) and settings.llm.engine is default_engine
+    assert isinstance(settings.llm, FlashSpecLLM) and settings.llm.get_engine() is default_engine
     assert response.source_nodes[0].metadata["file_name"] == "tessel_river.md"
     assert "step 1: [chat] domain=rag draft=" in out
     assert "source: tessel_river.md" in out

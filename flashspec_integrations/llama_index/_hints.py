@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
-from llama_index.core.base.llms.types import ChatMessage, ToolCallBlock
 from llama_index.core.instrumentation.dispatcher import active_instrument_tags
 
 from flashspec_integrations.context import (
@@ -73,36 +72,38 @@ def tag_metadata() -> dict[str, Any]:
     return tags
 
 
-def _decide(ctx: StepContext, default_domain: str | None) -> DomainDecision:
+def _decide(ctx: StepContext, default_domain: str | None, per_node: bool) -> DomainDecision:
     if ctx.explicit_domain is None and METADATA_DOMAIN_KEY not in ctx.metadata and default_domain:
         ctx = StepContext(**{**ctx.__dict__, "explicit_domain": default_domain})
-    decision = decide_domain(ctx)
+    decision = decide_domain(ctx, domain_per_node=per_node)
     if decision.source == "classifier" and _template_domain.get() is not None:
         return DomainDecision(None, _template_domain.get(), "template", decision.node)
     return decision
 
 
 def chat_decision(
-    messages: Sequence[ChatMessage],
+    messages: Sequence[Mapping[str, Any]],
     explicit: str | None,
     default_domain: str | None,
     tools_bound: bool,
     forced: bool,
+    per_node: bool = False,
 ) -> DomainDecision:
-    """Domain and hint of a chat call."""
-    calls_in_history = any(isinstance(b, ToolCallBlock) for m in messages for b in m.blocks)
+    """Domain and hint of a chat call (`messages` as OpenAI-form dicts)."""
     ctx = StepContext(
         explicit_domain=explicit,
         metadata=tag_metadata(),
-        tools_bound=tools_bound or calls_in_history,
+        tools_bound=tools_bound or any(m.get("tool_calls") for m in messages),
         tool_choice_forced=forced,
-        roles=[str(getattr(m.role, "value", m.role)) for m in messages],
-        prompt_text="\n".join(m.content or "" for m in messages),
+        roles=[m["role"] for m in messages],
+        prompt_text="\n".join(m["content"] for m in messages),
     )
-    return _decide(ctx, default_domain)
+    return _decide(ctx, default_domain, per_node)
 
 
-def completion_decision(prompt: str, explicit: str | None, default_domain: str | None) -> DomainDecision:
+def completion_decision(
+    prompt: str, explicit: str | None, default_domain: str | None, per_node: bool = False
+) -> DomainDecision:
     """Domain and hint of a completion call."""
     ctx = StepContext(explicit_domain=explicit, metadata=tag_metadata(), prompt_text=prompt)
-    return _decide(ctx, default_domain)
+    return _decide(ctx, default_domain, per_node)

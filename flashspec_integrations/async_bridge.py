@@ -1,12 +1,13 @@
-"""Run the blocking engine off the event loop, for the adapter's async methods.
+"""Iterate a blocking engine stream from a coroutine without blocking the event loop.
 
-Decoding is CPU/GPU-bound and holds no await points, so calling it inside a coroutine would
+Decoding is CPU/GPU-bound and holds no await points, so iterating it inside a coroutine would
 freeze every other task (an agent's tool calls, a server's other requests) for the whole
-generation. One-shot calls go to the default thread pool through `asyncio.to_thread`; streams
-get a producer thread each that hands chunks to the loop through a queue, because the engine's
-stream must be iterated by one thread from start to end (it holds the engine's lock meanwhile).
-Both copy the caller's context variables, so instrumentation tags and template hints set by
-the caller are seen by the worker.
+generation. A stream gets a producer thread of its own that hands items to the loop through a
+queue: the engine's stream must be iterated by one thread from start to end (it holds the engine's
+lock meanwhile), and a long stream should not occupy one of the loop's few default executor
+workers. The producer runs in a copy of the caller's context variables, so run configs,
+instrumentation tags and template hints set by the caller are seen there. (Non-streaming async
+calls need no thread: they wait on the batcher's futures, `batching.arun_calls`.)
 """
 from __future__ import annotations
 
@@ -20,16 +21,11 @@ T = TypeVar("T")
 _ITEM, _DONE, _ERROR = "item", "done", "error"
 
 
-async def run_in_thread(fn: Callable[..., T], *args, **kwargs) -> T:
-    """`fn(*args, **kwargs)` in a worker thread, with the caller's context variables."""
-    return await asyncio.to_thread(fn, *args, **kwargs)
+async def aiter_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """Yield the items of `make_iterator()` (called in the producer thread: it may load weights).
 
-
-async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Iterate a blocking iterator in a dedicated thread and yield its items on the event loop.
-
-    If the consumer stops early (break, aclose, cancellation), the producer stops before the
-    next item and closes the iterator in its own thread, which releases the engine.
+    If the consumer stops early (break, aclose, cancellation), the producer stops before the next
+    item and closes the iterator in its own thread, which releases the engine.
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -58,8 +54,7 @@ async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIt
         except BaseException as exc:  # handed to the consumer, who re-raises it
             post(_ERROR, exc)
 
-    thread = threading.Thread(target=context.run, args=(produce,), name="flashspec-astream", daemon=True)
-    thread.start()
+    threading.Thread(target=context.run, args=(produce,), name="flashspec-astream", daemon=True).start()
     try:
         while True:
             kind, value = await queue.get()

@@ -1,11 +1,12 @@
 """An offline embedding that really ranks: hashed bag of words (plus word pairs), TF-weighted.
 
 Retrieval examples and tests need an embedding that puts the document about the question first
-without downloading a model, and LlamaIndex's MockEmbedding returns the same vector for every
-text, so it cannot rank. Hashing words (lower-cased, stop words dropped, a plural "s" folded) and
-adjacent word pairs into a fixed number of buckets, with sublinear term frequency and L2
+without downloading a model (LlamaIndex's MockEmbedding returns the same vector for every text, so
+it cannot rank). Hashing words (lower-cased, stop words dropped, a plural "s" folded) and adjacent
+word pairs into a fixed number of signed buckets, with sublinear term frequency and L2
 normalisation, gives cosine similarities that follow word overlap: crude next to a neural model,
-but deterministic, instant and good enough to pick the right document out of a few.
+but deterministic, instant and good enough to pick the right document out of a few. Both adapters
+wrap this one function (`langchain.embeddings`, `llama_index.embeddings`).
 """
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ import hashlib
 import math
 import re
 from collections import Counter
-
-from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.bridge.pydantic import Field
 
 _WORD = re.compile(r"[a-z0-9]+")
 _STOP_WORDS = frozenset(
@@ -43,12 +41,14 @@ def _bucket(term: str, dim: int) -> tuple[int, float]:
     return value % dim, 1.0 if (value >> 63) & 1 == 0 else -1.0
 
 
-def hashed_vector(text: str, dim: int) -> list[float]:
+def hashed_vector(text: str, dim: int = 1024) -> list[float]:
     """The embedding of `text`: [dim] floats, unit length.
 
     A text without content words (an empty query) gets the uniform vector, equally close to
     every document, rather than zeros, whose cosine similarity is undefined.
     """
+    if not isinstance(dim, int) or dim < 1:
+        raise ValueError(f"dim must be a positive int; got {dim!r}")
     vec = [0.0] * dim
     for term, count in Counter(_terms(text)).items():
         index, sign = _bucket(term, dim)
@@ -56,23 +56,3 @@ def hashed_vector(text: str, dim: int) -> list[float]:
         vec[index] += sign * (weight if "_" not in term else 0.5 * weight)
     norm = math.sqrt(sum(v * v for v in vec))
     return [v / norm for v in vec] if norm else [1.0 / math.sqrt(dim)] * dim
-
-
-class HashingEmbedding(BaseEmbedding):
-    """Hashed bag-of-words embedding for offline retrieval (no model, no download)."""
-
-    dim: int = Field(default=1024, ge=16, description="Number of hash buckets (vector length).")
-    model_name: str = Field(default="flashspec-hashing-bow")
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "HashingEmbedding"
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return hashed_vector(query, self.dim)
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return hashed_vector(query, self.dim)
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return hashed_vector(text, self.dim)

@@ -1,0 +1,124 @@
+"""Engine outcomes -> LlamaIndex responses, with token usage and FlashSpec statistics.
+
+Every finished response carries the same information in two places, because LlamaIndex code
+reads both: `raw` (a dict: `usage` in the OpenAI shape that TokenCountingHandler understands, and
+`flashspec` with the step domain, the arm of every step and the acceptance counts) and
+`additional_kwargs` (flat token counts plus `flashspec`). Streamed chunks before the last are
+marked `flashspec_partial` and carry no statistics yet: the engine reports them when it finishes.
+
+Tool calls go on the message twice as well: as `ToolCallBlock`s (what `get_tool_calls_from_response`
+and chat history read) and in `message.additional_kwargs["tool_calls"]` in OpenAI's shape, which is
+where llama-index-core's structured streaming (`process_streaming_objects`) looks for them.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    CompletionResponse,
+    MessageRole,
+    TextBlock,
+    ToolCallBlock,
+)
+
+from flashspec_core.results import StreamChunk
+from flashspec_integrations.calls import EngineCall, Outcome
+from flashspec_integrations.tool_calls import ParsedCall, new_call_id, parse_tool_calls
+
+PARTIAL = "flashspec_partial"
+
+
+@dataclass
+class Request:
+    """One prepared call: the engine call and how to read what comes back."""
+
+    call: EngineCall
+    tool_names: tuple[str, ...] | None = None  # parse tool calls from the output when set
+    single_call: bool = False  # keep only the first call (parallel calls not allowed)
+    forced_name: str | None = None  # the tool a forced call must call, known before generation
+
+
+def _final_info(outcome: Outcome) -> tuple[dict, dict]:
+    usage = {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+    }
+    flashspec = outcome.info()
+    raw = {"usage": usage, "flashspec": flashspec, "finish_reason": outcome.finish_reason}
+    return raw, {**usage, "flashspec": flashspec}
+
+
+def _calls(req: Request, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+    content, calls = parse_tool_calls(text, req.tool_names or (), finished)
+    calls = [c for c in calls if c.name]  # a call without a tool name cannot be run
+    if req.single_call:
+        calls = calls[:1]
+    if not calls and req.forced_name is not None:
+        # The call was forced, so its tool is certain even when its arguments came out unreadable
+        # (cut off by the token limit): report the call and let the tool reject the arguments.
+        raw = text[len(req.call.prefix):].strip()
+        return content, [ParsedCall(new_call_id(), req.forced_name, None, raw, "unreadable arguments")]
+    return content, calls
+
+
+def _message(req: Request, text: str, final: bool, finished: bool = True) -> ChatMessage:
+    if not final or req.tool_names is None:
+        return ChatMessage(role=MessageRole.ASSISTANT, content=text)
+    content, calls = _calls(req, text, finished)
+    if not calls:
+        return ChatMessage(role=MessageRole.ASSISTANT, content=text)
+    blocks = [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments if c.valid else c.raw)
+              for c in calls]
+    openai_calls = [{"id": c.id, "type": "function", "function": {
+        "name": c.name, "arguments": json.dumps(c.arguments) if c.valid else c.raw}} for c in calls]
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=([TextBlock(text=content)] if content else []) + blocks,
+                       additional_kwargs={"tool_calls": openai_calls})
+
+
+def completion_response(req: Request, outcome: Outcome) -> CompletionResponse:
+    raw, extra = _final_info(outcome)
+    return CompletionResponse(text=outcome.text, raw=raw, additional_kwargs=extra)
+
+
+def chat_response(req: Request, outcome: Outcome) -> ChatResponse:
+    raw, extra = _final_info(outcome)
+    message = _message(req, outcome.text, final=True, finished=outcome.finish_reason != "length")
+    return ChatResponse(message=message, raw=raw, additional_kwargs=extra)
+
+
+def _stream_steps(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[tuple[str, str, Outcome | None]]:
+    """(delta, text so far, the Outcome on the last chunk) per chunk; the prefix comes first."""
+    call = req.call
+    text, ids, start = call.prefix, [], time.perf_counter()
+    if call.prefix:
+        yield call.prefix, text, None
+    for chunk in chunks:
+        text += chunk.text
+        ids.extend(chunk.token_ids)
+        outcome = None
+        if chunk.finish_reason is not None:
+            outcome = Outcome(text, ids, chunk.finish_reason, chunk.stats, len(call.prompt_ids),
+                              time.perf_counter() - start, call.decision)
+        yield chunk.text, text, outcome
+
+
+def completion_stream(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[CompletionResponse]:
+    for delta, text, outcome in _stream_steps(req, chunks):
+        raw, extra = _final_info(outcome) if outcome is not None else (None, {PARTIAL: True})
+        yield CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=extra)
+
+
+def chat_stream(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[ChatResponse]:
+    for delta, text, outcome in _stream_steps(req, chunks):
+        if outcome is None:
+            yield ChatResponse(message=_message(req, text, False), delta=delta, additional_kwargs={PARTIAL: True})
+            continue
+        raw, extra = _final_info(outcome)
+        message = _message(req, text, True, outcome.finish_reason != "length")
+        yield ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)

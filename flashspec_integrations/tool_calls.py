@@ -1,0 +1,341 @@
+"""Tool calls for both adapters: the tool choice, forced calls, and one lenient parser.
+
+Calls are written in the Hermes/Qwen format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+(`prompts.py` asks for it). Both adapters read replies with `parse_tool_calls` and turn the
+framework-neutral `ParsedCall`s into their own objects (LangChain `tool_calls` and
+`invalid_tool_calls`, LlamaIndex `ToolCallBlock`s), so a reply means the same in either framework.
+
+A small model writes JSON imperfectly, so the parser is lenient where the intent is clear and
+honest where it is not. Lenient: code fences, trailing commas, single quotes and bare keys (through
+`dirtyjson`, the repairing parser llama-index-core ships), Python literals, missing closing
+brackets before `</tool_call>`, `parameters`/`args`/`input` for `arguments`, arguments given as a
+JSON string, OpenAI's `{"function": {...}}` nesting, a tool name in the wrong case. Honest: a call
+cut off by the token limit, a call without a name, a tool that is not bound, arguments that are not
+an object all come back as invalid calls with the reason, never as valid ones.
+
+Forced calls (tool choice "any"/"required"/True, LlamaIndex's `tool_required`, or a tool's name)
+are decoded under the call's JSON schema when the engine takes `json_schema=` (the real engine
+does: `flashspec_core/constrained`), so they always parse, as a bare call object; engines without
+it (test doubles, custom engines) get the call's opening written for them (`forced_prefix`).
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import dirtyjson
+
+from flashspec_core.constrained.tool_schema import tool_call_schema
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+ARGUMENT_KEYS = ("arguments", "parameters", "args", "input", "kwargs")
+_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.S)
+_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
+_FENCED_OBJECT = re.compile(r"```(?:json)?\s*(\{.*?\})\s*```", re.S)
+_NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
+_FORCING = ("any", "required")
+
+
+# ------------------------------------------------------------------------------ tool choice
+
+
+def tool_name(spec: Mapping) -> str:
+    """The name of an OpenAI-format tool dict."""
+    return str(spec["function"]["name"])
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A normalised tool choice: whether a call is forced, the tool's name when one is named, and
+    "none" (tools listed nowhere and never called)."""
+
+    forced: bool = False
+    name: str | None = None
+    none: bool = False
+
+
+def normalize_tool_choice(choice: Any, tools: Sequence[Mapping], required: bool = False) -> ToolChoice:
+    """Both frameworks' spellings: None/"auto"/False, "none", "any"/"required"/True (or
+    `required=True`, LlamaIndex's `tool_required`), a tool's name, or
+    `{"type": "function", "function": {"name": ...}}`."""
+    names = [tool_name(t) for t in tools]
+    if isinstance(choice, Mapping):  # OpenAI's {"function": {"name"}}, Anthropic's {"type", "name"}
+        choice = (choice.get("function") or {}).get("name") or choice.get("name") or choice.get("type")
+    if choice == "none":
+        return ToolChoice(none=True)
+    if isinstance(choice, str) and choice not in ("auto", *_FORCING):
+        if choice not in names:
+            raise ValueError(f"tool_choice must be 'auto', 'none', 'any', 'required', True or one of the "
+                             f"tools' names {names}; got {choice!r}")
+        return ToolChoice(forced=True, name=choice)
+    if choice is True or choice in _FORCING or (required and names):
+        return ToolChoice(forced=True, name=names[0] if len(names) == 1 else None)
+    if choice in (None, False, "auto"):
+        return ToolChoice()
+    raise ValueError(f"tool_choice must be 'auto', 'none', 'any', 'required', True or a tool's name; got {choice!r}")
+
+
+def takes_json_schema(engine: Any) -> bool:
+    """Whether the engine decodes under a JSON schema (its `generate` takes `json_schema=`)."""
+    try:
+        return "json_schema" in inspect.signature(engine.generate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def reply_stops(tools_in_play: bool, single_call: bool, hermes: bool) -> tuple[str, ...]:
+    """Stop strings of a reply with tools in play: the model never writes a tool's result itself
+    (the framework supplies it), and a reply of one call stops where the call closes."""
+    if not tools_in_play:
+        return ()
+    return (RESPONSE_OPEN, RESPONSE_CLOSE, CALL_CLOSE) if single_call and hermes else (RESPONSE_OPEN, RESPONSE_CLOSE)
+
+
+def forced_call_schema(tools: Sequence[Mapping], choice: ToolChoice) -> dict:
+    """The JSON schema of the one call a forced choice allows."""
+    return tool_call_schema(list(tools), choice.name or "any")
+
+
+def forced_prefix(choice: ToolChoice, constrained: bool) -> str:
+    """The reply's opening for a forced call in the Hermes format. Under a schema, none: the
+    grammar writes the bare call object (with the tag written first, the 135M default model
+    rambled inside the JSON strings until the token limit: langchain-tests' pydantic Joke ran to
+    128 tokens instead of 49). Unconstrained, the tag and the call as far as the tool's name."""
+    if not choice.forced or constrained:
+        return ""
+    if choice.name is None:
+        return f'{CALL_OPEN}\n{{"name": "'
+    return f'{CALL_OPEN}\n{{"name": {json.dumps(choice.name)}, "arguments": {{'
+
+
+# ---------------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One call read from a reply. arguments is None, and error says why, for an invalid call."""
+
+    id: str
+    name: str | None
+    arguments: dict | None
+    raw: str
+    error: str | None = None
+
+    @property
+    def valid(self) -> bool:
+        return self.error is None
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _close_brackets(text: str) -> str:
+    """`text` with its unclosed brackets closed; ValueError when it ends inside a string (the value
+    itself is cut there, and no repair can know what was meant)."""
+    stack: list[str] = []
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]" and stack and stack[-1] == ch:
+            stack.pop()
+    if in_string:
+        raise ValueError("ends inside a string")
+    return text + "".join(reversed(stack))
+
+
+def _repaired(text: str) -> Any:
+    candidates = [text]
+    try:
+        candidates.append(_close_brackets(text))
+    except ValueError:
+        pass
+    for candidate in candidates:
+        try:
+            return json.loads(json.dumps(dirtyjson.loads(candidate)))  # plain dicts, not dirtyjson's
+        except (ValueError, TypeError, IndexError, KeyError, RecursionError):
+            pass
+        try:
+            value = ast.literal_eval(candidate)
+            json.dumps(value)  # JSON's types only: a set or bytes literal is not a call
+            return value
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            pass
+    raise ValueError("no repair applies")
+
+
+def loads_lenient(raw: str, closed: bool = True) -> Any:
+    """JSON from a model: strict first; then, only for text the model ended itself (`closed`),
+    repaired. Raises ValueError saying what is wrong."""
+    text = _FENCE.sub("", raw.strip())
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        if not closed:
+            raise ValueError(f"incomplete JSON (the output ended inside it): {exc.msg}") from exc
+        try:
+            return _repaired(text)
+        except ValueError:
+            raise ValueError(f"not valid JSON: {exc.msg} at char {exc.pos}") from exc
+
+
+def first_json_object(text: str) -> Any:
+    """The first JSON object of a reply (code fences and prose around it allowed). Raises ValueError."""
+    start = text.find("{")
+    if start < 0:
+        raise ValueError("the reply holds no JSON object")
+    try:
+        return json.JSONDecoder().raw_decode(text[start:])[0]
+    except json.JSONDecodeError:
+        return loads_lenient(text[start:].split("```")[0], closed=True)
+
+
+def _known(name: Any, names: Sequence[str]) -> str | None:
+    """`name` as one of `names` (case folded), or None when it is not one of them."""
+    if not isinstance(name, str) or not name.strip():
+        return None
+    name = name.strip()
+    return name if name in names else {n.lower(): n for n in names}.get(name.lower())
+
+
+def _call(raw: str, closed: bool, names: Sequence[str]) -> ParsedCall:
+    """The call in the JSON text of one `<tool_call>` block (valid, or invalid with the reason)."""
+    call_id = new_call_id()
+    try:
+        obj = loads_lenient(raw, closed)
+    except ValueError as exc:
+        match = _NAME.search(raw)
+        return ParsedCall(call_id, match.group(1) if match else None, None, raw.strip(), str(exc))
+    if isinstance(obj, dict) and isinstance(obj.get("function"), dict):  # OpenAI's nesting
+        obj = obj["function"]
+    written = obj.get("name") if isinstance(obj, dict) else None
+    if not isinstance(written, str) or not written.strip():
+        return ParsedCall(call_id, None, None, raw.strip(), 'the call has no "name" string')
+    name = _known(written, names) if names else written.strip()
+    if name is None:
+        return ParsedCall(call_id, written, None, raw.strip(), f"unknown tool {written!r}; the tools are {list(names)}")
+    key = next((k for k in ARGUMENT_KEYS if k in obj), None)
+    args = obj[key] if key else {}
+    if isinstance(args, str):
+        try:
+            args = loads_lenient(args, closed=True) if args.strip() else {}
+        except ValueError:
+            pass
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return ParsedCall(call_id, name, None, raw.strip(), "the arguments are not a JSON object")
+    return ParsedCall(call_id, name, args, raw.strip())
+
+
+def _bare_call(text: str, names: Sequence[str], finished: bool) -> tuple[int, ParsedCall] | None:
+    """A call written without tags (a fenced or bare JSON object), where it starts; only a known
+    tool's name makes such an object a call, so an ordinary JSON answer is not mistaken for one."""
+    candidates = [(m.start(), m.group(1)) for m in _FENCED_OBJECT.finditer(text)]
+    start = text.find("{")
+    if start >= 0:
+        body = text[start:]
+        try:  # the first object only: prose may follow it
+            body = json.dumps(json.JSONDecoder().raw_decode(body)[0])
+        except json.JSONDecodeError:
+            pass
+        candidates.append((start, body))
+    for where, body in candidates:
+        try:
+            obj = loads_lenient(body, finished)
+            obj = obj["function"] if isinstance(obj, dict) and isinstance(obj.get("function"), dict) else obj
+            named = obj.get("name") if isinstance(obj, dict) else None
+        except ValueError:
+            match = _NAME.search(body)
+            named = match.group(1) if match else None
+        if _known(named, names) is not None:
+            return where, _call(body, finished, names)
+    return None
+
+
+def parse_tool_calls(text: str, names: Sequence[str], finished: bool = True) -> tuple[str, list[ParsedCall]]:
+    """Split a reply into (content, calls): `<tool_call>` blocks, else one untagged JSON call.
+
+    finished: the model ended the reply itself (EOS or a stop string), so a last block left open
+    is complete, not cut off by the token limit.
+    """
+    if CALL_OPEN in text:
+        calls = [_call(m.group(1), finished or m.group(0).endswith(CALL_CLOSE), names) for m in _BLOCK.finditer(text)]
+        return _BLOCK.sub("", text).strip(), calls
+    found = _bare_call(text, names, finished) if names else None
+    if found is None:
+        return text, []
+    where, call = found
+    return text[:where].strip(), [call]
+
+
+class ToolCallStreamer:
+    """Splits streamed text into content deltas and whole calls.
+
+    Text outside call blocks streams through at once, except a tail that could still be the start
+    of `<tool_call>`; a block is held until its `</tool_call>` (or the end) and then comes out as
+    one `ParsedCall`. A reply that opens with `{` or a fence is held whole, as it may be an
+    untagged call.
+    """
+
+    def __init__(self, names: Sequence[str]):
+        self.names = list(names)
+        self._buffer = ""
+        self._started = False
+        self._bare = False
+
+    def feed(self, delta: str) -> Iterator[tuple[str, ParsedCall | None]]:
+        """(content delta, call or None) pairs for newly streamed text."""
+        self._buffer += delta
+        if not self._started and self._buffer.strip():
+            self._started = True
+            self._bare = self._buffer.lstrip().startswith(("{", "```"))
+        if self._bare:
+            return
+        while True:
+            start = self._buffer.find(CALL_OPEN)
+            if start < 0:
+                hold = next((n for n in range(min(len(CALL_OPEN) - 1, len(self._buffer)), 0, -1)
+                             if self._buffer.endswith(CALL_OPEN[:n])), 0)
+                cut = len(self._buffer) - hold
+                if cut:
+                    yield self._buffer[:cut], None
+                    self._buffer = self._buffer[cut:]
+                return
+            if start:
+                yield self._buffer[:start], None
+                self._buffer = self._buffer[start:]
+            end = self._buffer.find(CALL_CLOSE)
+            if end < 0:
+                return
+            raw = self._buffer[len(CALL_OPEN):end]
+            self._buffer = self._buffer[end + len(CALL_CLOSE):]
+            yield "", _call(raw, True, self.names)
+
+    def finish(self, finished: bool) -> Iterator[tuple[str, ParsedCall | None]]:
+        """Whatever is still held once the stream has ended (`finished` as in `parse_tool_calls`)."""
+        rest, self._buffer = self._buffer, ""
+        if self._bare or rest.startswith(CALL_OPEN):
+            content, calls = parse_tool_calls(rest, self.names, finished)
+            if content:
+                yield content, None
+            for call in calls:
+                yield "", call
+        elif rest:
+            yield rest, None

@@ -1,0 +1,144 @@
+"""Test doubles for both adapters' tests (one set), and the checks that keep them honest.
+
+- `byte_tokenizer()`: a real byte-level BPE tokenizer built in memory (no merges, so every byte is
+  a token and any text round-trips) with the default model's ChatML template.
+- `tiny_engine()`: a real `SpecEngine` over a tiny random Llama on that tokenizer: an adapter's
+  whole path through the real engine (template, stop strings, streaming, batching, stats) in
+  milliseconds. Its text is noise, so tests compare paths with each other and with the engine.
+- `ScriptedEngine`: replies from a script, for tests that need a model to say something specific
+  (a tool call, a JSON object); it has the engine's surface (`generate` for one prompt or a batch,
+  `stream`, `tokenizer`, `context_window`, `model_name`, `json_schema=`), records every call
+  (prompt text, domain, hint, the label the router would get from the engine's own
+  `resolve_domain`, stops, sampling, schema, batch size), and replies regardless of the schema.
+- `UnconstrainedEngine`: a ScriptedEngine without `json_schema=`, as a custom engine may be.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterator, Sequence
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from flashspec_core import SpecEngine
+from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
+from flashspec_core.models import LoadedModel
+from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
+from flashspec_core.routing.domains import resolve_domain
+from flashspec_core.types import Arm, StepRecord
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CONTEXT = 4096
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tok.add_special_tokens({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "pad_token": "<|im_end|>"})
+    tok.chat_template = CHATML
+    return tok
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_engine(seed: int = 0) -> SpecEngine:
+    """A real engine over a tiny random Llama (vocab = the byte tokenizer's 258 tokens), one per seed."""
+    tok = byte_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=CONTEXT, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    # Only lower-case letters, spaces and EOS may come out, so outputs are readable text whose
+    # every character is one token (random bytes would decode to replacement characters).
+    allowed = [tok.convert_tokens_to_ids(c) for c in "abcdefghijklmnopqrstuvwxyzĠ"] + [tok.eos_token_id]
+    head = torch.nn.Linear(32, len(tok), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(len(tok), 32) * 2.0)
+        head.bias.fill_(-1e4)
+        head.bias[allowed] = 0.0
+        head.bias[tok.eos_token_id] = -4.0  # rare, so outputs are usually several tokens long
+    model.lm_head = head
+    return SpecEngine(LoadedModel(model, tok, "tiny"), [PromptLookupDraft(), SuffixCacheDraft()], router="thompson")
+
+
+class ScriptedEngine:
+    """An engine stand-in whose replies come from `script`: a list used in turn (its last reply
+    repeated) or a function of the rendered prompt."""
+
+    def __init__(self, script: Sequence[str] | Callable[[str], str], model_name: str = "scripted"):
+        self.tokenizer = byte_tokenizer()
+        self.model_name = model_name
+        self.context_window = CONTEXT
+        self.script = script
+        self.calls: list[dict] = []
+        self.batches: list[int] = []
+
+    def _reply(self, text: str) -> str:
+        if callable(self.script):
+            return self.script(text)
+        return self.script[min(len(self.calls) - 1, len(self.script) - 1)]
+
+    def _answer(self, prompt, max_new_tokens, sampling, stop, domain, hint, json_schema, batch):
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        label = resolve_domain(domain, hint, text)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.calls.append({"prompt": text, "domain": domain, "hint": hint, "label": label, "stop": stops,
+                           "sampling": sampling, "max_new_tokens": max_new_tokens, "json_schema": json_schema,
+                           "batch": batch})
+        reply, finish = self._reply(text), "stop"
+        cuts = [reply.find(s) for s in stops if s in reply]
+        if cuts:
+            reply = reply[: min(cuts)]
+        ids = self.tokenizer(reply, add_special_tokens=False).input_ids
+        if len(ids) > max_new_tokens:
+            ids, finish = ids[:max_new_tokens], "length"
+            reply = self.tokenizer.decode(ids)
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(self.tokenizer(prompt).input_ids)
+        stats = GenerationStats(label, prompt_tokens=n_prompt, drafted=4, accepted=3, seconds=0.01)
+        stats.records.append(StepRecord(label, Arm("prompt_lookup", 4), 4, 3, len(ids), 0.0, 0.0))
+        return reply, ids, finish, stats
+
+    def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None,
+               json_schema=None) -> Iterator[StreamChunk]:
+        reply, ids, finish, stats = self._answer(prompt, max_new_tokens, sampling, stop, domain, hint, json_schema, 0)
+        pieces = [reply[i: i + 3] for i in range(0, len(reply), 3)] or [""]
+        for i, piece in enumerate(pieces):
+            piece_ids = self.tokenizer(piece, add_special_tokens=False).input_ids
+            if i == len(pieces) - 1:
+                yield StreamChunk(piece, piece_ids, finish, stats)
+            else:
+                yield StreamChunk(piece, piece_ids)
+
+    def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None,
+                 json_schema=None):
+        batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
+        prompts = list(prompt) if batch else [prompt]
+        self.batches.append(len(prompts))
+        outs = []
+        for p in prompts:
+            reply, ids, finish, stats = self._answer(p, max_new_tokens, sampling, stop, domain, hint, json_schema,
+                                                     len(prompts))
+            outs.append(GenerationResult(reply, ids, finish, stats, stats.prompt_tokens))
+        return outs if batch else outs[0]
+
+
+class UnconstrainedEngine(ScriptedEngine):
+    """A scripted engine without schema-constrained decoding (no `json_schema=`), as a custom engine
+    passed as `engine=` may be: forced calls then get their opening written for them."""
+
+    def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None):
+        return super().stream(prompt, max_new_tokens, sampling, stop, domain, hint)
+
+    def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None):
+        return super().generate(prompt, max_new_tokens, sampling, stop, domain, hint)
