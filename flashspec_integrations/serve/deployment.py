@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
-from flashspec_integrations.langchain_runtime import aiter_in_thread
+from flashspec_integrations.async_bridge import aiter_in_thread
 from flashspec_integrations.serve import protocol
 from flashspec_integrations.serve.batching import Decoded, decode_batch
 from flashspec_integrations.serve.protocol import APIError

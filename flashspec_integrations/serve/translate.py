@@ -5,17 +5,16 @@ so a chain gets the same prompt, domain and tool handling whether its model runs
 behind this endpoint:
 
 - messages go through the target's chat template, tools through the Hermes tool prompt when the
-  template has no tool support (`render_chat`);
+  template has no tool support (`prompts.render_prompt`, which takes OpenAI-form messages);
 - the router domain comes from `flashspec_integrations.context.decide_domain`: the `domain` field,
   then `metadata["flashspec_domain"]`, then tools / a tool result / a schema / the prompt;
 - a forced tool call (`tool_choice` "required" or a named function) and a `response_format` schema
-  are decoded under a JSON schema by the engine (`json_schema=`), exactly the target's
-  distribution conditioned on the grammar; the schema is compiled here first, so one that does
-  not compile is a 400 before any decoding;
-- tool calls are parsed back from the output, in full or as stream deltas (`parse_tool_calls`,
-  `ToolCallStreamer`).
+  are decoded under a JSON schema by the engine (`json_schema=`, grammar-masked decoding of the
+  target); the schema is compiled here first, so one that does not compile is a 400 before any
+  decoding;
+- tool calls are parsed back from the output, in full or as stream deltas (`tool_calls`).
 
-The adapter helpers are imported here and nowhere else in this package.
+The adapters' shared helpers are imported here and nowhere else in this package.
 """
 from __future__ import annotations
 
@@ -24,16 +23,15 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from langchain_core.messages import convert_to_messages
-
 from flashspec_core.constrained import compile_json_schema, tool_call_schema
 from flashspec_core.models import vocab_size
 from flashspec_core.results import GenerationStats
 from flashspec_core.routing.domains import resolve_domain
 from flashspec_core.sampling import SamplingParams
 from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
-from flashspec_integrations.langchain_messages import content_text, json_instruction, message_roles, render_chat
-from flashspec_integrations.langchain_tools import ToolCallStreamer, ToolChoice, normalize_tool_choice, parse_tool_calls
+from flashspec_integrations.prompts import json_instruction, render_prompt
+from flashspec_integrations.tool_calls import (ParsedCall, ToolCallStreamer, ToolChoice, normalize_tool_choice,
+                                               parse_tool_calls)
 from flashspec_integrations.serve.protocol import APIError, ChatCompletionRequest
 
 # OpenAI's defaults where a request leaves a sampling field out.
@@ -63,16 +61,25 @@ class Plan:
         return self.domain, self.sampling, self.stop, self.max_new_tokens, schema
 
 
-def _messages(req: ChatCompletionRequest) -> list:
+def _text(content: Any, at: str) -> str:
+    """A message's content as text: a string, or the text of OpenAI content parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" for p in content):
+            raise APIError(400, f"{at}: only text content parts are supported", "messages")
+        return "".join(str(p.get("text", "")) for p in content)
+    raise APIError(400, f"{at}: content must be a string or a list of text parts", "messages")
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as OpenAI-form dicts with text content."""
     dicts = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         d = m.model_dump(exclude_none=True)
-        d.setdefault("content", "")
+        d["content"] = _text(d.get("content"), f"messages[{i}].content")
         dicts.append(d)
-    try:
-        return convert_to_messages(dicts)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise APIError(400, f"messages: {exc}", "messages") from None
+    return dicts
 
 
 def _output_schema(req: ChatCompletionRequest, tools: list[dict], choice: ToolChoice) -> tuple[dict | None, str | None]:
@@ -115,21 +122,18 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int) 
         raise APIError(400, str(exc), "tool_choice") from None
     shown = [] if choice.none else tools
     schema, schema_field = _output_schema(req, shown, choice)
-    try:
-        text_of = "\n".join(content_text(m.content, "messages") for m in messages)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "messages") from None
+    text_of = "\n".join(m["content"] for m in messages)
     try:
         decision = decide_domain(StepContext(
             explicit_domain=req.domain, metadata=req.metadata or {}, tools_bound=bool(shown),
             tool_choice_forced=choice.forced, structured_output=req.response_format is not None
-            and req.response_format.type != "text", roles=message_roles(messages), prompt_text=text_of,
+            and req.response_format.type != "text", roles=[m["role"] for m in messages], prompt_text=text_of,
         ))
     except ValueError as exc:
         raise APIError(400, str(exc), "domain" if req.domain else "metadata") from None
     extra = json_instruction(schema) if schema_field == "response_format" else ""
     try:
-        text = render_chat(engine.tokenizer, messages, shown, extra)
+        text = render_prompt(engine.tokenizer, messages, shown, extra)
     except ValueError as exc:
         raise APIError(400, str(exc), "messages") from None
     if schema is not None:
@@ -156,10 +160,10 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int) 
 # ---------------------------------------------------------------------------------- replies
 
 
-def _openai_calls(calls: list[dict]) -> list[dict]:
-    return [{"id": c["id"], "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["args"], ensure_ascii=False)}}
-            for c in calls]
+def _openai_call(call: ParsedCall, index: int | None = None) -> dict:
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return out if index is None else {"index": index, **out}
 
 
 def reply_message(plan: Plan, text: str, finish_reason: str) -> tuple[dict, str, list[dict]]:
@@ -171,13 +175,15 @@ def reply_message(plan: Plan, text: str, finish_reason: str) -> tuple[dict, str,
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if not plan.parse_tools:
         return message, finish_reason, []
-    content, calls, invalid = parse_tool_calls(text, list(plan.tool_names), finish_reason != "length")
+    content, parsed = parse_tool_calls(text, list(plan.tool_names), finish_reason != "length")
+    calls = [c for c in parsed if c.valid]
+    invalid = [c for c in parsed if not c.valid]
     # No valid call: the whole text stays the content, so nothing the model wrote is hidden.
     message["content"] = (content or None) if calls else text if invalid else content
     if calls:
-        message["tool_calls"] = _openai_calls(calls)
+        message["tool_calls"] = [_openai_call(c) for c in calls]
         finish_reason = "tool_calls"
-    return message, finish_reason, [{"name": c.get("name"), "error": c.get("error")} for c in invalid]
+    return message, finish_reason, [{"name": c.name, "error": c.error} for c in invalid]
 
 
 class DeltaStream:
@@ -187,13 +193,16 @@ class DeltaStream:
     def __init__(self, plan: Plan):
         self._tools = ToolCallStreamer(list(plan.tool_names)) if plan.parse_tools else None
         self.called = False
+        self._calls = 0
 
-    def _delta(self, content: str, call: dict | None) -> dict:
+    def _delta(self, content: str, call: ParsedCall | None) -> dict:
         if call is None:
             return {"content": content}
+        if not call.valid:  # written badly: its text stays content, never passed off as a call
+            return {"content": call.raw}
         self.called = True
-        return {"tool_calls": [{"index": call["index"], "id": call["id"], "type": "function",
-                                "function": {"name": call["name"], "arguments": call["args"]}}]}
+        self._calls += 1
+        return {"tool_calls": [_openai_call(call, self._calls - 1)]}
 
     def feed(self, text: str, finish_reason: str | None) -> Iterator[dict]:
         if self._tools is None:

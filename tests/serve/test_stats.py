@@ -24,6 +24,7 @@ def steps(shared: SharedRouterStats, n: int, domain: str = "chat", arm: Arm = AR
     for _ in range(n):
         shared.router.update(StepRecord(domain=domain, arm=arm, drafted=2, accepted=1, emitted=2,
                                         draft_seconds=0.001, verify_seconds=0.01))
+    shared.router.flush()  # the engine flushes the router's queued writes when a request ends
 
 
 def pulls(shared: SharedRouterStats, domain: str = "chat", arm: Arm = ARMS[1]) -> int:
