@@ -19,16 +19,36 @@ size: q, k and v come from one matrix product over concatenated weights (and gat
 another), the rotation runs once over q and k together, the norms are `F.rms_norm`, and grouped
 query heads are packed as extra query rows of their key/value head so one fused attention kernel
 takes them. Same function, other rounding (tests/backends compares both with transformers).
+Where Triton runs (CUDA, or the CPU under TRITON_INTERPRET=1) the glue between the matrix
+products is `fused_ops`' kernels: each residual add happens inside the next norm's kernel (the
+layer loop carries x and the next block's normed input), the rotation, the cache writes and the
+query packing are one kernel, and so is SiLU(gate) * up; a layer is then ~10 kernels, not ~25.
+Those kernels round as transformers does; elsewhere (no Triton) the same path runs torch ops.
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _fused_ops(device: torch.device) -> ModuleType | None:
+    """`fused_ops` when its Triton kernels run on `device`, else None (Triton is an optional extra)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from flashspec_core.backends import fused_ops
+
+    return fused_ops if fused_ops.usable(device) else None
+
+
+def _eps(norm: nn.Module) -> float:
+    return getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
 
 
 def supports(model: nn.Module) -> bool:
@@ -52,6 +72,8 @@ class StaticLlama(nn.Module):
 
     max_len: slots per row; batch: rows. Call `forward(ids, positions)` with ids and positions
     [B, W] (B = `batch`); it writes K/V at those positions and returns logits [B, W, V].
+    `ops`: the fused_ops module whose kernels the fused path runs, or None for torch ops (set it
+    to None to compare the two).
     """
 
     def __init__(self, model: nn.Module, max_len: int, batch: int = 1, fuse: bool = False):
@@ -71,6 +93,8 @@ class StaticLlama(nn.Module):
         self.batch = batch
         self.fuse = fuse
         self._fused: list[dict[str, torch.Tensor | None]] = [self._fuse(layer) for layer in self.layers] if fuse else []
+        self.ops = _fused_ops(self.device) if fuse else None
+        self._silu = cfg.hidden_act in ("silu", "swish")  # what fused_ops.silu_mul computes
         self.max_len = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -102,25 +126,29 @@ class StaticLlama(nn.Module):
         """Concatenated q|k|v and gate|up weights (and biases) of one layer: a copy, made once."""
         attn, mlp = layer.self_attn, layer.mlp
         biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        mlp_biases = [p.bias for p in (mlp.gate_proj, mlp.up_proj)]  # Llama's mlp_bias=True
         return {
             "qkv": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
             "qkv_bias": None if biases[0] is None else torch.cat(biases),
             "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            "gate_up_bias": None if mlp_biases[0] is None else torch.cat(mlp_biases),
         }
 
-    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not self.fuse:
-            return norm(x)
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+    def _add_norm(self, norm: nn.Module, x: torch.Tensor,
+                  delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)) for x, delta [B, W, hidden]: one kernel where Triton runs."""
+        if self.ops is not None:
+            return self.ops.add_rms_norm(x, delta, norm.weight, _eps(norm))
+        x = x if delta is None else x + delta
+        return x, F.rms_norm(x, (x.shape[-1],), norm.weight, _eps(norm))
 
-    def _attend_fused(self, i: int, layer: nn.Module, h: torch.Tensor, cos, sin, rows, positions,
-                      mask) -> torch.Tensor:
-        """`_attend` in fewer kernels. mask: [B, 1, G*W, S] (query rows packed per kv head)."""
-        attn, w = layer.self_attn, self._fused[i]
-        bsz, width, _ = h.shape
+    def _rope_and_cache(self, i: int, attn: nn.Module, qkv: torch.Tensor, cos, sin, rows,
+                        positions) -> torch.Tensor:
+        """fused_ops.rope_and_cache's contract in torch ops. qkv: [B, W, (H + 2 H_kv) * D];
+        returns q [B, H_kv, G*W, D] (query head h = kv*G + g at row g*W + w of kv head kv)."""
+        bsz, width, _ = qkv.shape
         d, nq, nkv = self.head_dim, self.n_heads, self.n_kv
-        qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(bsz, width, nq + 2 * nkv, d)
+        qkv = qkv.view(bsz, width, nq + 2 * nkv, d)
         qk, v = qkv[:, :, : nq + nkv], qkv[:, :, nq + nkv:]
         if hasattr(attn, "q_norm"):
             qk = torch.cat([attn.q_norm(qk[:, :, :nq]), attn.k_norm(qk[:, :, nq:])], dim=2)
@@ -128,15 +156,49 @@ class StaticLlama(nn.Module):
         q, k = qk[:, :nq], qk[:, nq:]
         self.keys[i][rows, :, positions] = k.transpose(1, 2).to(self.dtype)
         self.values[i][rows, :, positions] = v.to(self.dtype)
-        group = nq // nkv  # query head h reads kv head h // group: pack its rows under that head
-        q = q.reshape(bsz, nkv, group * width, d)
+        return q.reshape(bsz, nkv, nq // nkv * width, d)
+
+    def _attend_fused(self, i: int, layer: nn.Module, h: torch.Tensor, cos, sin, rows, positions,
+                      mask) -> torch.Tensor:
+        """`_attend` in fewer kernels. mask: [B, 1, G*W, S] (query rows packed per kv head)."""
+        attn, w = layer.self_attn, self._fused[i]
+        bsz, width, _ = h.shape
+        d, nq, nkv = self.head_dim, self.n_heads, self.n_kv
+        qkv = F.linear(h, w["qkv"], w["qkv_bias"])  # [B, W, (H + 2 H_kv) * D]
+        if self.ops is None:
+            q = self._rope_and_cache(i, attn, qkv, cos, sin, rows, positions)
+        else:
+            norms = {}
+            if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotation, in the same kernel
+                norms = {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "norm_eps": _eps(attn.q_norm)}
+            q = self.ops.rope_and_cache(qkv, cos, sin, self.keys[i], self.values[i], rows, positions, nq, nkv, d,
+                                        **norms)
         out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=mask, scale=self.scaling)
         out = out.reshape(bsz, nq, width, d).transpose(1, 2).reshape(bsz, width, nq * d)
         return attn.o_proj(out)
 
     def _mlp_fused(self, i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, self._fused[i]["gate_up"]).chunk(2, dim=-1)
+        """The MLP from one gate|up product. h: [B, W, hidden]."""
+        gate_up = F.linear(h, self._fused[i]["gate_up"], self._fused[i]["gate_up_bias"])  # [B, W, 2I]
+        if self.ops is not None and self._silu:
+            return layer.mlp.down_proj(self.ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+
+    def _layers_fused(self, x: torch.Tensor, cos, sin, rows, positions, mask) -> torch.Tensor:
+        """Every layer and the final norm on the fused path; x: [B, W, hidden], mask: [B, 1, G*W, S].
+
+        Each norm also does the residual add before it, so the loop carries the residual stream x
+        and the normed input h of the next block; returns the final norm's output [B, W, hidden].
+        """
+        norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms.append(self.model.model.norm)
+        x, h = self._add_norm(norms[0], x, None)
+        for i, layer in enumerate(self.layers):
+            delta = self._attend_fused(i, layer, h, cos, sin, rows, positions, mask)
+            x, h = self._add_norm(norms[2 * i + 1], x, delta)
+            x, h = self._add_norm(norms[2 * i + 2], x, self._mlp_fused(i, layer, h))
+        return h
 
     def _attend(self, i: int, layer: nn.Module, h: torch.Tensor, cos, sin, rows, positions, mask) -> torch.Tensor:
         """One attention block. h: [B, W, hidden]; positions, rows: [B, W]; mask: [B, 1, W, S]."""
@@ -165,16 +227,15 @@ class StaticLlama(nn.Module):
         x = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(x, positions)
         if self.fuse:
+            # Additive, once per forward: given booleans, SDPA converts them in every layer (2 kernels).
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
             mask = mask.repeat(1, 1, self.n_heads // self.n_kv, 1)  # [B, 1, G*W, S], row g*W + w
-            for i, layer in enumerate(self.layers):
-                x = x + self._attend_fused(i, layer, self._norm(layer.input_layernorm, x), cos, sin, rows,
-                                           positions, mask)
-                x = x + self._mlp_fused(i, layer, self._norm(layer.post_attention_layernorm, x))
+            x = self._layers_fused(x, cos, sin, rows, positions, mask)
         else:
             for i, layer in enumerate(self.layers):
                 x = x + self._attend(i, layer, layer.input_layernorm(x), cos, sin, rows, positions, mask)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = self._norm(inner.norm, x)
+            x = inner.norm(x)
         if keep is not None:
             x = x[:, -keep:]
         return self.model.lm_head(x)
