@@ -27,6 +27,7 @@ import torch
 
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import load_model
+from flashspec_core.drafts.trained import shipped_drafts
 from flashspec_core.pool import default_drafts
 from flashspec_core.routing.router import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
@@ -120,7 +121,8 @@ def main() -> None:
     for name in args.fixed.split(","):
         draft, _, gamma = name.partition("@")
         arm = Arm(NO_DRAFT, 0) if draft == NO_DRAFT else Arm(draft, int(gamma))
-        engine = SpecEngine(target, default_drafts(target), router=FixedRouter(arm))
+        # Fixed arms may name the trained drafts, which the GPU's default pool leaves out.
+        engine = SpecEngine(target, default_drafts(target) + shipped_drafts(target), router=FixedRouter(arm))
         breakdowns[f"engine {arm}"] = defaultdict(float)
         runners[f"engine {arm}"] = engine_runner(engine, breakdowns[f"engine {arm}"])
     router_engine = SpecEngine(target, default_drafts(target), router="thompson")

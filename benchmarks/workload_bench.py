@@ -121,23 +121,32 @@ def main() -> None:
             runners[f"{backend} {label}"] = engine_runner(engine, not args.no_hints)
         warm_keys.add(f"{backend} router (warm)")
 
-    results = {}
+    results, failed = {}, {}
     for key, run in runners.items():
-        if key in warm_keys:
-            for s, i in tqdm(list(zip(warmup, warm_ids)), desc=f"warm-up {key}"):
-                run(i, s.max_new_tokens, s.domain)
-        run(ids[0], 4, steps[0].domain)  # first-call costs (allocations, kernels) stay out of the timing
-        rows = []
-        for s, i in tqdm(list(zip(steps, ids)), desc=key):
-            tokens, seconds, stats = run(i, s.max_new_tokens, s.domain)
-            rows.append({"domain": s.domain, "tokens": tokens, "seconds": seconds,
-                         "arms": stats.arms if stats else None, "resolved": stats.domain if stats else None,
-                         "prompt_tokens": len(i)})
-        results[key] = rows
-    report(results, steps, backends, Path(args.out), args)
+        try:
+            results[key] = measure(key, run, steps, ids, warmup, warm_ids, key in warm_keys)
+        except Exception as exc:  # a baseline that breaks (llama-cpp-python's prompt lookup does on
+            failed[key] = repr(exc)  # long prompts) is reported, and the others still run
+            print(f"{key}: FAILED ({exc!r}); left out of the table", flush=True)
+    report(results, failed, steps, backends, Path(args.out), args)
 
 
-def report(results, steps, backends, out: Path, args) -> None:
+def measure(key, run, steps, ids, warmup, warm_ids, warm: bool) -> list[dict]:
+    """Warm up one configuration, then time it on every step; one row per step."""
+    if warm:
+        for s, i in tqdm(list(zip(warmup, warm_ids)), desc=f"warm-up {key}"):
+            run(i, s.max_new_tokens, s.domain)
+    run(ids[0], 4, steps[0].domain)  # first-call costs (allocations, kernels) stay out of the timing
+    rows = []
+    for s, i in tqdm(list(zip(steps, ids)), desc=key):
+        tokens, seconds, stats = run(i, s.max_new_tokens, s.domain)
+        rows.append({"domain": s.domain, "tokens": tokens, "seconds": seconds,
+                     "arms": stats.arms if stats else None, "resolved": stats.domain if stats else None,
+                     "prompt_tokens": len(i)})
+    return rows
+
+
+def report(results, failed, steps, backends, out: Path, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     domains = sorted({s.domain for s in steps})
     plain_of = {"hf": "HF generate", "llama.cpp": "llama.cpp"}
@@ -165,8 +174,10 @@ def report(results, steps, backends, out: Path, args) -> None:
         print(f"{key:<34}" + "".join(f"{rates[key][d]:>8.1f}" for d in domains)
               + f"{rates[key]['overall']:>9.1f}{rates[key]['overall'] / rates['HF generate']['overall']:>6.2f}x"
               + f"{vs_lcpp:>8.2f}x{same:>4}/{len(rows)}")
+    for key, why in failed.items():
+        print(f"{key:<34}FAILED: {why[:100]}")
     (out / "results.json").write_text(json.dumps({
-        "machine": machine_line(), "args": vars(args), "table": table,
+        "machine": machine_line(), "args": vars(args), "table": table, "failed": failed,
         "router_arms": {k: [{"domain": r["domain"], "resolved": r["resolved"], "arms": r["arms"]} for r in v]
                         for k, v in results.items() if "router" in k}}, indent=1))
     plot(table, domains, out / "workload.png", f"{args.workload} workload — {machine_line()}")

@@ -83,10 +83,16 @@ def build_drafts(
 
 def default_drafts(target: LoadedModel | None = None) -> list[DraftSource]:
     """The default pool: copy drafts, which cost next to nothing to run, the grammar-forced draft
-    (it proposes only under a `json_schema`), plus the shipped trained drafts
-    (flashspec_core/drafts/weights) that were made for `target`."""
+    (it proposes only under a `json_schema`), plus, on the CPU, the shipped trained drafts
+    (flashspec_core/drafts/weights) that were made for `target`.
+
+    On a GPU the trained drafts are left out: their token-by-token loop (a host sync per token, the
+    head re-captured per request) cost 2.6 ms of drafting per step on an H200, more than the graphed
+    target's whole step (2.0 ms), and pinned they ran below plain decoding (BENCHMARKS.md, "GPU").
+    Pass them in `drafts=` to use them anyway.
+    """
     pool: list[DraftSource] = [PromptLookupDraft(), SuffixCacheDraft(), GrammarForcedDraft()]
-    if target is not None:
+    if target is not None and target.model.get_output_embeddings().weight.device.type == "cpu":
         from flashspec_core.drafts.trained import shipped_drafts
 
         pool += shipped_drafts(target)
