@@ -4,8 +4,8 @@ With flash attention on, llama.cpp's logits depend on how tokens are batched onl
 large batch (its prompt kernels) and small ones; widths up to a verify pass compute what
 one-token decoding computes, bit for bit (without it a 2-token pass moved logits by 0.5). So the engine, which scores the first token from the prompt's own
 forward and every later one from verify passes, must reproduce the greedy tokens of
-llama-cpp-python's own `Llama.eval` loop (the prompt in one batch, then one token at a time), for
-every draft; and its sampling path must follow the law of llama.cpp's distributions.
+llama-cpp-python's own `Llama.generate` at temperature 0 (the prompt after the prefix its context
+already holds in one batch, then one token at a time), for every draft; and its sampling path must follow the law of llama.cpp's distributions.
 """
 from __future__ import annotations
 
@@ -57,15 +57,14 @@ def test_rollbacks_and_widths_give_one_token_decodings_logits(runner):
 
 
 def _llama_cpp_greedy(llm, prompt: list[int], n: int, eos: frozenset[int]) -> list[int]:
-    """llama-cpp-python's own loop: the whole prompt in one batch, then one token at a time."""
-    llm.reset()
-    llm.eval(prompt)
+    """llama-cpp-python's own greedy loop (`Llama.generate` at temperature 0): it keeps the longest
+    prefix its context already holds and evaluates the rest of the prompt in one batch, then one
+    token at a time, as the engine does across requests."""
     out = []
-    for _ in range(n):
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        if out[-1] in eos:
+    for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
+        out.append(int(token))
+        if out[-1] in eos or len(out) == n:
             break
-        llm.eval(out[-1:])
     return out
 
 
@@ -88,7 +87,8 @@ def test_greedy_equals_llama_cpps_own_greedy(default_target, reference_llm, arm)
                                                                       else Arm(name, int(gamma))), backend="llama.cpp")
     vocab = vocab_size(default_target.model)
     accepted = 0
-    for key in ("rag", "code", "tool", "list"):
+    reference_llm.reset()  # a fresh context, as the engine's
+    for key in ("rag", "code", "tool", "list", "rag"):  # the repeat gives the suffix cache its own answer
         ids = encode_prompt(default_target.tokenizer, PROMPTS[key], vocab)
         res = engine.generate(ids, max_new_tokens=MAX_NEW)
         accepted += res.stats.accepted
