@@ -101,7 +101,13 @@ class LlamaCppModel:
         # one-token steps. Without it, a 2-token pass moved logits by up to 0.5 against one-token
         # decoding (a different matrix kernel for 2+ query rows), enough to flip near-ties.
         params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.n_threads = self.n_threads
+        # One-token passes on one thread. With more, llama.cpp's attention for a single query row
+        # splits the cache across threads and sums the parts in another order once the context
+        # passes 256 tokens: one-token decoding then differs from a verify pass over the same
+        # positions by up to 0.7 in logits (measured), and speculation would change the output.
+        # On one thread both compute the same sums (tests/backends/test_llama_cpp.py checks it
+        # past 256 tokens); passes of 2+ tokens keep every thread.
+        params.n_threads = 1
         params.n_threads_batch = self.n_threads
         params.no_perf = True
         ctx = lc.llama_init_from_model(self._model, params)

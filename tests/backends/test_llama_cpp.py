@@ -1,9 +1,10 @@
 """The llama.cpp target: exact against llama.cpp's own decoding of the same GGUF file.
 
-With flash attention on, llama.cpp's logits depend on how tokens are batched only between a
-large batch (its prompt kernels) and small ones; widths up to a verify pass compute what
-one-token decoding computes, bit for bit (without it a 2-token pass moved logits by 0.5). So the engine, which scores the first token from the prompt's own
-forward and every later one from verify passes, must reproduce the greedy tokens of
+With flash attention on and one-token passes on one thread, llama.cpp's logits depend on how
+tokens are batched only between a large batch (its prompt kernels, 64+ tokens) and small ones;
+widths up to a verify pass compute what one-token decoding computes, bit for bit, at any context
+length (llama_cpp.py says what breaks it otherwise). So the engine, which scores the first token
+from the prompt's own forward and every later one from verify passes, must reproduce the greedy tokens of
 llama-cpp-python's own `Llama.generate` at temperature 0 (the prompt after the prefix its context
 already holds in one batch, then one token at a time), for every draft; and its sampling path must follow the law of llama.cpp's distributions.
 """
@@ -38,7 +39,7 @@ def runner():
 
 def test_rollbacks_and_widths_give_one_token_decodings_logits(runner):
     rng = random.Random(0)
-    base = [rng.randrange(200, 20000) for _ in range(60)]
+    base = [rng.randrange(200, 20000) for _ in range(240)]  # the walk crosses 256 tokens
     walk = base + [rng.randrange(200, 20000) for _ in range(40)]
     runner.reset(1)
     runner.forward_to([base])
@@ -72,7 +73,8 @@ def _llama_cpp_greedy(llm, prompt: list[int], n: int, eos: frozenset[int]) -> li
 def reference_llm(runner):
     from llama_cpp import Llama
 
-    return Llama(model_path=str(default_gguf_path()), n_ctx=runner.n_ctx, n_threads=runner.n_threads, verbose=False,
+    return Llama(model_path=str(default_gguf_path()), n_ctx=runner.n_ctx, verbose=False,
+                 n_threads=1, n_threads_batch=runner.n_threads,  # as the engine's runner (llama_cpp.py says why)
                  flash_attn=True,  # as the engine's runner (llama_cpp.py says why)
                  logits_all=True)  # this release keeps `scores` only with logits_all
 
@@ -88,8 +90,11 @@ def test_greedy_equals_llama_cpps_own_greedy(default_target, reference_llm, arm)
     vocab = vocab_size(default_target.model)
     accepted = 0
     reference_llm.reset()  # a fresh context, as the engine's
-    for key in ("rag", "code", "tool", "list", "rag"):  # the repeat gives the suffix cache its own answer
-        ids = encode_prompt(default_target.tokenizer, PROMPTS[key], vocab)
+    # A retrieval prompt of ~500 tokens (decoding past 256 is where thread counts would matter).
+    prompts = dict(PROMPTS, long=[dict(m, content=m["content"] * 3) if m["role"] == "user" else m
+                                  for m in PROMPTS["rag"]])
+    for key in ("long", "code", "tool", "list", "long"):  # the repeat gives the suffix cache its own answer
+        ids = encode_prompt(default_target.tokenizer, prompts[key], vocab)
         res = engine.generate(ids, max_new_tokens=MAX_NEW)
         accepted += res.stats.accepted
         assert res.token_ids == _llama_cpp_greedy(reference_llm, ids, MAX_NEW, engine.eos_ids), f"{arm}, {key}"
