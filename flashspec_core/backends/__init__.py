@@ -27,9 +27,13 @@ def resolve_backend(backend: str, target: LoadedModel) -> str:
     """The backend "auto" stands for.
 
     On CUDA: "cuda-graph" (static cache, graph replays; `cuda_graph.py`) for Llama-family models,
-    transformers' eager forward otherwise. On the CPU: llama.cpp for a GGUF target when
-    llama-cpp-python is installed (it reads the 4-bit weights where transformers reads an fp32
-    copy: several times faster per token, BENCHMARKS.md "CPU backends"), transformers otherwise.
+    transformers' eager forward otherwise. On the CPU: transformers, also for GGUF targets.
+    llama.cpp is opt-in (`backend="llama.cpp"`): it decodes one token 3x faster than transformers'
+    fp32 forward here, but its prompt processing is 2.4x slower, a verify pass of 5 tokens costs
+    3.5 one-token steps (1.5 for transformers), and its logits depend on how a prompt was batched
+    (64+ token passes round differently), so a repeated greedy request that reuses the cached
+    prefix can come out differently from the first (llama.cpp's own prompt cache does the same).
+    BENCHMARKS.md "CPU backends" has the measurements.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
@@ -42,9 +46,7 @@ def resolve_backend(backend: str, target: LoadedModel) -> str:
         return backend
     if _device_type(target.model) == "cuda":
         return "cuda-graph" if _graphable(target.model) else "hf"
-    from flashspec_core.backends import llama_cpp
-
-    return "llama.cpp" if target.gguf is not None and llama_cpp.available() else "hf"
+    return "hf"
 
 
 def make_runner(target: LoadedModel, backend: str, pad_token_id: int, context_window: int):
