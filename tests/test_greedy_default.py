@@ -121,8 +121,10 @@ def _draft(kind: str, nf4_draft, prompt_ids, references):
     return PromptLookupDraft()
 
 
-@pytest.mark.parametrize(("kind", "gamma"), [("none", 0)] + [
-    (kind, gamma) for kind in ("prompt_lookup", "suffix_cache", "nf4") for gamma in GAMMAS])
+# The nf4 draft at one γ only: its forward is the slowest here (three γ cost 3.7 of the suite's
+# ~19 minutes), and γ's bookkeeping is the same code the copy drafts cover at every γ.
+@pytest.mark.parametrize(("kind", "gamma"), [("none", 0), ("nf4", 4)] + [
+    (kind, gamma) for kind in ("prompt_lookup", "suffix_cache") for gamma in GAMMAS])
 def test_greedy_is_token_identical_to_hf_generate(default_target, prompt_ids, references, nf4_draft,
                                                  kind, gamma, record_property):
     draft = _draft(kind, nf4_draft, prompt_ids, references)
