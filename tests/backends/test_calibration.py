@@ -45,11 +45,20 @@ def test_the_faster_kernel_is_kept_per_width_and_cached(flashspec_cache_dir):
     cal = calibrate(runner, "sleepy-1", "fake", [1, 3, 5], vocab=8)
     assert cal.best[1] == "slow_wide" and cal.best[3] == cal.best[5] == "slow_at_1"
     assert cal.kernel_for(4) == "slow_at_1" and cal.kernel_for(1) == "slow_wide"
+    assert cal.kernel_for(2) == "slow_at_1", "an unmeasured width takes the next wider one's choice"
     assert cal.forward_seconds()[1] < 0.003
     calls = runner.calls
     again = calibrate(SleepyRunner(), "sleepy-1", "fake", [1, 3, 5], vocab=8)
     assert again.best == cal.best and runner.calls == calls, "a second load reads the cache"
     assert "CPU:" in cal.table() and "kept" in cal.table()
+
+
+def test_prompt_chunks_take_the_prefill_widths_choice():
+    cal = Calibration(key="k", cpu="c", threads=2, measured_at="now",
+                      seconds={"packed": {1: 2.0, 9: 1.0, 128: 9.0}, "stock": {1: 1.0, 9: 2.0, 128: 3.0}},
+                      best={1: "stock", 9: "packed", 128: "stock"})
+    assert [cal.kernel_for(w) for w in (1, 5, 9, 10, 30, 128, 2000)] == [
+        "stock", "packed", "packed", "stock", "stock", "stock", "stock"]
 
 
 def test_a_damaged_cache_or_another_machine_measures_again(flashspec_cache_dir, monkeypatch):
