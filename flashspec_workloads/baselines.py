@@ -51,7 +51,10 @@ class LlamaCppGreedy:
     llama-cpp-python's own prompt-lookup speculation (0: plain decoding).
     """
 
-    def __init__(self, gguf: str | Path, eos_ids: Iterable[int], n_ctx: int = 8192, prompt_lookup: int = 0):
+    def __init__(self, gguf: str | Path, eos_ids: Iterable[int], n_ctx: int = 8192, prompt_lookup: int = 0,
+                 one_token_threads: int | None = None):
+        """one_token_threads: threads of one-token steps (default: every thread, llama.cpp's own
+        default); 1 reproduces the engine's llama.cpp runner bit for bit (its module says why)."""
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -59,8 +62,9 @@ class LlamaCppGreedy:
 
         runner.load_cpu_backends()  # the same CPU kernels the engine's runner loads
         draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup) if prompt_lookup else None
-        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=torch.get_num_threads(), flash_attn=True,
-                         verbose=False, draft_model=draft)
+        threads = torch.get_num_threads()
+        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=one_token_threads or threads,
+                         n_threads_batch=threads, flash_attn=True, verbose=False, draft_model=draft)
         self.eos_ids = frozenset(eos_ids)
 
     def __call__(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], float]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 from helpers import g_test
@@ -27,6 +26,7 @@ from flashspec_core.prompts import encode_prompt
 from flashspec_core.routing.router import FixedRouter
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
+from flashspec_workloads.baselines import LlamaCppGreedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not backend.available(), reason="llama-cpp-python missing")]
 MAX_NEW = 48
@@ -57,30 +57,8 @@ def test_rollbacks_and_widths_give_one_token_decodings_logits(runner):
     assert runner.prefix_len(0, walk) == held
 
 
-def _llama_cpp_greedy(llm, prompt: list[int], n: int, eos: frozenset[int]) -> list[int]:
-    """llama-cpp-python's own greedy loop (`Llama.generate` at temperature 0): it keeps the longest
-    prefix its context already holds and evaluates the rest of the prompt in one batch, then one
-    token at a time, as the engine does across requests."""
-    out = []
-    for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
-        out.append(int(token))
-        if out[-1] in eos or len(out) == n:
-            break
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference_llm(runner):
-    from llama_cpp import Llama
-
-    return Llama(model_path=str(default_gguf_path()), n_ctx=runner.n_ctx, verbose=False,
-                 n_threads=1, n_threads_batch=runner.n_threads,  # as the engine's runner (llama_cpp.py says why)
-                 flash_attn=True,  # as the engine's runner (llama_cpp.py says why)
-                 logits_all=True)  # this release keeps `scores` only with logits_all
-
-
 @pytest.mark.parametrize("arm", ["none", "prompt_lookup@4", "suffix_cache@4", "distill_chat@2"])
-def test_greedy_equals_llama_cpps_own_greedy(default_target, reference_llm, arm):
+def test_greedy_equals_llama_cpps_own_greedy(default_target, runner, arm):
     from test_greedy_default import PROMPTS
 
     name, _, gamma = arm.partition("@")
@@ -89,7 +67,8 @@ def test_greedy_equals_llama_cpps_own_greedy(default_target, reference_llm, arm)
                                                                       else Arm(name, int(gamma))), backend="llama.cpp")
     vocab = vocab_size(default_target.model)
     accepted = 0
-    reference_llm.reset()  # a fresh context, as the engine's
+    # llama-cpp-python's own Llama.generate from a fresh context, as the engine's, with its threads.
+    reference = LlamaCppGreedy(default_gguf_path(), engine.eos_ids, n_ctx=runner.n_ctx, one_token_threads=1)
     # A retrieval prompt of ~500 tokens (decoding past 256 is where thread counts would matter).
     prompts = dict(PROMPTS, long=[dict(m, content=m["content"] * 3) if m["role"] == "user" else m
                                   for m in PROMPTS["rag"]])
@@ -97,7 +76,7 @@ def test_greedy_equals_llama_cpps_own_greedy(default_target, reference_llm, arm)
         ids = encode_prompt(default_target.tokenizer, prompts[key], vocab)
         res = engine.generate(ids, max_new_tokens=MAX_NEW)
         accepted += res.stats.accepted
-        assert res.token_ids == _llama_cpp_greedy(reference_llm, ids, MAX_NEW, engine.eos_ids), f"{arm}, {key}"
+        assert res.token_ids == reference(ids, MAX_NEW)[0], f"{arm}, {key}"
     assert name == NO_DRAFT or accepted > 0
 
 
