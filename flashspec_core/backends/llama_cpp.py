@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 INSTALL = (
-    "pip install 'flashspec-agents[llamacpp]' (builds llama.cpp from source; see README, "
-    "'CPU backends', for the portable build flags)"
+    "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON\" "
+    "pip install 'flashspec-agents[llamacpp]' (builds llama.cpp from source; docs/backends.md, "
+    "'Portable build', says why those flags)"
 )
 
 
