@@ -28,7 +28,7 @@ import torch
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import load_model
 from flashspec_core.drafts.trained import shipped_drafts
-from flashspec_core.pool import default_drafts
+from flashspec_core.pool import build_drafts, default_drafts
 from flashspec_core.routing.router import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_workloads.common import Step
@@ -73,6 +73,7 @@ def engine_runner(engine: SpecEngine, breakdown: dict):
     def run(ids: list[int], max_new: int) -> list[int]:
         res = engine.generate(ids, max_new_tokens=max_new)
         st = res.stats
+        breakdown["requests"] += 1
         breakdown["steps"] += st.steps
         breakdown["tokens"] += len(res.token_ids)
         breakdown["prefill"] += st.prefill_seconds
@@ -119,14 +120,19 @@ def main() -> None:
     if "peer" not in skip and importlib.util.find_spec("flashspec"):
         peer_model = load_model(None, device="cuda", dtype=torch.bfloat16).model
         runners["flashspec 0.3.1 (compile)"] = peer_runner(peer_model, probe.eos_ids)
+    built = {}  # engine construction seconds (it captures the graphs of every width): warm-up
     for name in args.fixed.split(","):
         draft, _, gamma = name.partition("@")
         arm = Arm(NO_DRAFT, 0) if draft == NO_DRAFT else Arm(draft, int(gamma))
-        # Fixed arms may name the trained drafts, which the GPU's default pool leaves out.
-        engine = SpecEngine(target, default_drafts(target) + shipped_drafts(target), router=FixedRouter(arm))
+        # Fixed arms may name the trained drafts, which the GPU's default pool leaves out, or the
+        # NF4 copy of the target (bitsandbytes).
+        extra = build_drafts(["nf4"], target, None, device="cuda", dtype=torch.bfloat16) if draft == "nf4" else []
+        engine, built[f"engine {arm}"] = timed(lambda: SpecEngine(
+            target, default_drafts(target) + shipped_drafts(target) + extra, router=FixedRouter(arm)))
         breakdowns[f"engine {arm}"] = defaultdict(float)
         runners[f"engine {arm}"] = engine_runner(engine, breakdowns[f"engine {arm}"])
-    router_engine = SpecEngine(target, default_drafts(target), router="thompson")
+    router_engine, built["engine router"] = timed(lambda: SpecEngine(target, default_drafts(target),
+                                                                     router="thompson"))
     breakdowns["engine router"] = defaultdict(float)
     runners["engine router"] = engine_runner(router_engine, breakdowns["engine router"])
 
@@ -134,10 +140,14 @@ def main() -> None:
     for key, run in list(runners.items()):
         try:
             results[key] = measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args)
+            warmups[key] += built.get(key, 0.0)
         except Exception:  # one broken configuration must not cost the others their run
             traceback.print_exc()
             print(f"{key}: FAILED, left out of the table", flush=True)
     report(results, steps, warmups, breakdowns, Path(args.out), args)
+    print("\nrouter's steps per arm and domain (warm-up and timed)")
+    for domain, arms in router_engine.router_summary().items():
+        print(f"  {domain:<6}" + "  ".join(f"{a} {row['pulls']}" for a, row in arms.items() if row["pulls"]))
 
 
 def measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args) -> list[dict]:
@@ -188,11 +198,13 @@ def report(results, steps, warmups, breakdowns, out: Path, args) -> None:
         print(f"{key:<30}" + "".join(f"{row[d]:>8.1f}" for d in domains) + f"{row['overall']:>9.1f}"
               f"{row['overall'] / overall_base:>9.2f}x{row['same']:>4}/{len(steps)}{row['warmup_s']:>10.1f}")
     print("\nper-step breakdown of this engine (ms per step)")
-    print(f"{'configuration':<30}{'steps':>7}{'tok/step':>9}{'draft':>8}{'fwd+verify':>11}{'host':>7}")
+    print(f"{'configuration':<30}{'steps':>7}{'tok/step':>9}{'draft':>8}{'fwd+verify':>11}{'host':>7}"
+          f"{'prefill ms/request':>20}")
     for key, b in breakdowns.items():
         n = max(b["steps"], 1)
         print(f"{key:<30}{int(b['steps']):>7}{b['tokens'] / n:>9.2f}{b['draft'] / n * 1e3:>8.2f}"
-              f"{b['forward+verify'] / n * 1e3:>11.2f}{b['host'] / n * 1e3:>7.2f}")
+              f"{b['forward+verify'] / n * 1e3:>11.2f}{b['host'] / n * 1e3:>7.2f}"
+              f"{b['prefill'] / max(b['requests'], 1) * 1e3:>20.2f}")
     (out / "results.json").write_text(json.dumps({"table": table, "breakdown": breakdowns,
                                                   "gpu": torch.cuda.get_device_name()}, indent=1))
     plot(table, domains, out / "gpu_bench.png")

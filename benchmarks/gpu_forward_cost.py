@@ -34,6 +34,11 @@ SHAPES = {
 }
 
 
+# The default model itself (its GGUF, installed), loaded as NF4 with bitsandbytes (needs the
+# `quant` extra): what the `nf4` draft and an NF4 target cost on this GPU.
+NF4 = "SmolLM2-135M-nf4"
+
+
 def build(shape: str, dtype: torch.dtype) -> LlamaForCausalLM:
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, rope_theta=100000.0)
     with torch.device("cuda"):
@@ -53,12 +58,21 @@ def median_ms(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+VARIANTS = {"static eager": (False, False), "graphed, HF ops": (True, False), "graphed, fused": (True, True)}
+# A 4-bit model's weights cannot be concatenated: its graphs run bitsandbytes' kernels unfused.
+NF4_VARIANTS = {"static eager": (False, False), "graphed, HF ops": (True, False)}
+
+
 @torch.inference_mode()
 def measure(shape: str, widths: list[int], context: int, reps: int, dtype: torch.dtype) -> dict:
-    model = build(shape, dtype)
+    if shape == NF4:
+        from flashspec_core.models import load_model
+
+        model, variants = load_model(None, device="cuda", dtype=dtype, load_in_4bit=True).model, NF4_VARIANTS
+    else:
+        model, variants = build(shape, dtype), VARIANTS
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, context + max(widths)), device="cuda")
-    variants = {"static eager": (False, False), "graphed, HF ops": (True, False), "graphed, fused": (True, True)}
     out: dict[str, dict[int, float]] = {"hf eager": {}, **{label: {} for label in variants}}
     capture = {}
     for w in widths:
@@ -81,8 +95,8 @@ def measure(shape: str, widths: list[int], context: int, reps: int, dtype: torch
             start = time.perf_counter()
             runner.forward_to([path], keep_logits=w)  # captures this width's graph
             torch.cuda.synchronize()
-            if fuse:
-                capture[w] = time.perf_counter() - start
+            if graphs:
+                capture[w] = time.perf_counter() - start  # the last graphed variant's
             for _ in range(3):
                 runner.forward_to([path], keep_logits=w)
             out[label][w] = median_ms(lambda: runner.forward_to([path], keep_logits=w), reps)
@@ -93,7 +107,7 @@ def measure(shape: str, widths: list[int], context: int, reps: int, dtype: torch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)} and {NF4!r}")
     parser.add_argument("--widths", default="1,3,5,9")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--reps", type=int, default=30)
@@ -103,12 +117,12 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     results = {}
     print(f"GPU: {name}; torch {torch.__version__}; bf16, batch 1, {args.context}-token cache; ms per forward")
-    print(f"{'model':<14}{'forward':<16}" + "".join(f"{'w=' + str(w):>9}" for w in widths))
+    print(f"{'model':<18}{'forward':<16}" + "".join(f"{'w=' + str(w):>9}" for w in widths))
     for shape in args.shapes.split(","):
         res = results[shape] = measure(shape, widths, args.context, args.reps, torch.bfloat16)
         for label, row in res["ms"].items():
-            print(f"{shape:<14}{label:<16}" + "".join(f"{row[w]:>9.2f}" for w in widths))
-        print(f"{shape:<14}{'capture (s)':<16}" + "".join(f"{res['capture_s'][w]:>9.2f}" for w in widths))
+            print(f"{shape:<18}{label:<16}" + "".join(f"{row[w]:>9.2f}" for w in widths))
+        print(f"{shape:<18}{'capture (s)':<16}" + "".join(f"{res['capture_s'][w]:>9.2f}" for w in widths))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"gpu": name, "context": args.context, "results": results}, indent=1))

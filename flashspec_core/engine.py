@@ -85,6 +85,9 @@ class SpecEngine:
         self._device = target.model.get_output_embeddings().weight.device
         self._vocab = vocab_size(target.model)
         self.calibration = self._calibrate(gammas) if calibrate else None
+        warm = getattr(self._target_runner, "warm", None)
+        if callable(warm):  # CUDA graphs of every width the arms feed, captured now, not mid-request
+            warm([1] + [g + 1 for g in gammas])
         self._json_tokens: torch.Tensor | None = None  # [V] bool, built on the first ban under a schema
 
     def _calibrate(self, gammas: Sequence[int]):
@@ -381,6 +384,7 @@ class SpecEngine:
                     break
                 arm = self.router.select(domain)
                 remaining = min(r.max_new_tokens - len(r.token_ids) for r, a in zip(rows, active) if a)
+                warmed = getattr(target, "warmup_seconds", 0.0)
                 t0 = time.perf_counter()
                 drafts, draft_probs, catchup = self._propose(
                     arm, seqs, active, min(arm.gamma, remaining - 1), sampling, gen)
@@ -410,6 +414,7 @@ class SpecEngine:
                     sequence=seqs[context_row],
                     rows=sum(active),
                     catchup_seconds=catchup,
+                    warmup_seconds=getattr(target, "warmup_seconds", 0.0) - warmed,
                 )
                 self.router.update(record)
                 for b in (b for b, a in enumerate(active) if a):

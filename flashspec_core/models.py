@@ -149,6 +149,8 @@ def load_model(
             local_files_only=True,
             dtype=dtype,
             quantization_config=_quantization_config(load_in_4bit, dtype),
+            # bitsandbytes quantizes as the weights reach their device; `.to()` after is refused.
+            device_map={"": str(dev)} if load_in_4bit and dev.type == "cuda" else None,
         )
     except OSError as exc:
         raise ValueError(

@@ -63,6 +63,9 @@ class StepRecord:
     sequence: Sequence[int] = field(default_factory=list, repr=False)
     rows: int = 1  # active rows of the batch; drafted/accepted/emitted are summed over them
     catchup_seconds: float = 0.0  # part of draft_seconds: see Proposal.catchup_seconds
+    # Part of verify_seconds the target's runner spent on one-time work (capturing a CUDA graph,
+    # growing its cache): paid once by whichever step triggered it, not a cost of the step's arm.
+    warmup_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -70,8 +73,14 @@ class StepRecord:
 
     @property
     def steady_seconds(self) -> float:
-        """What the step would have cost had its draft also run the step before."""
-        return self.seconds - self.catchup_seconds
+        """What the step would have cost had its draft also run the step before and the target's
+        runner been warm."""
+        return self.seconds - self.catchup_seconds - self.warmup_seconds
+
+    @property
+    def steady_verify_seconds(self) -> float:
+        """The target's pass without its one-time work: what a pass this wide costs."""
+        return self.verify_seconds - self.warmup_seconds
 
 
 class Router(Protocol):

@@ -17,10 +17,13 @@ def _device_type(model: nn.Module) -> str:
 
 
 def _graphable(model: nn.Module) -> bool:
+    """A Llama-family model on CUDA, full precision or bitsandbytes NF4 (whose 4-bit matmuls the
+    static forward calls as the model's own modules, unfused)."""
     from flashspec_core.backends.static_llama import supports
 
     quantized = getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None
-    return _device_type(model) == "cuda" and supports(model) and not quantized
+    nf4 = getattr(model, "is_loaded_in_4bit", False)
+    return _device_type(model) == "cuda" and supports(model) and (nf4 or not quantized)
 
 
 def resolve_backend(backend: str, target: LoadedModel) -> str:
@@ -41,7 +44,7 @@ def resolve_backend(backend: str, target: LoadedModel) -> str:
         raise ValueError("backend='llama.cpp' needs a GGUF target (the default model, or a .gguf path)")
     if backend == "cuda-graph" and not _graphable(target.model):
         raise ValueError("backend='cuda-graph' needs a Llama-family model (llama, mistral, qwen2, qwen3) "
-                         "on a CUDA device, not quantized; use backend='hf'")
+                         "on a CUDA device, full precision or NF4 (load_in_4bit); use backend='hf'")
     if backend != "auto":
         return backend
     if _device_type(target.model) == "cuda":

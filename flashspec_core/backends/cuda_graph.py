@@ -16,6 +16,7 @@ the tests exercise its cache logic against transformers without a GPU.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Sequence
 
 import torch
@@ -82,7 +83,9 @@ class GraphedModel:
         self.pad_token_id = pad_token_id
         on_cuda = model.get_output_embeddings().weight.device.type == "cuda"
         self.use_graphs = on_cuda if graphs is None else graphs
-        self.static = StaticLlama(model, max_len, batch=1, fuse=self.use_graphs if fuse is None else fuse)
+        if fuse is None:  # fusing concatenates weight matrices: not those of a 4-bit model
+            fuse = self.use_graphs and not getattr(model, "is_loaded_in_4bit", False)
+        self.static = StaticLlama(model, max_len, batch=1, fuse=fuse)
         self.device = self.static.device
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("graphs=True needs the model on a CUDA device")
@@ -90,6 +93,11 @@ class GraphedModel:
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._lock = threading.Lock()  # one replay at a time: graphs share buffers and the cache
         self.captures = 0  # how many graphs were captured (warm-up cost, reported by benchmarks)
+        # Seconds spent capturing graphs and growing the cache: one-time costs that land inside
+        # whichever step triggered them; the engine tells the router, which must not charge them
+        # to that step's arm (a 0.2 s capture is a hundred 2 ms steps).
+        self.warmup_seconds = 0.0
+        self.widths: tuple[int, ...] = ()  # greedy steps are padded up to one of these (see warm)
         self.held: list[list[int]] = [[]]
 
     # ------------------------------------------------------------------ rows and capacity
@@ -115,8 +123,10 @@ class GraphedModel:
         new = self.static.max_len
         while length + SCRATCH > new:
             new *= 2
+        start = time.perf_counter()
         self.static.resize(new)
         self._graphs.clear()  # captured on the old buffers
+        self.warmup_seconds += time.perf_counter() - start
 
     def _plan(self, sequences, active, keep_logits) -> list[list[int]]:
         """Roll each active row back to what it shares with its sequence; return the chunks to feed."""
@@ -142,7 +152,7 @@ class GraphedModel:
         bsz = len(chunks)
         host = torch.empty((3, bsz, width), dtype=torch.long, pin_memory=self.use_graphs)
         host[0].fill_(self.pad_token_id)
-        host[2].zero_()
+        host[2].fill_(-1)  # past a row's draft: never equal to a target token, so never accepted
         for b, chunk in enumerate(chunks):
             start = len(self.held[b])
             host[1, b] = torch.arange(start, start + width)
@@ -163,9 +173,34 @@ class GraphedModel:
         key = (self.static.batch, width)
         graph = self._graphs.get(key)
         if graph is None:
+            start = time.perf_counter()
             graph = self._graphs[key] = _Graph(self.static, self.static.batch, width, self._pool)
+            torch.cuda.synchronize(self.device)
             self.captures += 1
+            self.warmup_seconds += time.perf_counter() - start
         return graph
+
+    def warm(self, widths: Sequence[int]) -> None:
+        """Capture the graphs of `widths` now (the engine passes 1 and γ + 1 for each γ), and from
+        then on pad every greedy step to the smallest of them that fits.
+
+        Why pad: a copy draft proposes anywhere from 1 to γ tokens, so unpadded steps would need a
+        graph per width, each captured (0.1-0.3 s) in the middle of some request. On a GPU a pass
+        over 9 tokens costs what one over 3 does (BENCHMARKS.md, "target forward cost by width"),
+        and padded columns cannot change the result: they sit after the row's real tokens, which
+        causal attention never lets them influence, and their draft slots hold -1, which no
+        target token equals, so they are never accepted.
+        """
+        if not self.use_graphs:
+            return
+        widths = sorted({int(w) for w in widths if 1 <= int(w) <= SCRATCH})
+        with self._lock:
+            for width in widths:
+                self._graph(width)
+            self.widths = tuple(widths)
+
+    def _padded(self, width: int) -> int:
+        return min((w for w in self.widths if w >= width), default=width)
 
     def _graphable(self, chunks, active, width: int) -> bool:
         return self.use_graphs and width <= SCRATCH and all(len(c) == width for c, a in zip(chunks, active) if a)
@@ -208,8 +243,10 @@ class GraphedModel:
             chunks = self._plan(sequences, active, width)
             if not self._graphable(chunks, active, width):
                 return None  # rows were only rolled back to what their caches hold
-            graph = self._graph(width)
-            graph.replay(self._host_inputs(chunks, width, drafts))
+            padded = self._padded(width)
+            self._ensure(max(len(h) for h in self.held) + padded)
+            graph = self._graph(padded)
+            graph.replay(self._host_inputs(chunks, padded, drafts))
             result = graph.result.cpu().tolist()  # the step's one sync
             for b, chunk in enumerate(chunks):
                 self.held[b].extend(chunk)

@@ -60,6 +60,7 @@ class ModelDraft:
                 start = time.perf_counter()
                 self._runner.forward_to([r[:-1] for r in rows], behind, keep_logits=1)
                 catchup = time.perf_counter() - start
+            warmed = getattr(self._runner, "warmup_seconds", 0.0)  # a GPU runner's graph captures
             for _ in range(gamma):
                 logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, V] or [B, K]
                 q = probs_from_logits(logits, sampling)  # same shape
@@ -76,6 +77,8 @@ class ModelDraft:
             self._runner.reset(len(rows))
             raise
         drafted = torch.stack(tokens, dim=1).tolist()  # [B, γ]
+        # A graph captured in this call is, like catch-up, paid once and not by the draft's steps.
+        catchup += getattr(self._runner, "warmup_seconds", 0.0) - warmed
         return Proposal(drafted, torch.stack(probs, dim=1), catchup)  # probs: [B, γ, V]
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:

@@ -80,7 +80,7 @@ class CopyScorer:
                 proposals[i], seconds[i] = longest[:gamma], elapsed
         if not proposals:
             return None
-        return _Pending(record.domain, seq, ctx, record.rows, record.seconds, proposals, seconds)
+        return _Pending(record.domain, seq, ctx, record.rows, record.steady_seconds, proposals, seconds)
 
     @staticmethod
     def _resolve(pending: _Pending, final: bool) -> dict[int, tuple[int, int]]:

@@ -66,6 +66,11 @@ def _check_record(record: StepRecord, index: Mapping[Arm, int]) -> None:
             f"record.catchup_seconds must be within [0, draft_seconds={record.draft_seconds}], "
             f"got {record.catchup_seconds}"
         )
+    if record.warmup_seconds < 0 or (record.warmup_seconds and record.warmup_seconds >= record.verify_seconds):
+        raise ValueError(
+            f"record.warmup_seconds must be within [0, verify_seconds={record.verify_seconds}), "
+            f"got {record.warmup_seconds}"
+        )
     if not record.seconds > 0:
         raise ValueError(
             f"record.seconds (draft_seconds + verify_seconds) must be > 0, got {record.seconds}; "
@@ -361,7 +366,7 @@ class BanditRouter:
             if arm.draft == record.arm.draft and arm.gamma < drafted:
                 verify = state.verify_estimate(arm.gamma + 1)
                 if verify is None:
-                    verify = record.verify_seconds  # unmeasured: the longer pass's time
+                    verify = record.steady_verify_seconds  # unmeasured: the longer pass's time
                 seconds = (record.draft_seconds - record.catchup_seconds) * arm.gamma / drafted + verify
                 out.append((i, min(record.accepted, arm.gamma) + 1, seconds))
         return out
@@ -375,7 +380,7 @@ class BanditRouter:
             if record.rows == 1:
                 v = state.verify.setdefault(record.drafted + 1, [0, 0.0])
                 v[0] += 1
-                v[1] += record.verify_seconds
+                v[1] += record.steady_verify_seconds
             free: dict[str, list[tuple[int, int, float]]] = {}
             for c in self._copies.step(record):
                 seconds = self._free_seconds(self._domain(c.domain), c.arm, c.proposed, c.draft_seconds, c.step_seconds)
@@ -403,16 +408,17 @@ class BanditRouter:
         rounds: list[dict[int, float]] = [{}]
         deltas: dict[str, ArmDelta] = {}
         if record is not None:
-            goodput = record.emitted / record.seconds
+            seconds = record.seconds - record.warmup_seconds  # one-time work is nobody's cost
+            goodput = record.emitted / seconds
             ran = self._index[record.arm]
             t = state.tallies[ran]
             # Steady seconds: a model draft's catch-up is the price of switching to it, which a
             # router that keeps the arm stops paying; charged to the arm it would bury it.
             rounds[0][ran] = self._reward(state, record.emitted / t.mean_seconds(record.steady_seconds))
-            deltas[str(record.arm)] = ArmDelta(pulls=1, goodput_sum=goodput, seconds_sum=record.seconds)
+            deltas[str(record.arm)] = ArmDelta(pulls=1, goodput_sum=goodput, seconds_sum=seconds)
             t.pulls += 1
             t.goodput_sum += goodput
-            t.seconds_sum += record.seconds
+            t.seconds_sum += seconds
             state.steps += 1
         for i, emitted, seconds in free:
             reward = self._reward(state, emitted / state.tallies[i].mean_seconds(seconds))

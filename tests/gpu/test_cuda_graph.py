@@ -86,6 +86,43 @@ def test_greedy_step_in_the_graph_verifies_as_the_reference(model):
         assert fused[0] == n_ref.tolist() and fused[1] == out_ref.tolist()
 
 
+def test_padded_steps_verify_as_the_reference_and_capture_nothing_new(model):
+    """After warm(), a draft of any length 0-8 replays one of the warmed graphs (padded): same
+    accepted count and tokens as verify_torch on the unpadded path, and no capture mid-request."""
+    runner = GraphedModel(model, pad_token_id=0)
+    runner.warm([1, 3, 5, 9])
+    captured, warmup = runner.captures, runner.warmup_seconds
+    assert captured == 4 and warmup > 0
+    rng = random.Random(4)
+    for _ in range(40):
+        ctx = [rng.randrange(VOCAB) for _ in range(rng.randint(4, 60))]
+        k = rng.randint(0, 8)
+        greedy = _fresh(model, ctx, 1).argmax(-1).tolist()
+        draft = ([greedy[0]] if rng.random() < 0.6 else []) + [rng.randrange(VOCAB) for _ in range(k)]
+        draft = draft[:k]
+        runner.reset(1)
+        runner.forward_to([ctx[:-1]])
+        fused = runner.verify_greedy([ctx], [draft], [True])
+        logits = _fresh(model, ctx + draft, len(draft) + 1)[None]
+        n_ref, out_ref = verify_torch(logits, torch.tensor([draft], device="cuda").view(1, k), None, SamplingParams())
+        assert fused is not None
+        assert fused[0] == n_ref.tolist()
+        assert fused[1][0][: n_ref.item() + 1] == out_ref[0, : n_ref.item() + 1].tolist()
+        assert runner.held[0] == ctx + draft, "the cache must hold the real tokens only"
+    assert runner.captures == captured and runner.warmup_seconds == warmup
+
+
+def test_engine_warms_its_widths_at_construction():
+    loaded = tiny_loaded(VOCAB, seed=0, max_positions=1024)
+    target = LoadedModel(loaded.model.cuda(), loaded.tokenizer, loaded.name)
+    engine = SpecEngine(target, [PromptLookupDraft()], router=FixedRouter(Arm("prompt_lookup", 4)),
+                        backend="cuda-graph", gammas=(2, 4))
+    runner = engine._target_runner
+    assert runner.widths == (1, 3, 5) and runner.captures == 3
+    res = engine.generate([1, 2, 3, 4, 5, 1, 2, 3], max_new_tokens=30)
+    assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 3
+
+
 def _engine(target: LoadedModel, drafts, arm) -> SpecEngine:
     return SpecEngine(target, drafts, router=FixedRouter(arm), backend="cuda-graph")
 

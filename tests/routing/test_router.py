@@ -347,3 +347,27 @@ def test_a_model_drafts_catch_up_is_not_charged_to_its_arm():
     s = router.summary()["chat"]["model@4"]
     assert s["mean_reward"] == pytest.approx((3 / 0.1) / 100)
     assert s["mean_goodput"] == pytest.approx(3 / 0.3)  # the summary reports what the step took
+
+
+def test_a_graph_capture_inside_a_step_is_charged_to_no_arm():
+    """A CUDA-graph capture (0.1-0.3 s) lands in whichever step first needs a width; counted, it
+    would make that arm and that verify width look a hundred times dearer for the rest of the run."""
+    warm, cold = BanditRouter([NGRAM]), BanditRouter([NGRAM])
+    for router, capture in ((warm, 0.0), (cold, 0.3)):
+        router.update(StepRecord(domain="rag", arm=NONE, drafted=0, accepted=0, emitted=1, draft_seconds=0.0,
+                                 verify_seconds=0.002 + capture, warmup_seconds=capture))
+        router.update(StepRecord(domain="rag", arm=NGRAM, drafted=4, accepted=2, emitted=3, draft_seconds=0.0001,
+                                 verify_seconds=0.0021 + capture, warmup_seconds=capture))
+    flat = lambda r: {(d, a, k): v for d, arms in r.summary().items()  # noqa: E731
+                      for a, row in arms.items() for k, v in row.items() if v is not None}
+    assert flat(cold) == pytest.approx(flat(warm))
+    assert cold._domains["rag"].verify_seconds(5) == pytest.approx(0.0021)
+
+
+def test_warmup_seconds_outside_the_verify_pass_are_rejected():
+    router = BanditRouter([NGRAM])
+    for warmup in (-0.1, 0.05):
+        with pytest.raises(ValueError, match="record.warmup_seconds"):
+            router.update(StepRecord(domain="rag", arm=NONE, drafted=0, accepted=0, emitted=1,
+                                     draft_seconds=0.0, verify_seconds=0.05, warmup_seconds=warmup))
+    assert router.summary() == {}
