@@ -199,11 +199,29 @@ class GraphedModel:
                 self._graph(width)
             self.widths = tuple(widths)
 
-    def _padded(self, width: int) -> int:
-        return min((w for w in self.widths if w >= width), default=width)
+    def _graph_width(self, chunks, active) -> int | None:
+        """The width of the graph that runs these chunks, or None to run them eagerly.
 
-    def _graphable(self, chunks, active, width: int) -> bool:
-        return self.use_graphs and width <= SCRATCH and all(len(c) == width for c, a in zip(chunks, active) if a)
+        Every active row must feed the same number of tokens c. After `warm`, c pads up to the
+        smallest warmed width that holds it, and any other c runs eagerly: a prompt or catch-up
+        chunk of an odd size would otherwise capture a graph (0.1-0.3 s) to replay once, where an
+        eager forward costs ~20 ms. Before any warm-up, each c up to SCRATCH is captured as met.
+        """
+        if not self.use_graphs:
+            return None
+        lengths = {len(c) for c, a in zip(chunks, active) if a}
+        if len(lengths) != 1:
+            return None
+        (c,) = lengths
+        if not self.widths:
+            return c if c <= SCRATCH else None
+        return next((w for w in self.widths if w >= c), None)
+
+    def _replay(self, chunks, graph_width: int, drafts=None) -> _Graph:
+        self._ensure(max(len(h) for h in self.held) + graph_width)  # padded columns need slots too
+        graph = self._graph(graph_width)
+        graph.replay(self._host_inputs(chunks, graph_width, drafts))
+        return graph
 
     @torch.inference_mode()
     def forward_to(self, sequences: Sequence[Sequence[int]], active: Sequence[bool] | None = None,
@@ -214,10 +232,9 @@ class GraphedModel:
         with self._lock:
             chunks = self._plan(sequences, active, keep_logits)
             width = max(len(c) for c in chunks)
-            if self._graphable(chunks, active, width):
-                graph = self._graph(width)
-                graph.replay(self._host_inputs(chunks, width))
-                logits = graph.logits[:, width - keep_logits:]
+            graph_width = self._graph_width(chunks, active)
+            if graph_width is not None:  # every active chunk is `width` long, left-aligned
+                logits = self._replay(chunks, graph_width).logits[:, width - keep_logits:width]
             else:
                 host = self._host_inputs(chunks, width).to(self.device)
                 full = self.static(host[0], host[1])  # [B, width, V]
@@ -241,13 +258,10 @@ class GraphedModel:
         sequences = [list(c) + list(d) for c, d in zip(contexts, drafts)]
         with self._lock:
             chunks = self._plan(sequences, active, width)
-            if not self._graphable(chunks, active, width):
+            graph_width = self._graph_width(chunks, active)
+            if graph_width is None or any(len(c) != width for c, a in zip(chunks, active) if a):
                 return None  # rows were only rolled back to what their caches hold
-            padded = self._padded(width)
-            self._ensure(max(len(h) for h in self.held) + padded)
-            graph = self._graph(padded)
-            graph.replay(self._host_inputs(chunks, padded, drafts))
-            result = graph.result.cpu().tolist()  # the step's one sync
+            result = self._replay(chunks, graph_width, drafts).result.cpu().tolist()  # the step's one sync
             for b, chunk in enumerate(chunks):
                 self.held[b].extend(chunk)
         n_acc = [r[0] for r in result]

@@ -31,6 +31,9 @@ class ModelDraft:
         self.name = name
         self.model = model
         self._runner = model_runner(model, pad_token_id)
+        warm = getattr(self._runner, "warm", None)
+        if callable(warm):  # CUDA graphs: a draft step feeds one token, or two after the target's step
+            warm([1, 2])
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # of the q it reports
 
     def _full_q(self, q_head: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
