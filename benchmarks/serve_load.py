@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -90,9 +91,19 @@ def openai_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def bodies(n: int, max_new_tokens: int | None, seed: int) -> list[dict]:
-    """`n` request bodies from the dev workload (greedy, as agent steps usually are)."""
-    steps = dev_workload(n_steps=n, seed=seed, max_new_tokens=max_new_tokens)
+def bodies(n: int, max_new_tokens: int | None, seed: int, steps_file: str | None = None) -> list[dict]:
+    """`n` request bodies from the dev workload (greedy, as agent steps usually are), or from a
+    JSON file of its steps (`gpu_bench.py --steps-file`'s format) on a host without ShareGPT."""
+    if steps_file:
+        from flashspec_workloads.common import Step
+
+        saved = [Step(**s) for s in json.loads(Path(steps_file).read_text())]
+        if len(saved) < n:
+            raise ValueError(f"--steps-file holds {len(saved)} steps; this run needs {n}")
+        steps = [s if max_new_tokens is None else dataclasses.replace(s, max_new_tokens=max_new_tokens)
+                 for s in saved[:n]]
+    else:
+        steps = dev_workload(n_steps=n, seed=seed, max_new_tokens=max_new_tokens)
     return [{"model": MODEL, "messages": openai_messages(s.messages), "max_tokens": s.max_new_tokens,
              "temperature": 0} for s in steps]
 
@@ -242,6 +253,7 @@ def main() -> None:
     parser.add_argument("--kill-requests", type=int, default=48)
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--gpus-per-replica", type=float, default=1.0, help="with --device cuda: 0.5 puts 2 replicas on one GPU")
+    parser.add_argument("--steps-file", default=None, help="JSON list of dev-workload steps (a GPU host without ShareGPT)")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--out", default="bench_out/serve")
     args = parser.parse_args()
@@ -254,7 +266,7 @@ def main() -> None:
     phases = set(args.phases.split(","))
     replica_counts = [int(r) for r in args.replicas.split(",")] if "steady" in phases else []
     per_config = args.warmup + sum(max(args.requests, c) for c in levels)
-    work = bodies(len(replica_counts) * per_config + args.kill_requests, budget, seed=1)
+    work = bodies(len(replica_counts) * per_config + args.kill_requests, budget, seed=1, steps_file=args.steps_file)
 
     import ray
     import torch

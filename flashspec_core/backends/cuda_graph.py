@@ -110,7 +110,7 @@ class GraphedModel:
     def reset(self, batch_size: int) -> None:
         if batch_size != self.static.batch:
             self.static.resize(self.static.max_len, batch_size)
-            self._graphs.clear()
+            self._drop_graphs()
         self.held = [[] for _ in range(batch_size)]
 
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
@@ -125,7 +125,7 @@ class GraphedModel:
             new *= 2
         start = time.perf_counter()
         self.static.resize(new)
-        self._graphs.clear()  # captured on the old buffers
+        self._drop_graphs()  # captured on the old buffers
         self.warmup_seconds += time.perf_counter() - start
 
     def _plan(self, sequences, active, keep_logits) -> list[list[int]]:
@@ -162,13 +162,25 @@ class GraphedModel:
                 host[2, b, : len(drafts[b])] = torch.tensor(drafts[b])
         return host
 
+    def _drop_graphs(self) -> None:
+        """Forget every graph, and capture the next ones into a new memory pool.
+
+        A pool whose graphs have all been released cannot take a new capture: the caching
+        allocator asserts (`use_count > 0`) when one is begun into it. Whether the old graphs are
+        gone by then depends on the garbage collector, so a recapture after growth failed in the
+        server on the H200 (every request after the first 2k-token prompt) and not in a test.
+        """
+        self._graphs.clear()
+        if self.use_graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+
     # ------------------------------------------------------------------ forwards
 
     def _graph(self, width: int) -> _Graph:
         head = self.model.get_output_embeddings().weight
         weights = (head.data_ptr(), tuple(head.shape))
         if weights != getattr(self, "_weights", None):  # a trained draft swapped its head rows
-            self._graphs.clear()
+            self._drop_graphs()
             self._weights = weights
         key = (self.static.batch, width)
         graph = self._graphs.get(key)

@@ -6,6 +6,7 @@ with HF `generate` on CUDA is in test_gpu_default.py.
 """
 from __future__ import annotations
 
+import gc
 import random
 import threading
 
@@ -67,6 +68,23 @@ def test_the_cache_grows_and_graphs_are_captured_again(model):
     runner = GraphedModel(model, pad_token_id=0, max_len=64)
     _random_walk(runner, model, 1, steps=20, seed=7, grow_to=300)
     assert runner.static.max_len >= 300 + 32
+
+
+def test_graphs_are_captured_again_after_growth_once_the_old_ones_are_collected(model):
+    """Growth drops every graph; once the collector has released them, their memory pool cannot
+    take a new capture (the allocator asserts), so the next graphs need a pool of their own."""
+    runner = GraphedModel(model, pad_token_id=0, max_len=64)
+    runner.warm([1, 3])
+    rng = random.Random(5)
+    seq = [rng.randrange(VOCAB) for _ in range(20)]
+    runner.forward_to([seq], keep_logits=1)
+    for _ in range(3):  # each round doubles the cache, drops every graph and captures anew
+        seq = seq + [rng.randrange(VOCAB) for _ in range(runner.static.max_len)]
+        runner.forward_to([seq[:-3]], keep_logits=1)  # eager; grows the cache
+        gc.collect()
+        out = runner.forward_to([seq], keep_logits=3)  # a width-3 replay, captured after the growth
+        torch.testing.assert_close(out[0], _fresh(model, seq, 3), atol=1e-4, rtol=1e-4)
+    assert runner.static.max_len >= len(seq) + 32
 
 
 def test_greedy_step_in_the_graph_verifies_as_the_reference(model):
