@@ -1,0 +1,160 @@
+"""The CPU target runners side by side: transformers' DynamicCache (`kv.CachedModel`) against the
+static cache over live slots (`backends/cpu_static.py`), and HF `generate` as the reference.
+
+Measures, for the default model in one process: ms per decoded token after contexts of each
+`--contexts` length (median over `--tokens` steps; HF `generate`'s steps are timed between the
+calls of a logits processor, so its prefill is left out), seconds to prefill a `--prefill`-token
+prompt from an empty cache and after a reused 256-token prefix, and the engine's plain decoding
+(`fixed:none`, tokens/s over whole calls) against HF `generate` on the longest prompts of the
+independent agent workload, with both runners, checking that the tokens are HF's.
+
+    python benchmarks/cpu_static_cache.py --contexts 256,1024,2300 --tokens 24 --prompts 4
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from flashspec_core.backends.calibration import machine_line
+from flashspec_core.backends.cpu_static import StaticCachedModel
+from flashspec_core.engine import SpecEngine
+from flashspec_core.kv import STOCK, CachedModel
+from flashspec_core.pool import load_target
+from flashspec_core.routing.router import FixedRouter
+from flashspec_core.types import NO_DRAFT, Arm
+from flashspec_workloads.agent import agent_workload
+from flashspec_workloads.baselines import hf_generate, stock_default_model
+
+
+class _Clock(LogitsProcessor):
+    """Records when `generate` scores each position: the gaps are its decode steps."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def hf_decode_ms(model, prompt: list[int], tokens: int, pad: int) -> float:
+    clock = _Clock()
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                       max_new_tokens=tokens + 1, do_sample=False, pad_token_id=pad,
+                       logits_processor=LogitsProcessorList([clock]))
+    return 1e3 * statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
+
+
+def runner_decode_ms(runner, prompt: list[int], tokens: int) -> float:
+    runner.reset(1)
+    seq = list(prompt)
+    logits = runner.forward_to([seq])
+    times = []
+    for _ in range(tokens):
+        seq.append(int(logits[0, -1].argmax()))
+        start = time.perf_counter()
+        logits = runner.forward_to([seq])
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def prefill_s(run, repeats: int = 2) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="256,1024,2300")
+    parser.add_argument("--tokens", type=int, default=24, help="decode steps timed per context")
+    parser.add_argument("--prefill", type=int, default=2048)
+    parser.add_argument("--prompts", type=int, default=4, help="longest agent-workload prompts for the engine")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    args = parser.parse_args()
+
+    target = load_target(None)
+    pad = target.tokenizer.pad_token_id
+    stock = stock_default_model()
+    old = CachedModel(target.model, pad)  # both swap the same model's linears (one shared choice)
+    new = StaticCachedModel(target.model, pad)
+    vocab = target.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    print(machine_line())
+
+    print(f"\nms per decoded token after a context (median of {args.tokens} steps)")
+    runners = [(f"{name} {kernel}", runner, kernel) for name, runner in (("DynamicCache", old), ("static", new))
+               for kernel in runner.kernels()]
+    print(f"{'context':>8}{'HF generate':>14}" + "".join(f"{label:>18}" for label, _, _ in runners))
+    for context in (int(c) for c in args.contexts.split(",")):
+        prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+        row = [hf_decode_ms(stock, prompt, args.tokens, pad)]
+        for _, runner, kernel in runners:
+            runner.use_kernel(kernel)
+            row.append(runner_decode_ms(runner, prompt, args.tokens))
+        print(f"{context:>8}" + f"{row[0]:>14.1f}" + "".join(f"{ms:>18.1f}" for ms in row[1:]), flush=True)
+
+    prompt = torch.randint(0, vocab, (args.prefill,), generator=gen).tolist()
+    other = prompt[:256] + torch.randint(0, vocab, (args.prefill - 256,), generator=gen).tolist()
+    print(f"\nseconds to prefill {args.prefill} tokens (best of 2; stock kernel): from empty / after a reused "
+          f"256-token prefix")
+    with torch.inference_mode():
+        hf = prefill_s(lambda: stock(torch.tensor([prompt]), logits_to_keep=1))
+    print(f"{'HF forward':<16}{hf:>8.2f}")
+    for label, runner in (("DynamicCache", old), ("static", new)):
+        runner.use_kernel(STOCK)
+
+        def fresh(runner=runner):
+            runner.reset(1)
+            runner.forward_to([prompt])
+
+        def reuse(runner=runner):
+            runner.reset(1)
+            runner.forward_to([prompt[:256]])
+            start = time.perf_counter()
+            runner.forward_to([other])
+            return time.perf_counter() - start
+
+        print(f"{label:<16}{prefill_s(fresh):>8.2f}{min(reuse() for _ in range(2)):>8.2f}", flush=True)
+
+    engine_rows(target, stock, pad, old, new, args)
+
+
+def engine_rows(target, stock, pad, old, new, args) -> None:
+    """The engine's plain decoding on the longest agent prompts, with each runner, vs HF generate."""
+    steps = agent_workload(kind="independent", n_steps=48, seed=0, split="heldout")
+    engine = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), backend="hf")
+    prompts = [engine._encode_all([s.messages], args.max_new_tokens)[0] for s in steps]
+    prompts = sorted(prompts, key=len)[-args.prompts:]
+    print(f"\nengine fixed:none vs HF generate, {len(prompts)} prompts of {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens, {args.max_new_tokens} new tokens, greedy; tokens/s over whole calls")
+    hf_generate(stock, prompts[0][:64], 2, pad)  # first-call costs
+    ref = [hf_generate(stock, p, args.max_new_tokens, pad) for p in prompts]
+    hf_rate = sum(len(t) for t, _ in ref) / sum(s for _, s in ref)
+    print(f"{'HF generate':<28}{hf_rate:>8.1f}")
+    kernels = {w: engine._target_runner.plan.kernel_for(w) for w in (1, 128)}  # the engine's calibration
+    for label, runner in (("engine, DynamicCache", old), ("engine, static", new)):
+        runner.plan = engine._target_runner.plan
+        engine._target_runner = runner  # the benchmark's swap: make_runner picks the static one
+        engine.generate(prompts[0][:64], max_new_tokens=2)
+        total, seconds, same = 0, 0.0, 0
+        for p, (hf_tokens, _) in zip(prompts, ref):
+            start = time.perf_counter()
+            out = engine.generate(p, max_new_tokens=args.max_new_tokens).token_ids
+            seconds += time.perf_counter() - start
+            total += len(out)
+            same += out == hf_tokens
+        print(f"{label:<28}{total / seconds:>8.1f}{total / seconds / hf_rate:>7.2f}x  same as HF {same}/{len(prompts)}"
+              f"  (kernels {kernels})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
