@@ -25,6 +25,7 @@ from flashspec_core.backends.cuda_graph import GraphedModel
 from flashspec_core.kv import LinearKernels
 
 INITIAL_LEN = 512  # slots per row at first; doubled as needed (the GPU runner starts at 2048)
+CHUNK = 256  # columns per pass of a long feed after a reused prefix
 
 
 class StaticCachedModel(LinearKernels, GraphedModel):
@@ -56,9 +57,15 @@ class StaticCachedModel(LinearKernels, GraphedModel):
             chunks = self._plan(sequences, active, keep_logits)
             width = max(len(c) for c in chunks)
             host = self._host_inputs(chunks, width)  # [3, B, width]: ids, positions, drafts
-            length = max(len(h) for h in self.held) + width  # 1 + the largest position fed
-            self._use_planned_kernel(width * max(1, sum(active)))
-            hidden = self.static.hidden(host[0], host[1], length)  # [B, width, hidden]
+            start = max(len(h) for h in self.held)
+            # From empty, one pass (SDPA's causal mask skips the blocks above the diagonal); after
+            # a reused prefix, slices of CHUNK columns, so the explicit mask wastes only the
+            # blocks above each slice's diagonal instead of above the whole feed's.
+            step = width if start == 0 else CHUNK
+            self._use_planned_kernel(min(width, step) * max(1, sum(active)))
+            hidden = torch.cat([self.static.hidden(host[0, :, c:c + step], host[1, :, c:c + step],
+                                                   start + min(c + step, width))  # 1 + the largest position fed
+                                for c in range(0, width, step)], dim=1)  # [B, width, hidden]
             ends = torch.tensor([max(len(c), keep_logits) for c in chunks])
             cols = ends[:, None] - keep_logits + torch.arange(keep_logits)  # [B, keep_logits]
             kept = hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1]))
