@@ -87,11 +87,11 @@ def _eager_runner(model: nn.Module, pad_token_id: int):
 
 
 def model_runner(model: nn.Module, pad_token_id: int):
-    """The runner for a model draft: CUDA graphs where the target would get them, else eager."""
+    """The runner for a model draft: CUDA graphs where the target would get them, else eager (the
+    static cache on the CPU: a shipped 2-layer draft's step took 2.6 ms instead of 3.5 after 2.3k
+    tokens, BENCHMARKS.md "CPU static cache")."""
     if _graphable(model):
         from flashspec_core.backends.cuda_graph import GraphedModel
 
         return GraphedModel(model, pad_token_id)
-    from flashspec_core.kv import CachedModel
-
-    return CachedModel(model, pad_token_id)
+    return _eager_runner(model, pad_token_id)

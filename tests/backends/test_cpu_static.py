@@ -99,6 +99,7 @@ def test_prefix_reuse_across_requests_and_a_batch_after_a_single(torch_one_threa
 def test_the_cpu_picks_the_static_runner_for_llama_families_only():
     llama = tiny_loaded(16, seed=0)
     assert isinstance(make_runner(llama, "hf", 15, 256), StaticCachedModel)
+    assert isinstance(model_runner(llama.model, 15), StaticCachedModel)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=16, n_layer=1, n_head=2))
     other = LoadedModel(model=gpt2, tokenizer=tiny_tokenizer(16), name="gpt2")
     assert type(make_runner(other, "hf", 15, 256)) is CachedModel
