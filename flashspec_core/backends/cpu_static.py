@@ -34,7 +34,8 @@ class StaticCachedModel(LinearKernels, GraphedModel):
     model: a Llama-family HF model on the CPU (`static_llama.supports`); its nn.Linear layers are
     swapped in place for `PackedLinear`. Memory: 2 x layers x H_kv x D x dtype bytes per slot and
     row, allocated up front for `max_len` slots (46 KB per slot for the default model: 24 MB per
-    row at 512 slots, 188 MB at 4096), the next power of two at least as long as the longest row.
+    row at 512 slots, 188 MB at 4096): 512 doubled until the longest row (plus GraphedModel's 32
+    scratch slots) fits, so up to twice what `DynamicCache` would hold.
     """
 
     def __init__(self, model: nn.Module, pad_token_id: int, max_len: int = INITIAL_LEN):
@@ -43,14 +44,21 @@ class StaticCachedModel(LinearKernels, GraphedModel):
         self._swap_linears(model)
         super().__init__(model, pad_token_id, max_len=max_len, graphs=False, fuse=False)
 
+    def reset(self, batch_size: int) -> None:
+        """Empty rows; a new row count also starts the cache small again (nothing is kept across
+        it, and B rows at the longest length a past request needed could be gigabytes)."""
+        if batch_size != self.static.batch:
+            self.static.resize(INITIAL_LEN, batch_size)
+        self.held = [[] for _ in range(batch_size)]
+
     @torch.inference_mode()
     def forward_to(self, sequences: Sequence[Sequence[int]], active: Sequence[bool] | None = None,
                    keep_logits: int = 1) -> torch.Tensor:
         """Make each active row hold `sequences[b]`; return [B, keep_logits, V] logits after its last
         tokens (inactive rows: meaningless). Same contract as `CachedModel.forward_to`.
 
-        Only the kept positions go through the LM head (a 2k-token prompt's other 2k positions
-        would cost more than the prompt's layers).
+        Only the kept positions go through the LM head (over every position of a prompt, the
+        default model's head would add about a quarter to its prefill).
         """
         active = [True] * len(sequences) if active is None else list(active)
         with self._lock:

@@ -15,7 +15,7 @@ from helpers import tiny_family, tiny_loaded, tiny_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from flashspec_core.backends import make_runner, model_runner
-from flashspec_core.backends.cpu_static import StaticCachedModel
+from flashspec_core.backends.cpu_static import INITIAL_LEN, StaticCachedModel
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.kv import CachedModel
@@ -91,8 +91,9 @@ def test_prefix_reuse_across_requests_and_a_batch_after_a_single(torch_one_threa
     runner.begin(1)  # the next single-prompt request keeps the common prefix
     assert runner.prefix_len(0, prompt + [3]) == 500
     _check(model, runner, [prompt + [3, 4]], [True], keep=2)
-    runner.begin(2)  # a batch starts afresh
-    assert runner.prefix_len(0, prompt) == 0
+    assert runner.static.max_len == 1024, "500 tokens and the scratch slots need more than 512 slots"
+    runner.begin(2)  # a batch starts afresh, and small
+    assert runner.prefix_len(0, prompt) == 0 and runner.static.max_len == INITIAL_LEN
     _check(model, runner, [prompt[:300], prompt[:7]], [True, True], keep=1)
 
 
