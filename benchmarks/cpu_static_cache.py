@@ -50,17 +50,23 @@ def hf_decode_ms(model, prompt: list[int], tokens: int, pad: int) -> float:
     return 1e3 * statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
 
 
-def runner_decode_ms(runner, prompt: list[int], tokens: int) -> float:
-    runner.reset(1)
-    seq = list(prompt)
-    logits = runner.forward_to([seq])
-    times = []
+def runners_decode_ms(configs, prompt: list[int], tokens: int) -> list[float]:
+    """Median ms per decode step of each (runner, kernel), stepped in turn so load hits them alike."""
+    seqs, logits = [], []
+    for runner, kernel in configs:
+        runner.use_kernel(kernel)
+        runner.reset(1)
+        seqs.append(list(prompt))
+        logits.append(runner.forward_to([prompt]))
+    times = [[] for _ in configs]
     for _ in range(tokens):
-        seq.append(int(logits[0, -1].argmax()))
-        start = time.perf_counter()
-        logits = runner.forward_to([seq])
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+        for i, (runner, kernel) in enumerate(configs):
+            runner.use_kernel(kernel)
+            seqs[i].append(int(logits[i][0, -1].argmax()))
+            start = time.perf_counter()
+            logits[i] = runner.forward_to([seqs[i]])
+            times[i].append(time.perf_counter() - start)
+    return [1e3 * statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -70,7 +76,10 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--prompts", type=int, default=4, help="longest agent-workload prompts for the engine")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     target = load_target(None)
     pad = target.tokenizer.pad_token_id
@@ -81,19 +90,17 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(machine_line())
 
-    print(f"\nms per decoded token after a context (median of {args.tokens} steps; the lower of 2 rounds)")
-    runners = [(f"{name} {kernel}", runner, kernel) for name, runner in (("DynamicCache", old), ("static", new))
-               for kernel in runner.kernels()]
-    print(f"{'context':>8}{'HF generate':>14}" + "".join(f"{label:>20}" for label, _, _ in runners))
+    print(f"\nms per decoded token after a context (median of {args.tokens} steps; the runners step in turn, "
+          f"HF generate's best of 2 runs)")
+    configs = [(f"{name} {kernel}", cls(target.model, pad), kernel) for name, cls in (("DynamicCache", CachedModel),
+               ("static", StaticCachedModel)) for kernel in old.kernels()]
+    print(f"{'context':>8}{'HF generate':>14}" + "".join(f"{label:>20}" for label, _, _ in configs))
     for context in (int(c) for c in args.contexts.split(",")):
         prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
-        row = [float("inf")] * (1 + len(runners))
-        for _ in range(2):  # rounds interleave the configurations, so a load change hits them alike
-            row[0] = min(row[0], hf_decode_ms(stock, prompt, args.tokens, pad))
-            for i, (_, runner, kernel) in enumerate(runners, 1):
-                runner.use_kernel(kernel)
-                row[i] = min(row[i], runner_decode_ms(runner, prompt, args.tokens))
-        print(f"{context:>8}" + f"{row[0]:>14.1f}" + "".join(f"{ms:>20.1f}" for ms in row[1:]), flush=True)
+        hf = min(hf_decode_ms(stock, prompt, args.tokens, pad) for _ in range(2))
+        row = runners_decode_ms([(runner, kernel) for _, runner, kernel in configs], prompt, args.tokens)
+        print(f"{context:>8}{hf:>14.1f}" + "".join(f"{ms:>20.1f}" for ms in row), flush=True)
+    del configs
 
     prefill_rows(stock, old, new, vocab, gen, args.prefill)
     engine_rows(target, stock, pad, old, new, args)
@@ -134,31 +141,41 @@ def prefill_rows(stock, old, new, vocab: int, gen: torch.Generator, n: int) -> N
 
 
 def engine_rows(target, stock, pad, old, new, args) -> None:
-    """The engine's plain decoding on the longest agent prompts, with each runner, vs HF generate."""
+    """The engine's plain decoding on the longest agent prompts, with each runner, vs HF generate;
+    the three run each prompt in turn, so load changes hit them alike."""
     steps = agent_workload(kind="independent", n_steps=48, seed=0, split="heldout")
-    engine = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), backend="hf")
+    engines = {}
+    for label, runner in (("engine, DynamicCache", old), ("engine, static", new)):
+        engine = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), backend="hf")
+        runner.plan = engine._target_runner.plan  # the engine's calibration
+        engine._target_runner = runner  # the benchmark's swap: make_runner picks the static one
+        engines[label] = engine
     prompts = [engine._encode_all([s.messages], args.max_new_tokens)[0] for s in steps]
     prompts = sorted(prompts, key=len)[-args.prompts:]
     print(f"\nengine fixed:none vs HF generate, {len(prompts)} prompts of {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens, {args.max_new_tokens} new tokens, greedy; tokens/s over whole calls")
+          f"{max(map(len, prompts))} tokens, {args.max_new_tokens} new tokens, greedy; tokens/s over whole calls; "
+          f"kernels kept by the calibration: {dict((w, new.plan.kernel_for(w)) for w in (1, 5, 128))}")
     hf_generate(stock, prompts[0][:64], 2, pad)  # first-call costs
-    ref = [hf_generate(stock, p, args.max_new_tokens, pad) for p in prompts]
-    hf_rate = sum(len(t) for t, _ in ref) / sum(s for _, s in ref)
-    print(f"{'HF generate':<28}{hf_rate:>8.1f}")
-    kernels = {w: engine._target_runner.plan.kernel_for(w) for w in (1, 128)}  # the engine's calibration
-    for label, runner in (("engine, DynamicCache", old), ("engine, static", new)):
-        runner.plan = engine._target_runner.plan
-        engine._target_runner = runner  # the benchmark's swap: make_runner picks the static one
+    for engine in engines.values():
         engine.generate(prompts[0][:64], max_new_tokens=2)
-        total, seconds, same = 0, 0.0, 0
-        for p, (hf_tokens, _) in zip(prompts, ref):
+    tokens = {label: 0 for label in ["HF generate", *engines]}
+    seconds = dict.fromkeys(tokens, 0.0)
+    same = dict.fromkeys(engines, 0)
+    for p in prompts:
+        ref, secs = hf_generate(stock, p, args.max_new_tokens, pad)
+        tokens["HF generate"] += len(ref)
+        seconds["HF generate"] += secs
+        for label, engine in engines.items():
             start = time.perf_counter()
             out = engine.generate(p, max_new_tokens=args.max_new_tokens).token_ids
-            seconds += time.perf_counter() - start
-            total += len(out)
-            same += out == hf_tokens
-        print(f"{label:<28}{total / seconds:>8.1f}{total / seconds / hf_rate:>7.2f}x  same as HF {same}/{len(prompts)}"
-              f"  (kernels {kernels})", flush=True)
+            seconds[label] += time.perf_counter() - start
+            tokens[label] += len(out)
+            same[label] += out == ref
+    hf_rate = tokens["HF generate"] / seconds["HF generate"]
+    for label in tokens:
+        rate = tokens[label] / seconds[label]
+        tail = f"  same as HF {same[label]}/{len(prompts)}" if label in same else ""
+        print(f"{label:<24}{rate:>8.1f}{rate / hf_rate:>7.2f}x{tail}", flush=True)
 
 
 if __name__ == "__main__":

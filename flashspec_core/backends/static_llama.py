@@ -228,15 +228,17 @@ class StaticLlama(nn.Module):
 
         CAUSAL when every row starts empty (a prompt's prefill: SDPA's own causal mask, no mask
         tensor, as transformers runs a prompt); None when every query sees every live slot (one
-        token per row at the end: plain decoding); else booleans [B, 1, G*W, length], row g*W + w
-        for query w of the g-th query head of each key/value head (`_attend_live` packs them so).
+        token per row at the end: plain decoding); else additive [B, 1, G*W, length] (0 or -inf; SDPA
+        would convert booleans in every layer), row g*W + w for query w of the g-th query head of
+        each key/value head (`_attend_live` packs them so).
         """
         bsz, width = positions.shape
         if width == length and torch.equal(positions, torch.arange(width).expand(bsz, width)):
             return CAUSAL
-        mask = torch.arange(length)[None, None, :] <= positions[:, :, None]  # [B, W, L]
-        if width == 1 and bool(mask.all()):
+        seen = torch.arange(length)[None, None, :] <= positions[:, :, None]  # [B, W, L]
+        if width == 1 and bool(seen.all()):
             return None
+        mask = torch.zeros(seen.shape, dtype=self.dtype).masked_fill_(~seen, float("-inf"))
         return mask.unsqueeze(1).repeat(1, 1, self.n_heads // self.n_kv, 1)
 
     def _attend_live(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
