@@ -1,8 +1,8 @@
 """A Llama-family target on the CPU over a static KV cache, attending only over the live slots.
 
 Why: transformers' `DynamicCache` appends each step's keys and values with `torch.cat`, so every
-decode step copies the whole cache of every layer; after a 2.3k-token prompt that was ~11 ms of a
-~55 ms step of the default model on a 2-core Xeon. Here the cache is `StaticLlama`'s preallocated
+decode step copies the whole cache of every layer; after a 2.3k-token prompt that was 11-26 ms
+of a 55-70 ms step of the default model (profiled twice on a 2-core Xeon). Here the cache is `StaticLlama`'s preallocated
 [B, H_kv, S, D] per layer: a step writes its keys and values in place, and attention reads the
 live slice [:, :, :L] (L = 1 + the largest position fed) as a view, with no mask at all for one
 token per row and SDPA's own causal mask for a prompt fed from empty (BENCHMARKS.md, "CPU static
