@@ -15,7 +15,7 @@ from helpers import tiny_family, tiny_loaded, tiny_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from flashspec_core.backends import make_runner, model_runner
-from flashspec_core.backends.cpu_static import INITIAL_LEN, StaticCachedModel
+from flashspec_core.backends.cpu_static import CHUNK, INITIAL_LEN, StaticCachedModel
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.kv import CachedModel
@@ -54,8 +54,8 @@ def test_logits_match_a_fresh_forward_at_a_long_context(family, rows, torch_one_
         keep = rng.choice([1, 1, 2, 5])
         seqs = [s[:len(s) - rng.randint(0, 4)] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 9))]
                 for s in seqs]
-        if step == 8:  # a long chunk after a reused prefix: the explicit mask over the live slots
-            seqs[0] = seqs[0][:600] + [rng.randrange(VOCAB) for _ in range(300)]
+        if step == 8:  # a long feed after a reused prefix: passes of CHUNK columns with explicit masks
+            seqs[0] = seqs[0][:600] + [rng.randrange(VOCAB) for _ in range(CHUNK + 200)]
         active = [b == 0 or rng.random() < 0.7 for b in range(rows)]
         _check(model, runner, seqs, active, keep)
 
