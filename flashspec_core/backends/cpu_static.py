@@ -69,8 +69,8 @@ class StaticCachedModel(LinearKernels, GraphedModel):
             # From empty, one pass (SDPA's causal mask skips the blocks above the diagonal); after
             # a reused prefix, slices of CHUNK columns, so the explicit mask wastes only the
             # blocks above each slice's diagonal instead of above the whole feed's. (2k tokens
-            # after 64 reused, 2 cores: 256-column slices cost 13% more than one causal pass of
-            # all, with every parallel op's barrier paid 8 times; 512: 4%; one masked pass: ~30%.)
+            # after 64 reused, 2 cores: 512-column slices cost 4% more than one causal pass over
+            # all 2k, 256-column ones 13%, one masked pass ~30%.)
             step = width if start == 0 else CHUNK
             self._use_planned_kernel(min(width, step) * max(1, sum(active)))
             hidden = torch.cat([self.static.hidden(host[0, :, c:c + step], host[1, :, c:c + step],
