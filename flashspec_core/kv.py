@@ -36,25 +36,18 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-class CachedModel:
-    """One HF causal LM plus the cache and slot mask of a batch of rows.
+class LinearKernels:
+    """The calibration contract (`backends/calibration.py`) of a runner over an HF model on the CPU.
 
-    On CPU the model's fp32 linear layers are swapped in place for `PackedLinear`, whose cost
-    barely grows with the number of tokens fed on some CPUs (see cpu_linear.py). Which kernel
-    runs a forward of a given width is `plan`'s choice (a `backends.calibration.Calibration`
-    measured on this machine); without a plan the packed kernel runs.
+    The model's fp32 linear layers are swapped in place for `PackedLinear`, whose cost barely
+    grows with the number of tokens fed on some CPUs (see cpu_linear.py). Which kernel runs a
+    forward of a given width is `plan`'s choice (a `backends.calibration.Calibration` measured on
+    this machine); without a plan the packed kernel runs.
     """
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int):
+    def _swap_linears(self, model: PreTrainedModel) -> None:
         self._choice = use_packed_linear(model)
         self.plan = None  # a Calibration: width -> kernel
-        self.model = model
-        self.pad_token_id = pad_token_id
-        self.device = model.get_output_embeddings().weight.device
-        # transformers renamed `past_key_values` to `cache` (5.2x); accept either release.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.reset(1)
 
     def kernels(self) -> tuple[str, ...]:
         """The linear kernels this model can switch between (calibration.py times them)."""
@@ -65,6 +58,26 @@ class CachedModel:
             raise ValueError(f"kernel must be one of {self.kernels()}; got {name!r}")
         if self._choice is not None:
             self._choice.packed = name == PACKED
+
+    def _use_planned_kernel(self, tokens: int) -> None:
+        """Switch to the kernel `plan` keeps for a forward of `tokens` tokens (rows x width)."""
+        if self.plan is not None:
+            self.use_kernel(self.plan.kernel_for(tokens))
+
+
+class CachedModel(LinearKernels):
+    """One HF causal LM plus the cache and slot mask of a batch of rows (any architecture; for
+    Llama-family models on the CPU, `backends/cpu_static.py` runs a static cache instead)."""
+
+    def __init__(self, model: PreTrainedModel, pad_token_id: int):
+        self._swap_linears(model)
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.device = model.get_output_embeddings().weight.device
+        # transformers renamed `past_key_values` to `cache` (5.2x); accept either release.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.reset(1)
 
     def begin(self, batch_size: int) -> None:
         """Start a request. A single prompt keeps what the previous single-prompt request left,
@@ -134,8 +147,7 @@ class CachedModel:
                 positions[b, width - len(chunk):] = torch.arange(keep[b], keep[b] + len(chunk))
         ids, chunk_mask, positions = (t.to(self.device) for t in (ids, chunk_mask, positions))
         attention = torch.cat([self.slot_mask, chunk_mask], dim=1)
-        if self.plan is not None:
-            self.use_kernel(self.plan.kernel_for(width * max(1, sum(active))))
+        self._use_planned_kernel(width * max(1, sum(active)))
         out = self.model(
             input_ids=ids,
             attention_mask=attention,

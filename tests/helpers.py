@@ -122,6 +122,33 @@ def tiny_llama(vocab: int = 16, seed: int = 0, layers: int = 1, hidden: int = 32
     return model.eval()
 
 
+def tiny_family(family: str, vocab: int, max_positions: int = 1024):
+    """A tiny random model of a Llama-family architecture (`static_llama.SUPPORTED`), with random
+    norm weights: they start as ones, and random ones make a norm applied in the wrong place visible.
+
+    "llama"; "qwen2" (q/k/v biases); "qwen3" (per-head q/k norms).
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if family == "llama":
+        model = tiny_llama(vocab, seed=3, layers=2, max_positions=max_positions)
+    else:
+        cls, config_cls, extra = {"qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),
+                                  "qwen3": (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 8})}[family]
+        config = config_cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                            tie_word_embeddings=False, **extra)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = cls(config).eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("norm"):
+                module.weight.copy_(1 + 0.5 * torch.randn(module.weight.shape, generator=gen))
+    return model
+
+
 def tiny_loaded(vocab: int = 16, seed: int = 0, **kwargs) -> LoadedModel:
     """A tiny random target with its tokenizer, as the engine takes it."""
     model = tiny_llama(vocab, seed, **kwargs)

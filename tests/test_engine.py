@@ -244,8 +244,10 @@ def test_a_request_that_fails_mid_forward_leaves_no_cache_behind(tiny_target, mo
     engine = make_engine(tiny_target, Arm("prompt_lookup", 4))
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     expected = engine.generate(prompt, max_new_tokens=10).token_ids
-    model = tiny_target.model
-    real_forward = model.forward
+    # The last layer's MLP: every runner calls it (transformers' forward, the static cache's), after
+    # the attention has written this forward's keys and values.
+    mlp = tiny_target.model.model.layers[-1].mlp
+    real_forward = mlp.forward
     calls = {"n": 0}
 
     def failing_forward(*args, **kwargs):
@@ -254,10 +256,10 @@ def test_a_request_that_fails_mid_forward_leaves_no_cache_behind(tiny_target, mo
             raise RuntimeError("simulated failure inside the target forward")
         return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", failing_forward)
+    monkeypatch.setattr(mlp, "forward", failing_forward)
     with pytest.raises(RuntimeError, match="simulated"):
         engine.generate(prompt + [7], max_new_tokens=10)
-    monkeypatch.setattr(model, "forward", real_forward)
+    monkeypatch.setattr(mlp, "forward", real_forward)
     after = engine.generate(prompt, max_new_tokens=10)
     assert after.stats.cached_prompt_tokens == 0
     assert after.token_ids == expected

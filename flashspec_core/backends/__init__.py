@@ -26,11 +26,20 @@ def _graphable(model: nn.Module) -> bool:
     return _device_type(model) == "cuda" and supports(model) and (nf4 or not quantized)
 
 
+def _cpu_static(model: nn.Module) -> bool:
+    """A Llama-family model on the CPU, not quantized: `cpu_static.StaticCachedModel` runs it."""
+    from flashspec_core.backends.static_llama import supports
+
+    quantized = getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None
+    return _device_type(model) == "cpu" and supports(model) and not quantized
+
+
 def resolve_backend(backend: str, target: LoadedModel) -> str:
     """The backend "auto" stands for.
 
     On CUDA: "cuda-graph" (static cache, graph replays; `cuda_graph.py`) for Llama-family models,
-    transformers' eager forward otherwise. On the CPU: transformers, also for GGUF targets.
+    transformers' eager forward otherwise. On the CPU: transformers, also for GGUF targets (over
+    a static cache for Llama-family models, `cpu_static.py`).
     llama.cpp is opt-in (`backend="llama.cpp"`): it decodes one token 3x faster than transformers'
     fp32 forward here, but its prompt processing is 2.4x slower, a verify pass of 5 tokens costs
     3.5 one-token steps (1.5 for transformers), and its logits depend on how a prompt was batched
@@ -62,17 +71,27 @@ def make_runner(target: LoadedModel, backend: str, pad_token_id: int, context_wi
         from flashspec_core.backends.cuda_graph import GraphedModel
 
         return GraphedModel(target.model, pad_token_id)
+    return _eager_runner(target.model, pad_token_id)
+
+
+def _eager_runner(model: nn.Module, pad_token_id: int):
+    """transformers' forward without graphs: on the CPU, a Llama-family model runs over a static
+    cache (`cpu_static.py`: no per-step copy of the cache); anything else over `DynamicCache`."""
+    if _cpu_static(model):
+        from flashspec_core.backends.cpu_static import StaticCachedModel
+
+        return StaticCachedModel(model, pad_token_id)
     from flashspec_core.kv import CachedModel
 
-    return CachedModel(target.model, pad_token_id)
+    return CachedModel(model, pad_token_id)
 
 
 def model_runner(model: nn.Module, pad_token_id: int):
-    """The runner for a model draft: CUDA graphs where the target would get them, else eager."""
+    """The runner for a model draft: CUDA graphs where the target would get them, else eager (the
+    static cache on the CPU: a shipped 2-layer draft's step took 2.6 ms instead of 3.5 after 2.3k
+    tokens, BENCHMARKS.md "CPU static cache")."""
     if _graphable(model):
         from flashspec_core.backends.cuda_graph import GraphedModel
 
         return GraphedModel(model, pad_token_id)
-    from flashspec_core.kv import CachedModel
-
-    return CachedModel(model, pad_token_id)
+    return _eager_runner(model, pad_token_id)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+CAUSAL = "causal"  # `_live_mask`: every row starts empty, SDPA's own causal mask
 
 
 def _fused_ops(device: torch.device) -> ModuleType | None:
@@ -200,8 +201,10 @@ class StaticLlama(nn.Module):
             x, h = self._add_norm(norms[2 * i + 2], x, self._mlp_fused(i, layer, h))
         return h
 
-    def _attend(self, i: int, layer: nn.Module, h: torch.Tensor, cos, sin, rows, positions, mask) -> torch.Tensor:
-        """One attention block. h: [B, W, hidden]; positions, rows: [B, W]; mask: [B, 1, W, S]."""
+    def _attend(self, i: int, layer: nn.Module, h: torch.Tensor, cos, sin, rows, positions, mask,
+                length: int | None = None) -> torch.Tensor:
+        """One attention block. h: [B, W, hidden]; positions, rows: [B, W]; mask: [B, 1, W, S], or with
+        `length` what `_live_mask` returns (over the first `length` slots)."""
         attn = layer.self_attn
         bsz, width, _ = h.shape
         q = attn.q_proj(h).view(bsz, width, -1, self.head_dim)
@@ -213,29 +216,78 @@ class StaticLlama(nn.Module):
         # Row b's new keys go to its own positions: cache[b, :, positions[b, w]] = k[b, :, w].
         self.keys[i][rows, :, positions] = k.transpose(1, 2).to(self.dtype)
         self.values[i][rows, :, positions] = v.to(self.dtype)
-        out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=mask,
-                                             scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
+        if length is None:
+            out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=mask,
+                                                 scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
+        else:
+            out = self._attend_live(q, self.keys[i][:, :, :length], self.values[i][:, :, :length], mask)
         return attn.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int | None = None) -> torch.Tensor:
-        """ids, positions: [B, W] long (positions < max_len). Returns logits [B, keep or W, V]."""
+    def _live_mask(self, positions: torch.Tensor, length: int) -> torch.Tensor | str | None:
+        """The mask over the live slots [0, length) for `_attend_live`. positions: [B, W] on the host.
+
+        CAUSAL when every row starts empty (a prompt's prefill: SDPA's own causal mask, no mask
+        tensor, as transformers runs a prompt); None when every query sees every live slot (one
+        token per row at the end: plain decoding); else additive [B, 1, G*W, length] (0 or -inf; SDPA
+        would convert booleans in every layer), row g*W + w for query w of the g-th query head of
+        each key/value head (`_attend_live` packs them so).
+        """
+        bsz, width = positions.shape
+        if width == length and torch.equal(positions, torch.arange(width).expand(bsz, width)):
+            return CAUSAL
+        seen = torch.arange(length)[None, None, :] <= positions[:, :, None]  # [B, W, L]
+        if width == 1 and bool(seen.all()):
+            return None
+        mask = torch.zeros(seen.shape, dtype=self.dtype).masked_fill_(~seen, float("-inf"))
+        return mask.unsqueeze(1).repeat(1, 1, self.n_heads // self.n_kv, 1)
+
+    def _attend_live(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
+        """Attention over the live slices keys, values: [B, H_kv, L, D] (views of the cache, not copied).
+
+        q: [B, H, W, D]; returns [B, H, W, D]. The query heads of each key/value head are packed as
+        extra query rows (as transformers does for one query token with a mask), so grouped heads
+        need no copy of the keys; on the CPU this beat SDPA's `enable_gqa` by ~30% per layer.
+        """
+        if mask is CAUSAL:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling,
+                                                  enable_gqa=self.n_heads != self.n_kv)
+        bsz, heads, width, d = q.shape
+        packed = q.reshape(bsz, self.n_kv, heads // self.n_kv * width, d)  # row g*W + w of kv head
+        out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=self.scaling)
+        return out.reshape(bsz, heads, width, d)
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        """The final norm's output [B, W, hidden] for ids, positions: [B, W] long (positions < max_len).
+
+        length: attend only over the first `length` slots of every row (at least 1 + the largest
+        position fed; positions then on the host), the CPU runner's setting, where reading all
+        max_len slots per step costs bandwidth. None: all max_len slots, fixed shapes (graphs).
+        """
         inner = self.model.model
         bsz, width = ids.shape
         rows = torch.arange(bsz, device=ids.device)[:, None].expand(bsz, width)
-        slots = torch.arange(self.max_len, device=ids.device)
-        mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, W, S]
+        if length is not None:
+            if self.fuse:
+                raise ValueError("length: the fused path attends over all max_len slots; use fuse=False")
+            mask = self._live_mask(positions, length)
+        else:
+            slots = torch.arange(self.max_len, device=ids.device)
+            mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, W, S]
         x = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(x, positions)
         if self.fuse:
             # Additive, once per forward: given booleans, SDPA converts them in every layer (2 kernels).
             mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
             mask = mask.repeat(1, 1, self.n_heads // self.n_kv, 1)  # [B, 1, G*W, S], row g*W + w
-            x = self._layers_fused(x, cos, sin, rows, positions, mask)
-        else:
-            for i, layer in enumerate(self.layers):
-                x = x + self._attend(i, layer, layer.input_layernorm(x), cos, sin, rows, positions, mask)
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-            x = inner.norm(x)
+            return self._layers_fused(x, cos, sin, rows, positions, mask)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attend(i, layer, layer.input_layernorm(x), cos, sin, rows, positions, mask, length)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return inner.norm(x)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+        """ids, positions: [B, W] long (positions < max_len). Returns logits [B, keep or W, V]."""
+        x = self.hidden(ids, positions)
         if keep is not None:
             x = x[:, -keep:]
         return self.model.lm_head(x)

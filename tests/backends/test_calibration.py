@@ -11,6 +11,7 @@ from helpers import tiny_loaded
 
 from flashspec_core.backends import calibration
 from flashspec_core.backends.calibration import Calibration, calibrate, machine_line
+from flashspec_core.backends.cpu_static import StaticCachedModel
 from flashspec_core.cpu_linear import PackedLinear
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
@@ -75,9 +76,10 @@ def test_a_damaged_cache_or_another_machine_measures_again(flashspec_cache_dir, 
     assert runner.calls > 0, "another CPU is another fingerprint"
 
 
-def test_an_artificially_slow_packed_kernel_loses_to_stock(flashspec_cache_dir, monkeypatch):
+@pytest.mark.parametrize("runner_cls", [CachedModel, StaticCachedModel])
+def test_an_artificially_slow_packed_kernel_loses_to_stock(flashspec_cache_dir, monkeypatch, runner_cls):
     loaded = tiny_loaded(16, seed=0)
-    runner = CachedModel(loaded.model, pad_token_id=15)
+    runner = runner_cls(loaded.model, pad_token_id=15)
     if runner.kernels() == ("stock",):
         pytest.skip("this torch build cannot pack linear weights")
     real = PackedLinear.forward
@@ -88,7 +90,7 @@ def test_an_artificially_slow_packed_kernel_loses_to_stock(flashspec_cache_dir, 
         return real(self, x)
 
     monkeypatch.setattr(PackedLinear, "forward", slow)
-    cal = calibrate(runner, "tiny-slow-packed", "hf", [1, 5], vocab=16)
+    cal = calibrate(runner, f"tiny-slow-packed-{runner_cls.__name__}", "hf", [1, 5], vocab=16)
     assert set(cal.best.values()) == {"stock"}
 
 

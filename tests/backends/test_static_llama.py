@@ -13,8 +13,7 @@ import random
 
 import pytest
 import torch
-from helpers import tiny_llama
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from helpers import tiny_family
 
 from flashspec_core.backends.cuda_graph import GraphedModel
 from flashspec_core.backends.static_llama import StaticLlama, supports
@@ -22,29 +21,7 @@ from flashspec_core.backends.static_llama import StaticLlama, supports
 VOCAB = 24
 
 
-def _qwen(cls, config_cls, **extra):
-    config = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                        tie_word_embeddings=False, **extra)
-    torch.manual_seed(0)
-    return cls(config).eval()
-
-
-@torch.no_grad()
-def _distinct_norms(model):
-    """Norm weights start as ones; random ones make a norm applied in the wrong place visible."""
-    gen = torch.Generator().manual_seed(5)
-    for name, module in model.named_modules():
-        if name.endswith("norm"):
-            module.weight.copy_(1 + 0.5 * torch.randn(module.weight.shape, generator=gen))
-    return model
-
-
-MODELS = {
-    "llama": lambda: _distinct_norms(tiny_llama(VOCAB, seed=3, layers=2, max_positions=1024)),
-    "qwen2": lambda: _distinct_norms(_qwen(Qwen2ForCausalLM, Qwen2Config)),  # q/k/v biases
-    "qwen3": lambda: _distinct_norms(_qwen(Qwen3ForCausalLM, Qwen3Config, head_dim=8)),  # per-head q/k norms
-}
+MODELS = {family: (lambda family=family: tiny_family(family, VOCAB)) for family in ("llama", "qwen2", "qwen3")}
 
 
 @torch.no_grad()

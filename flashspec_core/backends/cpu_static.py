@@ -1,0 +1,84 @@
+"""A Llama-family target on the CPU over a static KV cache, attending only over the live slots.
+
+Why: transformers' `DynamicCache` appends each step's keys and values with `torch.cat`, so every
+decode step copies the whole cache of every layer; after a 2.3k-token prompt that was 11-26 ms
+of a 55-70 ms step of the default model (profiled twice on a 2-core Xeon). Here the cache is `StaticLlama`'s preallocated
+[B, H_kv, S, D] per layer: a step writes its keys and values in place, and attention reads the
+live slice [:, :, :L] (L = 1 + the largest position fed) as a view, with no mask at all for one
+token per row and SDPA's own causal mask for a prompt fed from empty (BENCHMARKS.md, "CPU static
+cache"). Rolling back is moving a row's length; the cache doubles when a request needs more.
+
+The bookkeeping (rows, prefix reuse across requests, rollback, growth) is `GraphedModel`'s, run
+without graphs; the forward is `StaticLlama`'s on the model's own submodules (`fuse=False`), so
+the linear layers it calls are the model's, swapped for `PackedLinear` as in `kv.CachedModel`,
+and the calibration picks the kernel per width the same way. Models `StaticLlama` does not
+support keep `kv.CachedModel`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from flashspec_core.backends.cuda_graph import GraphedModel
+from flashspec_core.kv import LinearKernels
+
+INITIAL_LEN = 512  # slots per row at first; doubled as needed (the GPU runner starts at 2048)
+CHUNK = 512  # columns per pass of a long feed after a reused prefix (see forward_to)
+
+
+class StaticCachedModel(LinearKernels, GraphedModel):
+    """The `kv.CachedModel` contract (and its `kernels()/use_kernel()/plan`) on a static cache.
+
+    model: a Llama-family HF model on the CPU (`static_llama.supports`); its nn.Linear layers are
+    swapped in place for `PackedLinear`. Memory: 2 x layers x H_kv x D x dtype bytes per slot and
+    row, allocated up front for `max_len` slots (46 KB per slot for the default model: 24 MB per
+    row at 512 slots, 188 MB at 4096): 512 doubled until the longest row (plus GraphedModel's 32
+    scratch slots) fits, so up to twice what `DynamicCache` would hold.
+    """
+
+    def __init__(self, model: nn.Module, pad_token_id: int, max_len: int = INITIAL_LEN):
+        if model.get_output_embeddings().weight.device.type != "cpu":
+            raise ValueError("model: StaticCachedModel runs on the CPU; on CUDA use GraphedModel")
+        self._swap_linears(model)
+        super().__init__(model, pad_token_id, max_len=max_len, graphs=False, fuse=False)
+
+    def reset(self, batch_size: int) -> None:
+        """Empty rows; a new row count also starts the cache small again (nothing is kept across
+        it, and B rows at the longest length a past request needed could be gigabytes)."""
+        if batch_size != self.static.batch:
+            self.static.resize(INITIAL_LEN, batch_size)
+        self.held = [[] for _ in range(batch_size)]
+
+    @torch.inference_mode()
+    def forward_to(self, sequences: Sequence[Sequence[int]], active: Sequence[bool] | None = None,
+                   keep_logits: int = 1) -> torch.Tensor:
+        """Make each active row hold `sequences[b]`; return [B, keep_logits, V] logits after its last
+        tokens (inactive rows: meaningless). Same contract as `CachedModel.forward_to`.
+
+        Only the kept positions go through the LM head (over every position of a prompt, the
+        default model's head would add about a quarter to its prefill).
+        """
+        active = [True] * len(sequences) if active is None else list(active)
+        with self._lock:
+            chunks = self._plan(sequences, active, keep_logits)
+            width = max(len(c) for c in chunks)
+            host = self._host_inputs(chunks, width)  # [3, B, width]: ids, positions, drafts
+            start = max(len(h) for h in self.held)
+            # From empty, one pass (SDPA's causal mask skips the blocks above the diagonal); after
+            # a reused prefix, slices of CHUNK columns, so the explicit mask wastes only the
+            # blocks above each slice's diagonal instead of above the whole feed's. (2k tokens
+            # after 64 reused, 2 cores: 512-column slices cost 4% more than one causal pass over
+            # all 2k, 256-column ones 13%, one masked pass ~30%.)
+            step = width if start == 0 else CHUNK
+            self._use_planned_kernel(min(width, step) * max(1, sum(active)))
+            hidden = torch.cat([self.static.hidden(host[0, :, c:c + step], host[1, :, c:c + step],
+                                                   start + min(c + step, width))  # 1 + the largest position fed
+                                for c in range(0, width, step)], dim=1)  # [B, width, hidden]
+            ends = torch.tensor([max(len(c), keep_logits) for c in chunks])
+            cols = ends[:, None] - keep_logits + torch.arange(keep_logits)  # [B, keep_logits]
+            kept = hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1]))
+            for b, chunk in enumerate(chunks):
+                self.held[b].extend(chunk)
+            return self.model.lm_head(kept)
