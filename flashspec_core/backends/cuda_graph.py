@@ -108,8 +108,7 @@ class GraphedModel:
             self.reset(batch_size)
 
     def reset(self, batch_size: int) -> None:
-        if batch_size != self.static.batch:
-            self.static.resize(self.static.max_len, batch_size)
+        if self.static.use_rows(batch_size):  # graphs of other row counts stay: same tensors
             self._drop_graphs()
         self.held = [[] for _ in range(batch_size)]
 

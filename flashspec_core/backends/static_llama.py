@@ -91,7 +91,8 @@ class StaticLlama(nn.Module):
         self.n_kv = cfg.num_key_value_heads
         self.scaling = attn.scaling
         self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        self.batch = batch
+        self.batch = batch  # rows the forward feeds: the first `batch` of the `rows` allocated
+        self.rows = 0
         self.fuse = fuse
         self._fused: list[dict[str, torch.Tensor | None]] = [self._fuse(layer) for layer in self.layers] if fuse else []
         self.ops = _fused_ops(self.device) if fuse else None
@@ -99,7 +100,7 @@ class StaticLlama(nn.Module):
         self.max_len = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.resize(max_len)
+        self.resize(max_len, batch)
 
     @property
     def device(self) -> torch.device:
@@ -110,16 +111,30 @@ class StaticLlama(nn.Module):
         return self.model.get_output_embeddings().weight.dtype
 
     def resize(self, max_len: int, batch: int | None = None) -> None:
-        """Grow (or create) the cache to `max_len` slots per row, keeping what it holds."""
-        batch = self.batch if batch is None else batch
-        shape = (batch, self.n_kv, max_len, self.head_dim)
-        keep = min(self.max_len, max_len) if batch == self.batch else 0
+        """Grow (or create) the cache to `max_len` slots per row, keeping what it holds; `batch`
+        reallocates it for exactly that many rows (emptied)."""
+        rows = self.rows if batch is None else batch
+        shape = (rows, self.n_kv, max_len, self.head_dim)
+        keep = min(self.max_len, max_len) if rows == self.rows else 0
         new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         for old, new in zip(self.keys + self.values, new_k + new_v):
             if keep:
                 new[:, :, :keep].copy_(old[:, :, :keep])
-        self.keys, self.values, self.max_len, self.batch = new_k, new_v, max_len, batch
+        self.keys, self.values, self.max_len, self.rows = new_k, new_v, max_len, rows
+        if batch is not None:
+            self.batch = batch
+
+    def use_rows(self, batch: int) -> bool:
+        """Feed `batch` rows from now on: the first `batch` of those allocated, or, past them, a
+        cache reallocated for `batch` rows. Returns whether it was reallocated (tensors that
+        captured graphs read are then gone). Why keep the rows: a server's batches change size
+        from one call to the next, and each reallocation meant capturing every graph again."""
+        if batch <= self.rows:
+            self.batch = batch
+            return False
+        self.resize(self.max_len, batch)
+        return True
 
     @staticmethod
     @torch.no_grad()
@@ -172,9 +187,10 @@ class StaticLlama(nn.Module):
             norms = {}
             if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotation, in the same kernel
                 norms = {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "norm_eps": _eps(attn.q_norm)}
-            q = self.ops.rope_and_cache(qkv, cos, sin, self.keys[i], self.values[i], rows, positions, nq, nkv, d,
-                                        **norms)
-        out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=mask, scale=self.scaling)
+            q = self.ops.rope_and_cache(qkv, cos, sin, self.keys[i][:bsz], self.values[i][:bsz], rows, positions,
+                                        nq, nkv, d, **norms)
+        out = F.scaled_dot_product_attention(q, self.keys[i][:bsz], self.values[i][:bsz], attn_mask=mask,
+                                             scale=self.scaling)
         out = out.reshape(bsz, nq, width, d).transpose(1, 2).reshape(bsz, width, nq * d)
         return attn.o_proj(out)
 
@@ -217,10 +233,10 @@ class StaticLlama(nn.Module):
         self.keys[i][rows, :, positions] = k.transpose(1, 2).to(self.dtype)
         self.values[i][rows, :, positions] = v.to(self.dtype)
         if length is None:
-            out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=mask,
+            out = F.scaled_dot_product_attention(q, self.keys[i][:bsz], self.values[i][:bsz], attn_mask=mask,
                                                  scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
         else:
-            out = self._attend_live(q, self.keys[i][:, :, :length], self.values[i][:, :, :length], mask)
+            out = self._attend_live(q, self.keys[i][:bsz, :, :length], self.values[i][:bsz, :, :length], mask)
         return attn.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
     def _live_mask(self, positions: torch.Tensor, length: int) -> torch.Tensor | str | None:

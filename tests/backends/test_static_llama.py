@@ -60,6 +60,28 @@ def test_logits_match_a_fresh_forward_after_rollbacks(family, rows, path, torch_
     assert runner.static.max_len > 48, "the walk should have grown the cache past its first size"
 
 
+@pytest.mark.parametrize("path", PATHS[:2])
+def test_fewer_rows_than_allocated_use_the_first_ones_and_stay_exact(path, torch_one_thread):
+    """Batches of changing size keep the largest allocation (so graphs captured on it stay valid);
+    a batch of fewer rows feeds and attends over the first rows only, and a larger one reallocates."""
+    model = MODELS["llama"]()
+    runner = GraphedModel(model, pad_token_id=0, max_len=48, graphs=False, fuse=path != "hf ops")
+    runner.static.ops = None
+    rng = random.Random(4)
+    for rows in (3, 1, 2, 3, 4):
+        allocated = runner.static.keys[0]
+        runner.reset(rows)
+        assert (runner.static.keys[0] is allocated) == (rows <= allocated.shape[0])
+        seqs = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))] for _ in range(rows)]
+        for _ in range(4):
+            seqs = [s + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 4))] for s in seqs]
+            out = runner.forward_to(seqs, keep_logits=1)
+            assert out.shape == (rows, 1, VOCAB)
+            for b, s in enumerate(seqs):
+                torch.testing.assert_close(out[b], _fresh(model, s, 1), atol=1e-4, rtol=1e-4)
+    assert runner.static.rows == 4
+
+
 def test_prefix_reuse_across_requests_feeds_only_the_new_tail(torch_one_thread):
     model = MODELS["llama"]()
     runner = GraphedModel(model, pad_token_id=0, graphs=False)

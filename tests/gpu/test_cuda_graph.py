@@ -87,6 +87,19 @@ def test_graphs_are_captured_again_after_growth_once_the_old_ones_are_collected(
     assert runner.static.max_len >= len(seq) + 32
 
 
+def test_batches_of_changing_size_reuse_their_graphs(model):
+    """A server's batches change size from call to call: the cache keeps its largest row count, so
+    a row count seen before replays the graphs it captured then, and results stay exact."""
+    runner = GraphedModel(model, pad_token_id=0)
+    runner.warm([1, 3])
+    for rows, seed in ((3, 11), (1, 12), (2, 13)):
+        _random_walk(runner, model, rows, steps=6, seed=seed)
+    captured = runner.captures
+    for rows, seed in ((1, 12), (3, 11), (2, 13), (1, 12)):  # the same shapes again, in another order
+        _random_walk(runner, model, rows, steps=6, seed=seed)
+    assert runner.captures == captured and runner.static.rows == 3
+
+
 def test_greedy_step_in_the_graph_verifies_as_the_reference(model):
     runner = GraphedModel(model, pad_token_id=0)
     rng = random.Random(0)
