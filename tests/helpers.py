@@ -314,3 +314,17 @@ def looping_engine(arm: Arm) -> tuple[LoadedModel, SpecEngine, list[list[int]]]:
     drafts = [PromptLookupDraft(), ModelDraft(tiny_llama(16, seed=1), name="model", pad_token_id=pad)]
     engine = SpecEngine(loaded, drafts, router=FixedRouter(arm), verify_backend="torch")
     return loaded, engine, [[8, 2, 8, 1, 8, 2, 8, 1, 8, 2], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+def greedy_references(model, prompts, max_new: int) -> list[tuple[list[int], list[float]]]:
+    """HF `generate(do_sample=False)` of `model` on each prompt (token ids) on CUDA: (tokens, the
+    top-2 logit gap at each token), so a divergence can be told from an fp tie (tests/gpu)."""
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids], device="cuda")
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
+                                 output_logits=True, return_dict_in_generate=True)
+            top2 = torch.stack([s[0].float().topk(2).values for s in out.logits])
+            refs.append((out.sequences[0, len(ids):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
+    return refs

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import greedy_references
 
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.drafts.trained import shipped_drafts
@@ -38,16 +39,7 @@ def prompts(target):
 
 @pytest.fixture(scope="module")
 def references(prompts):
-    stock = load_model(None, device="cuda", dtype=torch.float32).model
-    refs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids], device="cuda")
-            out = stock.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW,
-                                 output_logits=True, return_dict_in_generate=True)
-            top2 = torch.stack([s[0].float().topk(2).values for s in out.logits])
-            refs.append((out.sequences[0, len(ids):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
-    return refs
+    return greedy_references(load_model(None, device="cuda", dtype=torch.float32).model, prompts, MAX_NEW)
 
 
 @pytest.mark.parametrize("arm", ["none", "prompt_lookup@4", "suffix_cache@4", "distill_chat@2", "distill_code@3"])

@@ -12,6 +12,7 @@ import importlib.util
 
 import pytest
 import torch
+from helpers import greedy_references
 
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import load_model, vocab_size
@@ -26,18 +27,6 @@ pytestmark = [
 ]
 MAX_NEW = 64
 TIE_GAP = 1e-4
-
-
-def _references(model, prompts):
-    refs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids], device="cuda")
-            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW,
-                                 output_logits=True, return_dict_in_generate=True)
-            top2 = torch.stack([s[0].float().topk(2).values for s in out.logits])
-            refs.append((out.sequences[0, len(ids):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
-    return refs
 
 
 def _check(engine, prompts, refs, label):
@@ -70,7 +59,7 @@ def test_nf4_target_on_graphs_equals_its_own_generate(nf4, prompts, arm):
     assert nf4.model.get_output_embeddings().weight.device.type == "cuda"
     engine = SpecEngine(nf4, [PromptLookupDraft()], router=FixedRouter(arm))
     assert engine.backend == "cuda-graph" and engine._target_runner.captures > 0
-    _check(engine, prompts, _references(nf4.model, prompts), f"nf4 target, {arm}")
+    _check(engine, prompts, greedy_references(nf4.model, prompts, MAX_NEW), f"nf4 target, {arm}")
 
 
 def test_nf4_draft_keeps_the_full_precision_targets_output(nf4, prompts):
@@ -78,7 +67,7 @@ def test_nf4_draft_keeps_the_full_precision_targets_output(nf4, prompts):
                                         dtype=torch.float32)
     res_accepted = 0
     target = engine.target_model
-    refs = _references(target, prompts)
+    refs = greedy_references(target, prompts, MAX_NEW)
     _check(engine, prompts, refs, "nf4 draft")
     for ids in prompts[:2]:
         res_accepted += engine.generate(ids, max_new_tokens=32).stats.accepted
