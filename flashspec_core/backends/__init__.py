@@ -16,22 +16,24 @@ def _device_type(model: nn.Module) -> str:
     return model.get_output_embeddings().weight.device.type
 
 
+def _quantized(model: nn.Module) -> bool:
+    return getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None
+
+
 def _graphable(model: nn.Module) -> bool:
     """A Llama-family model on CUDA, full precision or bitsandbytes NF4 (whose 4-bit matmuls the
     static forward calls as the model's own modules, unfused)."""
     from flashspec_core.backends.static_llama import supports
 
-    quantized = getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None
     nf4 = getattr(model, "is_loaded_in_4bit", False)
-    return _device_type(model) == "cuda" and supports(model) and (nf4 or not quantized)
+    return _device_type(model) == "cuda" and supports(model) and (nf4 or not _quantized(model))
 
 
 def _cpu_static(model: nn.Module) -> bool:
     """A Llama-family model on the CPU, not quantized: `cpu_static.StaticCachedModel` runs it."""
     from flashspec_core.backends.static_llama import supports
 
-    quantized = getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None
-    return _device_type(model) == "cpu" and supports(model) and not quantized
+    return _device_type(model) == "cpu" and supports(model) and not _quantized(model)
 
 
 def resolve_backend(backend: str, target: LoadedModel) -> str:
