@@ -1,4 +1,4 @@
-"""Side-by-side tokens/s on a GPU, batch 1, bf16, greedy, in one process: what a GPU user could run.
+"""Side-by-side tokens/s on a GPU, batch 1, bf16, in one process: what a GPU user could run.
 
 Configurations: HF `generate` eager; HF `generate` with a static cache (transformers compiles its
 forward); PyPI `flashspec` (the seed paper's package) with `compile=True` and its n-gram drafter,
@@ -6,7 +6,9 @@ when installed; this engine on the CUDA-graph backend with each fixed arm and wi
 (warmed on disjoint steps of the same stream first). Every configuration is warmed up before it
 is timed; warm-up (compile, capture) time is reported apart. Greedy outputs are compared with
 HF eager: in bf16 kernels of different shapes can break near-ties either way, and the table says
-how many steps matched.
+how many steps matched. `--temperature T` samples at T instead (every configuration: HF with
+top_k=0, the peer's SamplingConfig, this engine's SamplingParams seeded per step); sampled outputs
+are not compared, and only the lengths differ in what is timed.
 
     python benchmarks/gpu_bench.py --steps 12 --warmup 12 --max-new-tokens 128 --out bench_out/gpu
 
@@ -30,6 +32,7 @@ from flashspec_core.models import load_model
 from flashspec_core.drafts.trained import shipped_drafts
 from flashspec_core.pool import build_drafts, default_drafts
 from flashspec_core.routing.router import FixedRouter
+from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_workloads.common import Step
 from flashspec_workloads.dev import dev_workload
@@ -43,23 +46,25 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def hf_runner(model, tokenizer, **kwargs):
+def hf_runner(model, tokenizer, temperature: float, **kwargs):
+    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+
     def run(ids: list[int], max_new: int) -> list[int]:
         x = torch.tensor([ids], device="cuda")
-        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
-                             pad_token_id=tokenizer.pad_token_id, **kwargs)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                             pad_token_id=tokenizer.pad_token_id, **sample, **kwargs)
         return out[0, len(ids):].tolist()
     return run
 
 
-def peer_runner(model, eos_ids):
-    """PyPI flashspec 0.3.1 as the issue drove it: n-gram drafter, compile=True, greedy."""
+def peer_runner(model, eos_ids, temperature: float):
+    """PyPI flashspec 0.3.1 as the issue drove it: n-gram drafter, compile=True."""
     from flashspec import BanditConfig, FlashSpecConfig, SamplingConfig, SpeculativeEngine
     from flashspec.engine.ngram import NgramDrafter
     from flashspec.engine.verifier import TargetModel
 
     config = FlashSpecConfig(device="cuda", drafter_strategy="bandit", bandit=BanditConfig(n_arms=1), compile=True,
-                             compile_max_cache_len=2048, sampling=SamplingConfig(temperature=0.0))
+                             compile_max_cache_len=2048, sampling=SamplingConfig(temperature=temperature))
     engine = SpeculativeEngine(config, [NgramDrafter()], TargetModel("smollm2", torch.device("cuda"),
                                                                        torch.bfloat16, model=model))
 
@@ -69,9 +74,12 @@ def peer_runner(model, eos_ids):
     return run
 
 
-def engine_runner(engine: SpecEngine, breakdown: dict):
+def engine_runner(engine: SpecEngine, breakdown: dict, temperature: float):
+    calls = iter(range(1 << 30))
+
     def run(ids: list[int], max_new: int) -> list[int]:
-        res = engine.generate(ids, max_new_tokens=max_new)
+        sampling = SamplingParams(temperature=temperature, seed=next(calls)) if temperature else None
+        res = engine.generate(ids, max_new_tokens=max_new, sampling=sampling)
         st = res.stats
         breakdown["requests"] += 1
         breakdown["steps"] += st.steps
@@ -96,8 +104,10 @@ def main() -> None:
     parser.add_argument("--steps-file", default=None,
                         help="JSON list of steps (domain, messages, max_new_tokens, source) instead of the dev "
                              "workload, for a GPU host without the ShareGPT package")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; otherwise sample at T")
     parser.add_argument("--out", default="bench_out/gpu")
     args = parser.parse_args()
+    temp = args.temperature
     skip = set(filter(None, args.skip.split(",")))
 
     if args.steps_file:
@@ -114,12 +124,12 @@ def main() -> None:
     runners, warmups, breakdowns = {}, {}, {}
     stock = load_model(None, device="cuda", dtype=torch.bfloat16).model
     if "hf_eager" not in skip:
-        runners["hf eager"] = hf_runner(stock, tok)
+        runners["hf eager"] = hf_runner(stock, tok, temp)
     if "hf_static" not in skip:
-        runners["hf static (compiled)"] = hf_runner(stock, tok, cache_implementation="static")
+        runners["hf static (compiled)"] = hf_runner(stock, tok, temp, cache_implementation="static")
     if "peer" not in skip and importlib.util.find_spec("flashspec"):
         peer_model = load_model(None, device="cuda", dtype=torch.bfloat16).model
-        runners["flashspec 0.3.1 (compile)"] = peer_runner(peer_model, probe.eos_ids)
+        runners["flashspec 0.3.1 (compile)"] = peer_runner(peer_model, probe.eos_ids, temp)
     built = {}  # engine construction seconds (it captures the graphs of every width): warm-up
     for name in args.fixed.split(","):
         draft, _, gamma = name.partition("@")
@@ -130,11 +140,11 @@ def main() -> None:
         engine, built[f"engine {arm}"] = timed(lambda: SpecEngine(
             target, default_drafts(target) + shipped_drafts(target) + extra, router=FixedRouter(arm)))
         breakdowns[f"engine {arm}"] = defaultdict(float)
-        runners[f"engine {arm}"] = engine_runner(engine, breakdowns[f"engine {arm}"])
+        runners[f"engine {arm}"] = engine_runner(engine, breakdowns[f"engine {arm}"], temp)
     router_engine, built["engine router"] = timed(lambda: SpecEngine(target, default_drafts(target),
                                                                      router="thompson"))
     breakdowns["engine router"] = defaultdict(float)
-    runners["engine router"] = engine_runner(router_engine, breakdowns["engine router"])
+    runners["engine router"] = engine_runner(router_engine, breakdowns["engine router"], temp)
 
     results = {}
     for key, run in list(runners.items()):
@@ -178,7 +188,8 @@ def report(results, steps, warmups, breakdowns, out: Path, args) -> None:
     reference = [r["tokens"] for r in next(iter(results.values()))]
     base_key = "hf static (compiled)" if "hf static (compiled)" in results else next(iter(results))
     table = {}
-    print(f"\nGPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; bf16, batch 1, greedy, "
+    mode = f"sampled at T={args.temperature}" if args.temperature else "greedy"
+    print(f"\nGPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; bf16, batch 1, {mode}, "
           f"{len(steps)} steps, max_new_tokens={args.max_new_tokens}; tokens/s")
     print(f"{'configuration':<30}" + "".join(f"{d:>8}" for d in domains)
           + f"{'overall':>9}{'vs ' + base_key.split()[1]:>10}{'same':>7}{'warm-up s':>10}")
@@ -192,11 +203,12 @@ def report(results, steps, warmups, breakdowns, out: Path, args) -> None:
         overall = sum(v[0] for v in per.values()) / sum(v[1] for v in per.values())
         if key == base_key:
             overall_base = overall
-        same = sum(r["tokens"] == ref for r, ref in zip(rows, reference))
+        same = None if args.temperature else sum(r["tokens"] == ref for r, ref in zip(rows, reference))
         table[key] = {**rates, "overall": overall, "same": same, "warmup_s": warmups[key]}
     for key, row in table.items():
         print(f"{key:<30}" + "".join(f"{row[d]:>8.1f}" for d in domains) + f"{row['overall']:>9.1f}"
-              f"{row['overall'] / overall_base:>9.2f}x{row['same']:>4}/{len(steps)}{row['warmup_s']:>10.1f}")
+              f"{row['overall'] / overall_base:>9.2f}x{'-' if row['same'] is None else row['same']:>4}/{len(steps)}"
+              f"{row['warmup_s']:>10.1f}")
     print("\nper-step breakdown of this engine (ms per step)")
     print(f"{'configuration':<30}{'steps':>7}{'tok/step':>9}{'draft':>8}{'fwd+verify':>11}{'host':>7}"
           f"{'prefill ms/request':>20}")
@@ -207,10 +219,10 @@ def report(results, steps, warmups, breakdowns, out: Path, args) -> None:
               f"{b['prefill'] / max(b['requests'], 1) * 1e3:>20.2f}")
     (out / "results.json").write_text(json.dumps({"table": table, "breakdown": breakdowns,
                                                   "gpu": torch.cuda.get_device_name()}, indent=1))
-    plot(table, domains, out / "gpu_bench.png")
+    plot(table, domains, out / "gpu_bench.png", mode)
 
 
-def plot(table, domains, path: Path) -> None:
+def plot(table, domains, path: Path, mode: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,7 +235,7 @@ def plot(table, domains, path: Path) -> None:
         ax.bar([k + i * width for k in range(len(keys))], [table[c][d] for c in keys], width, label=d)
     ax.set_xticks([k + 0.4 for k in range(len(keys))], keys, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"GPU ({torch.cuda.get_device_name()}), bf16, batch 1, greedy: side by side")
+    ax.set_title(f"GPU ({torch.cuda.get_device_name()}), bf16, batch 1, {mode}: side by side")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -302,12 +302,13 @@ class SpecEngine:
         probs = None if proposal.probs is None else proposal.probs[:, :g].to(self._device)
         return tokens, probs, proposal.catchup_seconds
 
-    def _fused_greedy(self, sampling: SamplingParams, constraint) -> bool:
-        """Whether steps may run forward and greedy verification as one call of the runner (a
-        CUDA-graph replay): no logits processor between them, and the verify backend not pinned."""
-        return (sampling.greedy and sampling.repetition_penalty == 1.0 and not sampling.no_repeat_ngram_size
-                and constraint is None and self.verify_backend == "auto"
-                and hasattr(self._target_runner, "verify_greedy"))
+    def _in_graph(self, sampling: SamplingParams, constraint) -> bool:
+        """Whether steps may run forward and verification as one call of the runner (a CUDA-graph
+        replay): no logits processor between them, and the verify backend the graph runs (torch
+        ops for greedy steps, the Triton kernel for sampled ones) not pinned to another."""
+        pinned_ok = self.verify_backend == "auto" or (self.verify_backend == "triton" and not sampling.greedy)
+        return (sampling.repetition_penalty == 1.0 and not sampling.no_repeat_ngram_size
+                and constraint is None and pinned_ok and hasattr(self._target_runner, "verify_step"))
 
     def _forward_and_verify(self, target, seqs, prompts, drafts, draft_probs, active, sampling, constraint, gen,
                             first=None):
@@ -316,8 +317,8 @@ class SpecEngine:
         first: [B, 1, V] the prefill's logits after each whole prompt, on the first step: they
         score the first position, and the forward feeds only the draft (see `_prefill`).
         """
-        if first is None and self._fused_greedy(sampling, constraint):
-            fused = target.verify_greedy(seqs, drafts, active)
+        if first is None and self._in_graph(sampling, constraint):
+            fused = target.verify_step(seqs, drafts, active, sampling, draft_probs, gen)
             if fused is not None:
                 return fused
         g = len(drafts[0])

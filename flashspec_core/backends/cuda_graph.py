@@ -23,25 +23,47 @@ import torch
 
 from flashspec_core.backends.static_llama import StaticLlama
 from flashspec_core.kv import _common_prefix
+from flashspec_core.sampling import SamplingParams
 from flashspec_core.verify.reference import PAD
 
+MAX_SAMPLED_ROWS = 256  # rows the Triton kernel's workspace holds from the start (verify/triton.py)
+MAX_SAMPLED_GRAPHS = 32  # past this many, sampled steps of new (width, temperature) run eagerly
+PLACEHOLDER = -1  # a host record's token fed from the device and not read back yet (feed_tokens)
 SCRATCH = 32  # slots at the end of every row kept for warm-up and capture (widths <= SCRATCH)
 INITIAL_LEN = 2048
 
 
-class _Graph:
-    """One captured forward (plus greedy verification) at a fixed batch and width."""
+def graphed_sampling(sampling: SamplingParams, vocab: int) -> bool:
+    """Whether a sampled step can verify inside the graph: the Triton kernel takes temperature,
+    not top-k / top-p (those need a sort per row; they run eagerly through `verify`)."""
+    return not sampling.greedy and not 0 < sampling.top_k < vocab and sampling.top_p >= 1.0
 
-    def __init__(self, static: StaticLlama, batch: int, width: int, pool) -> None:
+
+class _Graph:
+    """One captured forward plus verification at a fixed batch and width.
+
+    sampling None: greedy, verified with torch ops in the graph (padded columns allowed, see
+    `GraphedModel.warm`). Otherwise a sampled step at that temperature, verified by the Triton
+    kernel in the graph from the draft's q (`one_hot`: a copy draft, no q) and a seed copied in
+    before each replay; its width is exactly γ + 1 (a padded draft slot would be a token to test).
+    """
+
+    def __init__(self, static: StaticLlama, batch: int, width: int, pool,
+                 sampling: SamplingParams | None = None, one_hot: bool = True) -> None:
         dev = static.device
+        self.sampling = sampling
         self.ids = torch.zeros((batch, width), dtype=torch.long, device=dev)
         self.positions = torch.full((batch, width), static.max_len - SCRATCH, dtype=torch.long, device=dev)
         self.positions += torch.arange(width, device=dev)
         self.drafts = torch.zeros((batch, max(width - 1, 0)), dtype=torch.long, device=dev)
+        self.q = None  # [B, W - 1, V] float32: a model draft's q (sampled steps only)
+        if sampling is not None and not one_hot and width > 1:
+            self.q = torch.zeros((batch, width - 1, static.vocab), dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(1, dtype=torch.long, device=dev)  # the kernel's Philox seed
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: cuBLAS handles, SDPA's kernel choice, the allocator
+            for _ in range(2):  # warm-up: cuBLAS handles, SDPA's kernel choice, the allocator, Triton
                 self._body(static)
         torch.cuda.current_stream(dev).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
@@ -50,8 +72,14 @@ class _Graph:
 
     def _body(self, static: StaticLlama) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, W, V] and result [B, 1 + W]: n_accepted (-1 for NaN/+inf logits), then the
-        greedy tokens of the accepted prefix and the recovered or bonus token, PAD after."""
+        accepted tokens and the recovered or bonus token, PAD after."""
         logits = static(self.ids, self.positions)
+        if self.sampling is not None:
+            from flashspec_core.verify.triton import verify_triton
+
+            n_acc, tokens = verify_triton(logits, self.drafts, self.q, self.sampling, seed=self.seed,
+                                          check_finite=False)  # poisoned rows: n_acc = -1
+            return logits, torch.cat([n_acc[:, None], tokens], dim=1)
         target = logits.argmax(-1)  # [B, W]
         width = target.shape[1]
         n_acc = (self.drafts == target[:, :-1]).long().cumprod(-1).sum(-1)  # [B]
@@ -60,12 +88,21 @@ class _Graph:
         tokens = target.masked_fill(steps[None, :] > n_acc[:, None], PAD)
         return logits, torch.cat([torch.where(bad, -1, n_acc)[:, None], tokens], dim=1)
 
-    def replay(self, host: torch.Tensor) -> None:
-        """host: [3, B, W] pinned long: ids, positions, drafts (padded to W)."""
+    def replay(self, host: torch.Tensor, q: torch.Tensor | None = None, seed: torch.Tensor | None = None,
+               first: torch.Tensor | None = None) -> None:
+        """host: [3, B, W] pinned long: ids, positions, drafts (padded to W). q: [B, W - 1, V] on
+        the device (a sampled model draft's); seed: [1] int64 on the device (sampled steps);
+        first: [B] long on the device, the ids of column 0 (a draft's own last token, unread)."""
         width = self.ids.shape[1]
         self.ids.copy_(host[0], non_blocking=True)
+        if first is not None:
+            self.ids[:, 0].copy_(first)
         self.positions.copy_(host[1], non_blocking=True)
         self.drafts.copy_(host[2, :, : width - 1], non_blocking=True)
+        if self.q is not None:
+            self.q.copy_(q)
+        if seed is not None:
+            self.seed.copy_(seed)
         self.graph.replay()
 
 
@@ -175,17 +212,18 @@ class GraphedModel:
 
     # ------------------------------------------------------------------ forwards
 
-    def _graph(self, width: int) -> _Graph:
+    def _graph(self, width: int, sampling: SamplingParams | None = None, one_hot: bool = True) -> _Graph:
         head = self.model.get_output_embeddings().weight
         weights = (head.data_ptr(), tuple(head.shape))
         if weights != getattr(self, "_weights", None):  # a trained draft swapped its head rows
             self._drop_graphs()
             self._weights = weights
-        key = (self.static.batch, width)
+        mode = None if sampling is None else (sampling.temperature, one_hot)
+        key = (self.static.batch, width, mode)
         graph = self._graphs.get(key)
         if graph is None:
             start = time.perf_counter()
-            graph = self._graphs[key] = _Graph(self.static, self.static.batch, width, self._pool)
+            graph = self._graphs[key] = _Graph(self.static, self.static.batch, width, self._pool, sampling, one_hot)
             torch.cuda.synchronize(self.device)
             self.captures += 1
             self.warmup_seconds += time.perf_counter() - start
@@ -209,6 +247,13 @@ class GraphedModel:
             for width in widths:
                 self._graph(width)
             self.widths = tuple(widths)
+
+    def _sampled_graphs_full(self, width: int, sampling: SamplingParams, one_hot: bool) -> bool:
+        """Whether a sampled step would capture a graph past MAX_SAMPLED_GRAPHS: each temperature
+        a caller uses is a graph per width, and a caller sweeping temperatures must not fill the GPU."""
+        key = (self.static.batch, width, (sampling.temperature, one_hot))
+        sampled = sum(1 for k in self._graphs if k[2] is not None)
+        return key not in self._graphs and sampled >= MAX_SAMPLED_GRAPHS
 
     def _graph_width(self, chunks, active) -> int | None:
         """The width of the graph that runs these chunks, or None to run them eagerly.
@@ -257,22 +302,77 @@ class GraphedModel:
             return logits.clone() if self.use_graphs else logits
 
     @torch.inference_mode()
-    def verify_greedy(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
-                      active: Sequence[bool]) -> tuple[list[int], list[list[int]]] | None:
-        """One greedy step in one graph replay: feed each active row's context + draft and return
-        (n_accepted per row, tokens per row), or None when this step cannot replay a graph (rows
-        at different widths; the caller then runs forward_to and `verify`). Raises ValueError on
-        NaN or +inf logits."""
+    def feed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token to every row and return the logits after it, without the host reading
+        the tokens: a model draft's loop feeds each drafted token back this way, so drafting γ
+        tokens queues γ replays and syncs once, not once per token.
+
+        tokens: [B] long on the device. Returns [B, 1, V]. Each row's host record holds
+        `PLACEHOLDER` for the token (no real token equals it, so prefix reuse stops there) until
+        `settle` writes the tokens in.
+        """
+        with self._lock:
+            chunks = [[self.pad_token_id] for _ in self.held]  # column 0's id comes from `tokens`
+            active = [True] * len(chunks)
+            width = self._graph_width(chunks, active)
+            self._ensure(max(len(h) for h in self.held) + (width or 1))
+            if width is None:
+                host = self._host_inputs(chunks, 1).to(self.device)
+                host[0, :, 0] = tokens
+                logits = self.static(host[0], host[1])
+            else:
+                graph = self._graph(width)
+                graph.replay(self._host_inputs(chunks, width), first=tokens)
+                logits = graph.logits[:, :1].clone()
+            for held in self.held:
+                held.append(PLACEHOLDER)
+            return logits
+
+    def settle(self, tokens: Sequence[Sequence[int]]) -> None:
+        """Write the tokens fed by `feed_tokens` (B lists, oldest first) over their placeholders."""
+        for held, row in zip(self.held, tokens):
+            n = len(row)
+            if n and held[-n:] == [PLACEHOLDER] * n:
+                held[-n:] = row
+
+    @torch.inference_mode()
+    def verify_step(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
+                    active: Sequence[bool], sampling: SamplingParams, draft_probs: torch.Tensor | None = None,
+                    generator: torch.Generator | None = None) -> tuple[list[int], list[list[int]]] | None:
+        """One step in one graph replay: feed each active row's context + draft, verify in the
+        graph and return (n_accepted per row, tokens per row), or None when this step cannot
+        replay a graph (rows at different widths, top-k / top-p, a generator off the GPU, more
+        rows than the kernel's workspace holds); the caller then runs forward_to and `verify`.
+
+        draft_probs: [B, γ, V] the draft's q on the device, None for a copy draft (one-hot).
+        Greedy steps pad to a warmed width; sampled ones capture their exact width, temperature
+        and q kind at first use (a one-time cost, counted in `warmup_seconds`). The seed of a
+        sampled step is drawn from `generator` as the eager kernel draws it, so both give the
+        same tokens for the same generator state. Raises ValueError on NaN or +inf logits.
+        """
         if not self.use_graphs:
+            return None
+        greedy = sampling.greedy
+        if not greedy and (not graphed_sampling(sampling, self.static.vocab) or generator is None
+                           or generator.device.type != "cuda" or len(contexts) > MAX_SAMPLED_ROWS):
             return None
         width = len(drafts[next(b for b, a in enumerate(active) if a)]) + 1
         sequences = [list(c) + list(d) for c, d in zip(contexts, drafts)]
         with self._lock:
             chunks = self._plan(sequences, active, width)
-            graph_width = self._graph_width(chunks, active)
+            graph_width = self._graph_width(chunks, active) if greedy else width
             if graph_width is None or any(len(c) != width for c, a in zip(chunks, active) if a):
                 return None  # rows were only rolled back to what their caches hold
-            result = self._replay(chunks, graph_width, drafts).result.cpu().tolist()  # the step's one sync
+            self._ensure(max(len(h) for h in self.held) + graph_width)  # padded columns need slots too
+            if greedy:
+                graph, seed = self._graph(graph_width), None
+            elif self._sampled_graphs_full(width, sampling, draft_probs is None):
+                return None  # the rows were only rolled back, as above
+            else:
+                graph = self._graph(width, sampling, one_hot=draft_probs is None)
+                seed = torch.randint(0, 2**62, (1,), device=self.device, generator=generator)
+            graph.replay(self._host_inputs(chunks, graph_width, drafts), draft_probs, seed)
+            result = graph.result.cpu().tolist()  # the step's one sync
             for b, chunk in enumerate(chunks):
                 self.held[b].extend(chunk)
         n_acc = [r[0] for r in result]

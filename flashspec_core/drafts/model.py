@@ -64,8 +64,14 @@ class ModelDraft:
                 self._runner.forward_to([r[:-1] for r in rows], behind, keep_logits=1)
                 catchup = time.perf_counter() - start
             warmed = getattr(self._runner, "warmup_seconds", 0.0)  # a GPU runner's graph captures
-            for _ in range(gamma):
-                logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, V] or [B, K]
+            # On CUDA graphs each drafted token goes back to the device runner as a tensor: the
+            # loop queues its γ forwards and the host waits once, for the γ tokens at the end.
+            on_device = getattr(self._runner, "use_graphs", False)
+            logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, V] or [B, K]
+            for i in range(gamma):
+                if i:
+                    logits = (self._runner.feed_tokens(token) if on_device
+                              else self._runner.forward_to(rows, keep_logits=1))[:, -1]
                 q = probs_from_logits(logits, sampling)  # same shape
                 if sampling.greedy:
                     pick = q.argmax(-1)
@@ -74,12 +80,15 @@ class ModelDraft:
                 token = pick if head is None else head[pick]  # [B]
                 tokens.append(token)
                 probs.append(q if head is None else self._full_q(q, head))
-                for row, t in zip(rows, token.tolist()):
-                    row.append(t)
+                if not on_device:
+                    for row, t in zip(rows, token.tolist()):
+                        row.append(t)
         except BaseException:  # the cache may hold half a forward: start the next call afresh
             self._runner.reset(len(rows))
             raise
-        drafted = torch.stack(tokens, dim=1).tolist()  # [B, γ]
+        drafted = torch.stack(tokens, dim=1).tolist()  # [B, γ]: the call's one sync on a GPU
+        if on_device:
+            self._runner.settle([row[:-1] for row in drafted])  # the last token was never fed
         # A graph captured in this call is, like catch-up, paid once and not by the draft's steps.
         catchup += getattr(self._runner, "warmup_seconds", 0.0) - warmed
         return Proposal(drafted, torch.stack(probs, dim=1), catchup)  # probs: [B, γ, V]

@@ -50,6 +50,7 @@ MAX_ROWS = 32  # γ + 1; the issue asks for γ <= 16
 MAX_BATCH = 1 << 16  # the Philox offset packs the sequence index into 16 bits
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WORKSPACES: dict[int, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown workspaces: CUDA graphs captured on them still use them
 
 # Resident programs on an H200 (132 SMs x 8 programs of 8 warps), the scale for the launch plan.
 _RESIDENT = 1056
@@ -82,6 +83,8 @@ def _workspace(device: torch.device, bsz: int) -> torch.Tensor:
                 "verify_triton: call it once with this batch size before CUDA-graph capture "
                 "(that allocates its workspace and compiles the kernel)"
             )
+        if ws is not None:
+            _RETIRED.append(ws)
         ws = torch.zeros(1 + WS_SLOTS * max(bsz, 256), dtype=torch.int32, device=device)
         _WORKSPACES[index] = ws
     return ws
@@ -110,6 +113,7 @@ def verify_triton(
     generator: torch.Generator | None = None,
     *,
     check_finite: bool = True,
+    seed: torch.Tensor | None = None,
     block: int | None = None,
     tiles: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +122,9 @@ def verify_triton(
     target_logits: [B, γ+1, V] bf16/fp16/fp32; draft_tokens: [B, γ] int;
     draft_probs: [B, γ, V] float or None (one-hot drafts); uniforms: [B, γ+1] in [0, 1) or None.
     check_finite: raise ValueError on NaN/+inf logits (one host sync; skipped under graph capture).
+    seed: [1] int64 on the logits' device, the Philox seed when sampling without `uniforms`
+    (instead of one drawn from `generator`): a CUDA graph captures the pointer, and the caller
+    copies a seed drawn from the request's generator into it before each replay.
     block, tiles: launch-plan overrides for tuning and tests; None picks them from the shape.
     Returns n_accepted [B] int64 and tokens [B, γ+1] int64 (PAD after the recovered/bonus token).
     """
@@ -155,14 +162,16 @@ def verify_triton(
         u = u.contiguous()
     seed_from_ptr = False
     seed_t = n_acc
-    seed = 1
+    host_seed = 1
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not has_u and not sampling.greedy:
-        if generator is not None and generator.device.type == "cuda":
+        if seed is not None:
+            seed_t, seed_from_ptr = seed, True
+        elif generator is not None and generator.device.type == "cuda":
             seed_t = torch.randint(0, 2**62, (1,), device=generator.device, generator=generator)
             seed_from_ptr = True
         else:
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+            host_seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
 
     block, tiles = _plan(bsz, rows, vocab, block, tiles)
     n_tiles = triton.cdiv(vocab, block)
@@ -183,7 +192,7 @@ def verify_triton(
         drafts, drafts.stride(0),
         q, q.stride(0), q.stride(1),
         u, u.stride(0),
-        seed_t, seed, int(capturing and not seed_from_ptr),
+        seed_t, host_seed, int(capturing and not seed_from_ptr),
         ws, fs, is_, n_acc, tokens,
         temperature, inv_t, exp2_scale,
         bsz, gamma, vocab, n_chunks, tiles, n_tiles, lag,

@@ -93,6 +93,29 @@ def test_prefix_reuse_across_requests_feeds_only_the_new_tail(torch_one_thread):
     torch.testing.assert_close(out[0], _fresh(model, [1, 2, 3, 4, 9, 10], 2), atol=1e-4, rtol=1e-4)
 
 
+def test_tokens_fed_from_the_device_extend_each_row_and_settle(torch_one_thread):
+    """`feed_tokens` (a model draft's loop on a GPU: no host read per token) appends a token to
+    every row as forward_to would; the host records hold placeholders until `settle`, which makes
+    the prefix reusable again, and a placeholder never counts as a held token before that."""
+    model = MODELS["llama"]()
+    runner = GraphedModel(model, pad_token_id=0, max_len=40, graphs=False)
+    runner.reset(2)
+    seqs = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    runner.forward_to(seqs, keep_logits=1)
+    for step in range(12):  # past the first cache size: growth while feeding
+        new = torch.tensor([(3 * step) % VOCAB, (5 * step + 1) % VOCAB])
+        out = runner.feed_tokens(new)
+        seqs = [s + [int(t)] for s, t in zip(seqs, new)]
+        assert out.shape == (2, 1, VOCAB)
+        for b, s in enumerate(seqs):
+            torch.testing.assert_close(out[b], _fresh(model, s, 1), atol=1e-4, rtol=1e-4)
+    assert runner.prefix_len(0, seqs[0]) == 5 and runner.prefix_len(1, seqs[1]) == 3
+    runner.settle([s[-12:] for s in seqs])
+    assert runner.prefix_len(0, seqs[0]) == len(seqs[0]) and runner.static.max_len > 40
+    out = runner.forward_to([s + [9] for s in seqs], keep_logits=1)  # feeds only the new token
+    torch.testing.assert_close(out[1], _fresh(model, seqs[1] + [9], 1), atol=1e-4, rtol=1e-4)
+
+
 def test_unsupported_models_are_refused_with_the_reason():
     from transformers import GPT2Config, GPT2LMHeadModel
 

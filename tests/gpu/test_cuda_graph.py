@@ -110,7 +110,7 @@ def test_greedy_step_in_the_graph_verifies_as_the_reference(model):
         draft = [target[0] if rng.random() < 0.5 else (target[0] + 1) % VOCAB] + [rng.randrange(VOCAB) for _ in range(3)]
         runner.reset(1)
         runner.forward_to([ctx[:-1]])  # the prefill: the step then feeds the last token + draft
-        fused = runner.verify_greedy([ctx], [draft], [True])
+        fused = runner.verify_step([ctx], [draft], [True], SamplingParams())
         logits = _fresh(model, ctx + draft, len(draft) + 1)[None]
         n_ref, out_ref = verify_torch(logits, torch.tensor([draft], device="cuda"), None, SamplingParams())
         assert fused is not None
@@ -133,7 +133,7 @@ def test_padded_steps_verify_as_the_reference_and_capture_nothing_new(model):
         draft = draft[:k]
         runner.reset(1)
         runner.forward_to([ctx[:-1]])
-        fused = runner.verify_greedy([ctx], [draft], [True])
+        fused = runner.verify_step([ctx], [draft], [True], SamplingParams())
         logits = _fresh(model, ctx + draft, len(draft) + 1)[None]
         n_ref, out_ref = verify_torch(logits, torch.tensor([draft], device="cuda").view(1, k), None, SamplingParams())
         assert fused is not None
@@ -141,6 +141,69 @@ def test_padded_steps_verify_as_the_reference_and_capture_nothing_new(model):
         assert fused[1][0][: n_ref.item() + 1] == out_ref[0, : n_ref.item() + 1].tolist()
         assert runner.held[0] == ctx + draft, "the cache must hold the real tokens only"
     assert runner.captures == captured and runner.warmup_seconds == warmup
+
+
+@pytest.mark.parametrize("one_hot", [True, False])
+def test_sampled_step_in_the_graph_is_the_eager_kernels_step(model, one_hot):
+    """A sampled step replayed from a graph (Triton verify inside) returns what the eager path
+    returns (a forward, then `verify` on the Triton kernel) for the same generator state, for
+    copy drafts (one-hot) and model drafts (q), at several widths; a new temperature captures once."""
+    from flashspec_core.verify import verify
+
+    graphed = GraphedModel(model, pad_token_id=0)
+    rng = random.Random(5)
+    for step in range(24):
+        sampling = SamplingParams(temperature=rng.choice([0.7, 1.0]))
+        ctx = [rng.randrange(VOCAB) for _ in range(rng.randint(4, 40))]
+        k = rng.randint(0, 5)
+        draft = [rng.randrange(VOCAB) for _ in range(k)]
+        q = None if one_hot or not k else torch.rand((1, k, VOCAB), device="cuda").softmax(-1)
+        graphed.reset(1)
+        graphed.forward_to([ctx[:-1]])
+        got = graphed.verify_step([ctx], [draft], [True], sampling, q, torch.Generator("cuda").manual_seed(step))
+        logits = _fresh(model, ctx + draft, k + 1)[None]
+        n_ref, out_ref = verify(logits, torch.tensor([draft], device="cuda").view(1, k), q, sampling,
+                                backend="triton", generator=torch.Generator("cuda").manual_seed(step))
+        assert got is not None and got[0] == n_ref.tolist()
+        assert got[1][0][: n_ref.item() + 1] == out_ref[0, : n_ref.item() + 1].tolist()
+        assert graphed.held[0] == ctx + draft
+    captured = graphed.captures  # the last step's width and temperature once more
+    graphed.reset(1)
+    graphed.forward_to([ctx[:-1]])
+    assert graphed.verify_step([ctx], [draft], [True], sampling, q, torch.Generator("cuda")) is not None
+    assert graphed.captures == captured, "a (width, temperature) seen before replays its graph"
+    top_k = SamplingParams(temperature=0.7, top_k=3)
+    assert graphed.verify_step([[1, 2, 3, 4]], [[5]], [True], top_k, None, torch.Generator("cuda")) is None
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8)])
+def test_model_draft_syncs_with_the_host_once_per_call_whatever_gamma(sampling):
+    """On graphs the draft feeds each drafted token back from the device (feed_tokens): drafting
+    six tokens waits on the GPU as often as drafting two, and proposes what a CPU copy of the
+    same draft proposes greedily."""
+    import warnings
+
+    draft = ModelDraft(tiny_llama(VOCAB, seed=1, max_positions=1024).cuda(), name="model")
+    ctx = [(7 * i) % VOCAB for i in range(1, 30)]
+
+    def syncs(gamma: int) -> tuple[int, list[int]]:
+        draft._runner.reset(1)
+        draft.propose([ctx[:-1]], 1, sampling, torch.Generator("cuda"))  # the catch-up, outside the count
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                tokens = draft.propose([ctx], gamma, sampling, torch.Generator("cuda").manual_seed(0)).tokens[0]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in seen), tokens
+
+    (short, _), (long, drafted) = syncs(2), syncs(6)
+    assert short == long, f"{long - short} more host syncs for 4 more drafted tokens"
+    if sampling.greedy:
+        cpu = ModelDraft(tiny_llama(VOCAB, seed=1, max_positions=1024), name="model")
+        assert drafted == cpu.propose([ctx], 6, sampling).tokens[0]
 
 
 def test_engine_warms_its_widths_at_construction():

@@ -210,6 +210,24 @@ def test_own_randomness_is_seeded():
     assert not torch.equal(runs[0], runs[2])
 
 
+def test_seed_tensor_is_the_generators_draw():
+    """`seed=` (what a CUDA graph feeds) gives what drawing the seed from the generator gives, and
+    a new seed in the same tensor gives new draws."""
+    case = make_case(8, 3, 30, torch.float32, True, 1.0, seed=43)
+    args = (case["target_logits"], case["draft_tokens"], case["draft_probs"], SamplingParams(temperature=1.0))
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    want = verify_triton(*args, None, gen)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    if DEVICE == "cuda":
+        seed = torch.randint(0, 2**62, (1,), device=DEVICE, generator=gen)
+    else:  # the wrapper draws a CPU generator's seed on the host: same draw, as a tensor
+        seed = torch.tensor([int(torch.randint(0, 2**62, (1,), generator=gen).item())])
+    got = verify_triton(*args, None, None, seed=seed)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    seed += 1
+    assert not torch.equal(verify_triton(*args, None, None, seed=seed)[1], want[1])
+
+
 def g_test_passes(tokens: torch.Tensor, probs: torch.Tensor) -> bool:
     """G-test (log-likelihood ratio) of sampled tokens against probs, at alpha = 0.01."""
     observed = torch.bincount(tokens.cpu(), minlength=probs.numel()).double().numpy()
