@@ -162,7 +162,7 @@ def test_sampled_step_in_the_graph_is_the_eager_kernels_step(model, one_hot):
         graphed.forward_to([ctx[:-1]])
         got = graphed.verify_step([ctx], [draft], [True], sampling, q, torch.Generator("cuda").manual_seed(step))
         logits = _fresh(model, ctx + draft, k + 1)[None]
-        n_ref, out_ref = verify(logits, torch.tensor([draft], device="cuda").view(1, k), q, sampling,
+        n_ref, out_ref = verify(logits, torch.tensor([draft], dtype=torch.long, device="cuda").view(1, k), q, sampling,
                                 backend="triton", generator=torch.Generator("cuda").manual_seed(step))
         assert got is not None and got[0] == n_ref.tolist()
         assert got[1][0][: n_ref.item() + 1] == out_ref[0, : n_ref.item() + 1].tolist()
