@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--steps-file", default=None,
                         help="JSON list of steps (domain, messages, max_new_tokens, source) instead of the dev "
                              "workload, for a GPU host without the ShareGPT package")
+    parser.add_argument("--router-with-trained", action="store_true",
+                        help="also time a router whose pool adds the shipped trained drafts")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; otherwise sample at T")
     parser.add_argument("--out", default="bench_out/gpu")
     args = parser.parse_args()
@@ -145,6 +147,12 @@ def main() -> None:
                                                                      router="thompson"))
     breakdowns["engine router"] = defaultdict(float)
     runners["engine router"] = engine_runner(router_engine, breakdowns["engine router"], temp)
+    if args.router_with_trained:  # the pool the CPU gets: copy drafts plus the shipped trained drafts
+        key = "engine router +trained"
+        engine, built[key] = timed(lambda: SpecEngine(target, default_drafts(target) + shipped_drafts(target),
+                                                      router="thompson"))
+        breakdowns[key] = defaultdict(float)
+        runners[key] = engine_runner(engine, breakdowns[key], temp)
 
     results = {}
     for key, run in list(runners.items()):
@@ -167,7 +175,7 @@ def measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args) -> l
     # disjoint steps warm them, and its copy caches never see the timed steps.
     warm_on = step_ids if key.startswith(("hf static", "flashspec")) else warm_ids[:2]
     _, warmups[key] = timed(lambda: [run(ids, args.max_new_tokens) for ids in warm_on])
-    if key == "engine router":  # the router learns on the rest of the warm-up stream, untimed
+    if key.startswith("engine router"):  # the router learns on the rest of the warm-up stream, untimed
         for ids in warm_ids[2:]:
             run(ids, args.max_new_tokens)
     if key in breakdowns:

@@ -47,8 +47,13 @@ class TrainedDraft(ModelDraft):
                    meta.get("domain", "all"))
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Set the head for this request: the trained subset plus the prompts' tokens, except on
+        CUDA graphs, where the head stays the trained subset: a head of another size is another
+        forward, and recapturing the draft's graphs per request (0.1-0.3 s each) would cost more
+        than the prompt's tokens win."""
         net = self.network
-        head = net.head_with([t for p in prompts for t in p]) if self.prompt_vocab else net.vocab_ids
+        widen = self.prompt_vocab and not getattr(self._runner, "use_graphs", False)
+        head = net.head_with([t for p in prompts for t in p]) if widen else net.vocab_ids
         if not torch.equal(head, net.head_ids):
             net.set_head(head)
         super().begin(prompts)
