@@ -17,7 +17,7 @@ from flashspec_core.backends import make_runner, resolve_backend
 from flashspec_core.drafts import DraftSource
 from flashspec_core.models import LoadedModel, vocab_size
 from flashspec_core.ngram_ban import ban_repeated_ngrams, json_punctuation_tokens
-from flashspec_core.penalty import penalize_paths
+from flashspec_core.penalty import SeenTokens, penalize_paths
 from flashspec_core.prompts import PromptLike, encode_prompt, is_batch, prompt_text
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import resolve_domain
@@ -309,10 +309,11 @@ class SpecEngine:
                 and constraint is None and self.verify_backend == "auto"
                 and hasattr(self._target_runner, "verify_greedy"))
 
-    def _forward_and_verify(self, target, seqs, prompts, drafts, draft_probs, active, sampling, constraint, gen,
-                            first=None):
+    def _forward_and_verify(self, target, seqs, prompts, seen, drafts, draft_probs, active, sampling, constraint,
+                            gen, first=None):
         """Score every row's context + draft in one target forward and verify; host lists out.
 
+        seen: what the penalty reads on the device (None when off).
         first: [B, 1, V] the prefill's logits after each whole prompt, on the first step: they
         score the first position, and the forward feeds only the draft (see `_prefill`).
         """
@@ -328,14 +329,15 @@ class SpecEngine:
             logits = torch.cat([first, target.forward_to(paths, active, keep_logits=g).to(first.device)], dim=1)
         else:
             logits = first
-        logits = penalize_paths(logits, seqs, drafts, sampling.repetition_penalty)
+        draft_tokens = torch.tensor(drafts, dtype=torch.long).view(len(seqs), g).to(logits.device, non_blocking=True)
+        if seen is not None:
+            logits = penalize_paths(logits, seen, draft_tokens, sampling.repetition_penalty)
         if constraint is not None:  # -inf where the grammar forbids, along each draft path
             logits = constraint.mask_logits(logits, drafts, active)
         if sampling.no_repeat_ngram_size:
             outputs = [s[len(p):] for s, p in zip(seqs, prompts)]
             exempt = None if constraint is None else self._json_punctuation(logits.shape[-1])
             logits = ban_repeated_ngrams(logits, outputs, drafts, sampling.no_repeat_ngram_size, exempt)
-        draft_tokens = torch.tensor(drafts, dtype=torch.long, device=logits.device).view(len(seqs), g)
         n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=self.verify_backend, generator=gen)
         return n_acc.tolist(), out.tolist()
 
@@ -378,6 +380,8 @@ class SpecEngine:
         gen = self._generator(sampling)
         try:
             first = self._prefill(target, prompts, stats)
+            # What the penalty reads, on the device: committed to below, never reread per step.
+            seen = SeenTokens(prompts, first.shape[-1], first.device) if sampling.repetition_penalty != 1.0 else None
             while True:
                 active = [not r.finished for r in rows]
                 if not any(active):
@@ -391,7 +395,7 @@ class SpecEngine:
                 g = len(drafts[0])
                 t1 = time.perf_counter()
                 n_acc, out = self._forward_and_verify(
-                    target, seqs, prompts, drafts, draft_probs, active, sampling, constraint, gen, first)
+                    target, seqs, prompts, seen, drafts, draft_probs, active, sampling, constraint, gen, first)
                 first = None
                 t2 = time.perf_counter()
                 context_row = active.index(True)
@@ -400,8 +404,9 @@ class SpecEngine:
                 for b in (b for b, a in enumerate(active) if a):
                     new[b] = rows[b].append(out[b][: n_acc[b] + 1])
                     seqs[b].extend(new[b])
-                    if constraint is not None:
-                        constraint.commit(b, new[b])
+                    for state in (constraint, seen):
+                        if state is not None:
+                            state.commit(b, new[b])
                 record = StepRecord(
                     domain=domain,
                     arm=arm,
