@@ -16,7 +16,7 @@ import torch
 from flashspec_core.backends import make_runner, resolve_backend
 from flashspec_core.drafts import DraftSource
 from flashspec_core.models import LoadedModel, vocab_size
-from flashspec_core.ngram_ban import ban_repeated_ngrams, json_punctuation_tokens
+from flashspec_core.ngram_ban import OutputTokens, ban_repeated_ngrams, json_punctuation_tokens
 from flashspec_core.penalty import SeenTokens, penalize_paths
 from flashspec_core.prompts import PromptLike, encode_prompt, is_batch, prompt_text
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
@@ -309,11 +309,11 @@ class SpecEngine:
                 and constraint is None and self.verify_backend == "auto"
                 and hasattr(self._target_runner, "verify_greedy"))
 
-    def _forward_and_verify(self, target, seqs, prompts, seen, drafts, draft_probs, active, sampling, constraint,
+    def _forward_and_verify(self, target, seqs, seen, outputs, drafts, draft_probs, active, sampling, constraint,
                             gen, first=None):
         """Score every row's context + draft in one target forward and verify; host lists out.
 
-        seen: what the penalty reads on the device (None when off).
+        seen, outputs: what the penalty and the n-gram ban read on the device (None when off).
         first: [B, 1, V] the prefill's logits after each whole prompt, on the first step: they
         score the first position, and the forward feeds only the draft (see `_prefill`).
         """
@@ -334,17 +334,16 @@ class SpecEngine:
             logits = penalize_paths(logits, seen, draft_tokens, sampling.repetition_penalty)
         if constraint is not None:  # -inf where the grammar forbids, along each draft path
             logits = constraint.mask_logits(logits, drafts, active)
-        if sampling.no_repeat_ngram_size:
-            outputs = [s[len(p):] for s, p in zip(seqs, prompts)]
-            exempt = None if constraint is None else self._json_punctuation(logits.shape[-1])
-            logits = ban_repeated_ngrams(logits, outputs, drafts, sampling.no_repeat_ngram_size, exempt)
+        if outputs is not None:
+            exempt = None if constraint is None else self._json_punctuation(logits)
+            logits = ban_repeated_ngrams(logits, outputs, draft_tokens, sampling.no_repeat_ngram_size, exempt)
         n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=self.verify_backend, generator=gen)
         return n_acc.tolist(), out.tolist()
 
-    def _json_punctuation(self, vocab: int) -> torch.Tensor:
-        """[V] bool: tokens the n-gram ban leaves alone under a JSON schema (ngram_ban.py); built once."""
+    def _json_punctuation(self, logits: torch.Tensor) -> torch.Tensor:
+        """[V] bool on the logits' device: tokens the n-gram ban leaves alone under a JSON schema; built once."""
         if self._json_tokens is None:
-            self._json_tokens = json_punctuation_tokens(self.tokenizer, vocab)
+            self._json_tokens = json_punctuation_tokens(self.tokenizer, logits.shape[-1]).to(logits.device)
         return self._json_tokens
 
     def _prefill(self, target, prompts, stats) -> torch.Tensor:
@@ -380,8 +379,9 @@ class SpecEngine:
         gen = self._generator(sampling)
         try:
             first = self._prefill(target, prompts, stats)
-            # What the penalty reads, on the device: committed to below, never reread per step.
+            # What the penalty and the ban read, on the device: committed to below, never reread per step.
             seen = SeenTokens(prompts, first.shape[-1], first.device) if sampling.repetition_penalty != 1.0 else None
+            outputs = OutputTokens([[] for _ in prompts], first.device) if sampling.no_repeat_ngram_size else None
             while True:
                 active = [not r.finished for r in rows]
                 if not any(active):
@@ -395,7 +395,7 @@ class SpecEngine:
                 g = len(drafts[0])
                 t1 = time.perf_counter()
                 n_acc, out = self._forward_and_verify(
-                    target, seqs, prompts, seen, drafts, draft_probs, active, sampling, constraint, gen, first)
+                    target, seqs, seen, outputs, drafts, draft_probs, active, sampling, constraint, gen, first)
                 first = None
                 t2 = time.perf_counter()
                 context_row = active.index(True)
@@ -404,7 +404,7 @@ class SpecEngine:
                 for b in (b for b, a in enumerate(active) if a):
                     new[b] = rows[b].append(out[b][: n_acc[b] + 1])
                     seqs[b].extend(new[b])
-                    for state in (constraint, seen):
+                    for state in (constraint, seen, outputs):
                         if state is not None:
                             state.commit(b, new[b])
                 record = StepRecord(

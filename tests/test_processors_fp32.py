@@ -12,7 +12,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from flashspec_core.constrained import Constraint, Grammar
-from flashspec_core.ngram_ban import ban_repeated_ngrams
+from flashspec_core.ngram_ban import OutputTokens, ban_repeated_ngrams
 from flashspec_core.penalty import SeenTokens, penalize_paths
 from flashspec_core.sampling import SamplingParams, probs_from_logits
 from flashspec_core.verify import verify
@@ -34,10 +34,10 @@ def test_the_penalty_on_bf16_logits_breaks_no_tie_that_hf_does_not():
 def test_every_processor_returns_float32_and_equals_its_float32_run(dtype):
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(2, 3, 6, generator=gen) * 20).to(dtype)  # [B, P, V]
-    contexts, drafts = [[1, 2, 1], [4]], [[2, 1], [4, 5]]
+    contexts, drafts = [[1, 2, 1], [4]], torch.tensor([[2, 1], [4, 5]])
     runs = [
-        lambda x: penalize_paths(x, SeenTokens(contexts, 6), torch.tensor(drafts), 1.7),
-        lambda x: ban_repeated_ngrams(x, [c[1:] for c in contexts], drafts, 1),
+        lambda x: penalize_paths(x, SeenTokens(contexts, 6), drafts, 1.7),
+        lambda x: ban_repeated_ngrams(x, OutputTokens([c[1:] for c in contexts]), drafts, 1),
     ]
     for run in runs:
         got = run(logits)
