@@ -16,8 +16,8 @@ import torch
 from flashspec_core.backends import make_runner, resolve_backend
 from flashspec_core.drafts import DraftSource
 from flashspec_core.models import LoadedModel, vocab_size
-from flashspec_core.ngram_ban import ban_repeated_ngrams, json_punctuation_tokens
-from flashspec_core.penalty import penalize_paths
+from flashspec_core.ngram_ban import OutputTokens, ban_repeated_ngrams, json_punctuation_tokens
+from flashspec_core.penalty import SeenTokens, penalize_paths
 from flashspec_core.prompts import PromptLike, encode_prompt, is_batch, prompt_text
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import resolve_domain
@@ -310,10 +310,11 @@ class SpecEngine:
         return (sampling.repetition_penalty == 1.0 and not sampling.no_repeat_ngram_size
                 and constraint is None and pinned_ok and hasattr(self._target_runner, "verify_step"))
 
-    def _forward_and_verify(self, target, seqs, prompts, drafts, draft_probs, active, sampling, constraint, gen,
-                            first=None):
+    def _forward_and_verify(self, target, seqs, seen, outputs, drafts, draft_probs, active, sampling, constraint,
+                            gen, first=None):
         """Score every row's context + draft in one target forward and verify; host lists out.
 
+        seen, outputs: what the penalty and the n-gram ban read on the device (None when off).
         first: [B, 1, V] the prefill's logits after each whole prompt, on the first step: they
         score the first position, and the forward feeds only the draft (see `_prefill`).
         """
@@ -329,21 +330,21 @@ class SpecEngine:
             logits = torch.cat([first, target.forward_to(paths, active, keep_logits=g).to(first.device)], dim=1)
         else:
             logits = first
-        logits = penalize_paths(logits, seqs, drafts, sampling.repetition_penalty)
+        draft_tokens = torch.tensor(drafts, dtype=torch.long).view(len(seqs), g).to(logits.device, non_blocking=True)
+        if seen is not None:
+            logits = penalize_paths(logits, seen, draft_tokens, sampling.repetition_penalty)
         if constraint is not None:  # -inf where the grammar forbids, along each draft path
             logits = constraint.mask_logits(logits, drafts, active)
-        if sampling.no_repeat_ngram_size:
-            outputs = [s[len(p):] for s, p in zip(seqs, prompts)]
-            exempt = None if constraint is None else self._json_punctuation(logits.shape[-1])
-            logits = ban_repeated_ngrams(logits, outputs, drafts, sampling.no_repeat_ngram_size, exempt)
-        draft_tokens = torch.tensor(drafts, dtype=torch.long, device=logits.device).view(len(seqs), g)
+        if outputs is not None:
+            exempt = None if constraint is None else self._json_punctuation(logits)
+            logits = ban_repeated_ngrams(logits, outputs, draft_tokens, sampling.no_repeat_ngram_size, exempt)
         n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=self.verify_backend, generator=gen)
         return n_acc.tolist(), out.tolist()
 
-    def _json_punctuation(self, vocab: int) -> torch.Tensor:
-        """[V] bool: tokens the n-gram ban leaves alone under a JSON schema (ngram_ban.py); built once."""
+    def _json_punctuation(self, logits: torch.Tensor) -> torch.Tensor:
+        """[V] bool on the logits' device: tokens the n-gram ban leaves alone under a JSON schema; built once."""
         if self._json_tokens is None:
-            self._json_tokens = json_punctuation_tokens(self.tokenizer, vocab)
+            self._json_tokens = json_punctuation_tokens(self.tokenizer, logits.shape[-1]).to(logits.device)
         return self._json_tokens
 
     def _prefill(self, target, prompts, stats) -> torch.Tensor:
@@ -379,6 +380,9 @@ class SpecEngine:
         gen = self._generator(sampling)
         try:
             first = self._prefill(target, prompts, stats)
+            # What the penalty and the ban read, on the device: committed to below, never reread per step.
+            seen = SeenTokens(prompts, first.shape[-1], first.device) if sampling.repetition_penalty != 1.0 else None
+            outputs = OutputTokens([[] for _ in prompts], first.device) if sampling.no_repeat_ngram_size else None
             while True:
                 active = [not r.finished for r in rows]
                 if not any(active):
@@ -392,7 +396,7 @@ class SpecEngine:
                 g = len(drafts[0])
                 t1 = time.perf_counter()
                 n_acc, out = self._forward_and_verify(
-                    target, seqs, prompts, drafts, draft_probs, active, sampling, constraint, gen, first)
+                    target, seqs, seen, outputs, drafts, draft_probs, active, sampling, constraint, gen, first)
                 first = None
                 t2 = time.perf_counter()
                 context_row = active.index(True)
@@ -401,8 +405,9 @@ class SpecEngine:
                 for b in (b for b, a in enumerate(active) if a):
                     new[b] = rows[b].append(out[b][: n_acc[b] + 1])
                     seqs[b].extend(new[b])
-                    if constraint is not None:
-                        constraint.commit(b, new[b])
+                    for state in (constraint, seen, outputs):
+                        if state is not None:
+                            state.commit(b, new[b])
                 record = StepRecord(
                     domain=domain,
                     arm=arm,

@@ -16,15 +16,19 @@ the loop and leaves single tokens alone. Two choices differ from HF `generate`:
 
 Like the penalty, the ban of a position depends on its prefix, so each verify position gets the ban
 of its own path (output + draft[:j]); the verifier then tests the draft against exactly the
-distribution autoregressive decoding samples from. HF's processor computes each ban, in float32
-whatever the model's dtype, as HF `generate` does.
+distribution autoregressive decoding samples from. The ban is HF's `NoRepeatNGramLogitsProcessor`
+(the tests hold it to that), computed in float32 whatever the model's dtype, as HF `generate` does.
+
+HF's processor walks the output in Python at every call; here the output lives on the logits'
+device (`OutputTokens`, appended to each step) and all positions of all rows are banned by a few
+tensor ops with no host sync: every window of `size` tokens of the path is compared with each
+position's last size - 1 tokens, and the window's last token is banned where they match (issue 14).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
-from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
 
 _JSON_PUNCTUATION = frozenset('"{}[]:,')
@@ -38,35 +42,79 @@ def json_punctuation_tokens(tokenizer, vocab_size: int) -> torch.Tensor:
     return exempt
 
 
+class OutputTokens:
+    """Each row's generated tokens (prompt excluded), on the logits' device, for one request.
+
+    tokens: [B, C] long, row b's output in tokens[b, :lengths[b]] (the rest is padding); lengths
+    stay host ints, since they set the shapes of the ban's tensors. The engine commits each step's
+    verified tokens, so the ban never copies the whole output over.
+    """
+
+    def __init__(self, outputs: Sequence[Sequence[int]], device: torch.device | str = "cpu", capacity: int = 64):
+        """outputs: B token lists (empty at the start of a request)."""
+        self.lengths = [0] * len(outputs)
+        width = max([capacity, *(len(o) for o in outputs)])
+        self.tokens = torch.zeros((len(outputs), width), dtype=torch.long, device=device)  # [B, C]
+        for row, tokens in enumerate(outputs):
+            self.commit(row, tokens)
+
+    def commit(self, row: int, tokens: Sequence[int]) -> None:
+        """Append `tokens` to `row`'s output (the buffer doubles when full)."""
+        if not tokens:
+            return
+        start, end = self.lengths[row], self.lengths[row] + len(tokens)
+        capacity = self.tokens.shape[1]
+        if end > capacity:
+            grown = self.tokens.new_zeros((self.tokens.shape[0], max(end, 2 * capacity)))  # [B, C']
+            grown[:, :capacity] = self.tokens
+            self.tokens = grown
+        self.tokens[row, start:end].copy_(torch.tensor([int(t) for t in tokens], dtype=torch.long), non_blocking=True)
+        self.lengths[row] = end
+
+
 def ban_repeated_ngrams(
-    logits: torch.Tensor, outputs: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]], size: int,
-    exempt: torch.Tensor | None = None,
+    logits: torch.Tensor, outputs: OutputTokens, drafts: torch.Tensor, size: int, exempt: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Set to -inf every token that would repeat an n-gram of `size` tokens along each draft path.
 
     logits: [B, P, V] processed logits (penalty and grammar mask applied); position j of row b
-    scores the token after outputs[b] + drafts[b][:j]. outputs: B lists of the tokens generated so
-    far (prompt excluded); drafts: B lists of at least P - 1 ids. size 0 returns `logits` itself.
-    exempt: [V] bool, tokens never banned (None: none). Returns a new [B, P, V] float32 tensor; a
-    position the ban would empty keeps its logits. size 0 returns `logits` itself.
+    scores the token after row b's output + drafts[b, :j]. drafts: [B, >= P - 1] long, on the
+    logits' device. exempt: [V] bool, tokens never banned (None: none), best on the logits' device.
+    Returns a [B, P, V] float32 tensor (the input is never modified); a position the ban would
+    empty keeps its logits. size 0 returns `logits` itself.
     """
     if size <= 0:
         return logits
-    processor = NoRepeatNGramLogitsProcessor(size)
-    exempt = None if exempt is None else exempt.to(logits.device)
     logits = logits.float()
-    out = logits.clone()
-    positions = logits.shape[1]
-    for b in range(logits.shape[0]):
-        path = [int(t) for t in outputs[b]] + [int(t) for t in drafts[b][: positions - 1]]
-        start = len(outputs[b])
-        for j in range(positions):
-            if start + j < size:
-                continue  # no complete n-gram yet
-            ids = torch.tensor([path[: start + j]], dtype=torch.long, device=logits.device)  # [1, L]
-            banned = processor(ids, logits[b, j : j + 1])[0]  # [V]
-            if exempt is not None:
-                banned = torch.where(exempt, logits[b, j], banned)
-            if torch.isfinite(banned).any():
-                out[b, j] = banned
-    return out
+    device = logits.device
+    bsz, positions, vocab = logits.shape
+    longest = max(outputs.lengths)
+    width = max(longest + positions - 1, size)  # every row's whole path fits; unfold needs >= size
+    lengths = torch.tensor(outputs.lengths, dtype=torch.long).to(device, non_blocking=True)  # [B]
+
+    # Row b's path, output + drafts[b, :P - 1], left-aligned (what lies past it is never read).
+    path = torch.zeros((bsz, width), dtype=torch.long, device=device)  # [B, W]
+    path[:, :longest] = outputs.tokens[:, :longest].to(device)
+    draft_cols = lengths[:, None] + torch.arange(positions - 1, device=device)  # [B, P - 1]
+    path.scatter_(1, draft_cols, drafts[:, : positions - 1].to(device))
+
+    # Position j's prefix is path[:, :L + j]: its last size - 1 tokens (the tail), and the windows
+    # path[:, i : i + size] that lie inside it (i <= L + j - size).
+    ends = lengths[:, None] + torch.arange(positions, device=device)  # [B, P]: L + j
+    tail_cols = ends[:, :, None] - (size - 1) + torch.arange(size - 1, device=device)  # [B, P, size - 1]
+    tails = path.gather(1, tail_cols.clamp(min=0).view(bsz, -1)).view(bsz, positions, size - 1)
+    windows = path.unfold(1, size, 1)  # [B, N, size], N = W - size + 1
+    starts = torch.arange(windows.shape[1], device=device)  # [N]
+    inside = starts[None, None, :] <= ends[:, :, None] - size  # [B, P, N]
+    match = (windows[:, None, :, :-1] == tails[:, :, None, :]).all(-1) & inside  # [B, P, N]
+
+    # Ban each matching window's last token: non-matches write to a spare column V, dropped after,
+    # so every write is a True and duplicates cannot race.
+    targets = torch.where(match, windows[:, None, :, -1], vocab)  # [B, P, N]
+    banned = torch.zeros((bsz, positions, vocab + 1), dtype=torch.bool, device=device)
+    banned = banned.scatter_(2, targets, True)[..., :vocab]  # [B, P, V]
+    if exempt is not None:
+        banned &= ~exempt.to(device)
+    processed = logits.masked_fill(banned, float("-inf"))
+    keeps = torch.isfinite(processed).any(-1, keepdim=True)  # [B, P, 1]: the ban left something
+    return torch.where(keeps, processed, logits)

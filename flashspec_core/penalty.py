@@ -11,6 +11,10 @@ therefore gets the penalty of its own prefix (as the grammar mask does, constrai
 so the verifier tests the draft against exactly the distribution that autoregressive decoding
 with the penalty samples from, and the output law is unchanged by speculation.
 
+The set of tokens seen so far lives on the logits' device (`SeenTokens`, [B, V] bool): built once
+from the prompts, and each step only the committed tokens are added. A step then costs device ops
+and an O(γ) host list of draft ids, not a walk over the whole sequence in Python (issue 14).
+
 The penalty is computed in float32 whatever the model's dtype, as HF `generate` computes it (it
 casts the logits to float32 before any processor). In bfloat16, bf16 logits [24.0, 24.125] with
 both tokens seen and penalty 1.3 both round to 18.5 and greedy picks token 0; HF picks token 1.
@@ -22,27 +26,48 @@ from typing import Sequence
 import torch
 
 
-def penalize_paths(
-    logits: torch.Tensor, contexts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]], penalty: float
-) -> torch.Tensor:
+class SeenTokens:
+    """Which tokens each row's sequence holds so far, on the logits' device, for one request.
+
+    mask: [B, V] bool. The engine builds it from the prompts and commits each step's verified
+    tokens, so the penalty never rereads the sequence from the host.
+    """
+
+    def __init__(self, contexts: Sequence[Sequence[int]], vocab: int, device: torch.device | str = "cpu"):
+        """contexts: B token lists (the prompts); vocab: V, the logits' last dimension."""
+        self.mask = torch.zeros((len(contexts), vocab), dtype=torch.bool, device=device)  # [B, V]
+        for row, tokens in enumerate(contexts):
+            self.commit(row, tokens)
+
+    def commit(self, row: int, tokens: Sequence[int]) -> None:
+        """Mark `tokens` as seen in `row` (ids outside [0, V) are ignored, as HF ignores them)."""
+        vocab = self.mask.shape[1]
+        ids = [int(t) for t in tokens if 0 <= t < vocab]
+        if ids:  # an async copy of a few ids and one fill: no host sync
+            index = torch.tensor(ids, dtype=torch.long).to(self.mask.device, non_blocking=True)
+            self.mask[row].index_fill_(0, index, True)
+
+
+def penalize_paths(logits: torch.Tensor, seen: SeenTokens, drafts: torch.Tensor, penalty: float) -> torch.Tensor:
     """Apply the repetition penalty to each position of each row along its draft path.
 
-    logits: [B, P, V] raw logits; position j of row b scores the token after
-    contexts[b] + drafts[b][:j]. contexts: B token lists; drafts: B lists of at least P - 1 ids.
+    logits: [B, P, V] raw logits; position j of row b scores the token after the row's sequence
+    (the tokens in `seen`) + drafts[b, :j]. drafts: [B, >= P - 1] long, on the logits' device.
     Returns a new [B, P, V] float32 tensor (the input is not modified); penalty 1 returns `logits`
     itself, in its own dtype (casting to float32 is exact, so nothing downstream can tell).
     """
     if penalty == 1.0:
         return logits
     logits = logits.float()
-    bsz, positions, vocab = logits.shape
-    seen = torch.zeros((bsz, positions, vocab), dtype=torch.bool)  # [B, P, V]
-    for b in range(bsz):
-        ids = [t for t in set(contexts[b]) if 0 <= t < vocab]
-        if ids:
-            seen[b, :, ids] = True
-        for j in range(1, positions):
-            seen[b, j:, int(drafts[b][j - 1])] = True
-    seen = seen.to(logits.device, non_blocking=True)
+    positions = logits.shape[1]
+    marked = seen.mask.to(logits.device)[:, None, :].repeat(1, positions, 1)  # [B, P, V]
+    if positions > 1:
+        # Position j (>= 1) also holds drafts[:, :j]: a [B, P - 1, P - 1] index whose entries k >= j
+        # repeat drafts[:, 0] (held at every j >= 1), so every write is a True that belongs there.
+        path = drafts[:, : positions - 1].to(logits.device)  # [B, P - 1]
+        k = torch.arange(positions - 1, device=logits.device)
+        held = k[None, :] < k[:, None] + 1  # [P - 1, P - 1]: row j - 1, column k: k < j
+        ids = torch.where(held, path[:, None, :], path[:, :1, None])  # [B, P - 1, P - 1]
+        marked[:, 1:].scatter_(2, ids, True)
     scaled = torch.where(logits < 0, logits * penalty, logits / penalty)
-    return torch.where(seen, scaled, logits)
+    return torch.where(marked, scaled, logits)

@@ -171,3 +171,37 @@ def test_greedy_equals_constrained_greedy_decoding(tiny_target, tiny_draft_model
         assert result.token_ids == expected, (prompt, decode(result.token_ids), decode(expected))
         if result.finish_reason == "stop":
             assert _state(decode(result.token_ids)) == "done"
+
+
+@torch.no_grad()
+def _constrained_greedy_without_repeats(model, prompt: list[int], n: int, size: int) -> list[int]:
+    """Constrained greedy decoding with the n-gram ban over the output, written out by hand: the
+    tokens that would complete an n-gram the output holds are dropped from what the grammar allows,
+    unless that leaves nothing (the ban yields to the grammar, ngram_ban.py)."""
+    out: list[int] = []
+    while len(out) < n and (not out or out[-1] != EOS):
+        logits = next_logits(model, [prompt + out])[0]
+        allowed = allowed_next(decode(out))
+        tail = out[len(out) - size + 1:] if size > 1 else []
+        repeats = {out[i + size - 1] for i in range(len(out) - size + 1) if out[i:i + size - 1] == tail}
+        allowed = [t for t in allowed if t not in repeats] or allowed
+        out.append(allowed[int(logits[allowed].argmax())])
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("arm", [Arm(NO_DRAFT, 0), Arm("grammar", 4), Arm("model", 3)], ids=str)
+def test_greedy_with_the_ban_under_a_grammar_equals_it_written_out(tiny_target, tiny_draft_model, grammar, arm, size):
+    """The engine's ban under a grammar, in a batch of rows (the tiny tokenizer's words hold no JSON
+    punctuation, so nothing is exempt; the yield rule is held to HF's in test_ngram_ban.py)."""
+    engine = _engine(tiny_target, tiny_draft_model, router_seed=3)
+    engine.router = FixedRouter(arm)
+    prompts = [PROMPT, [0, 2, 3, 6, 9], [5, 5, 10, 7], [12, 13, 14, 11]]
+    results = engine.generate(prompts, max_new_tokens=24, json_schema=grammar,
+                              sampling=SamplingParams(no_repeat_ngram_size=size))
+    changed = 0
+    for prompt, result in zip(prompts, results):
+        expected = _constrained_greedy_without_repeats(tiny_target.model, prompt, 24, size)
+        assert result.token_ids == expected, (prompt, decode(result.token_ids), decode(expected))
+        changed += expected != _constrained_greedy(tiny_target.model, prompt, 24)
+    assert changed, "the ban should change some row's output"

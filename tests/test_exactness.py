@@ -266,7 +266,7 @@ def test_engine_tests_reject_a_processor_blind_to_the_draft_path(tiny_target, mo
     original = getattr(engine_module, name)
 
     def blind(logits, history, drafts, *args):
-        per_position = [original(logits[:, j:j + 1], history, [[] for _ in history], *args)
+        per_position = [original(logits[:, j:j + 1], history, drafts[:, :0], *args)
                         for j in range(logits.shape[1])]
         return torch.cat(per_position, dim=1)
 

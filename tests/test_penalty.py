@@ -1,4 +1,5 @@
-"""Repetition penalty: HF's processor at every position of a draft path; greedy = HF generate."""
+"""Repetition penalty: HF's processor at every position of a draft path, from the seen tokens kept on
+the device; greedy = HF generate."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 from helpers import looping_engine
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from flashspec_core.penalty import penalize_paths
+from flashspec_core.penalty import SeenTokens, penalize_paths
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 
@@ -19,7 +20,7 @@ def test_each_position_gets_hf_penalty_of_its_own_prefix(penalty):
     contexts = [[1, 2, 2, 5], [7, 0]]
     drafts = [[3, 1, 9], [4, 4, 8]]
     logits = torch.randn((2, 4, 12), generator=gen) * 3  # [B, P, V]: both signs
-    got = penalize_paths(logits, contexts, drafts, penalty)
+    got = penalize_paths(logits, SeenTokens(contexts, 12), torch.tensor(drafts), penalty)
     hf = RepetitionPenaltyLogitsProcessor(penalty)
     for b in range(2):
         for j in range(4):
@@ -29,12 +30,38 @@ def test_each_position_gets_hf_penalty_of_its_own_prefix(penalty):
     assert not torch.equal(got, logits)
 
 
+@pytest.mark.parametrize("positions", [1, 2, 5, 9])
+def test_hf_penalty_on_random_paths_with_commits_and_unequal_rows(positions):
+    """Rows of different lengths, repeated draft ids, and tokens committed after the prompts (the
+    engine's steps) count exactly as if they had been in the context from the start."""
+    gen = torch.Generator().manual_seed(positions)
+    vocab, hf = 10, RepetitionPenaltyLogitsProcessor(1.6)
+    prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (1, 7, 3)]
+    committed = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (4, 0, 2)]
+    drafts = torch.randint(vocab, (3, positions - 1), generator=gen)  # [B, P - 1]: small vocab, repeats
+    seen = SeenTokens(prompts, vocab)
+    for row, tokens in enumerate(committed):
+        seen.commit(row, tokens)
+    logits = torch.randn((3, positions, vocab), generator=gen) * 3  # [B, P, V]
+    got = penalize_paths(logits, seen, drafts, 1.6)
+    for b in range(3):
+        for j in range(positions):
+            prefix = torch.tensor([prompts[b] + committed[b] + drafts[b, :j].tolist()])
+            torch.testing.assert_close(got[b, j:j + 1], hf(prefix, logits[b, j:j + 1].clone()), rtol=0, atol=0)
+
+
 def test_penalty_one_is_the_identity_and_the_input_is_left_alone():
     logits = torch.randn(1, 3, 8)
-    assert penalize_paths(logits, [[1, 2]], [[3, 4]], 1.0) is logits
+    seen, drafts = SeenTokens([[1, 2]], 8), torch.tensor([[3, 4]])
+    assert penalize_paths(logits, seen, drafts, 1.0) is logits
     before = logits.clone()
-    penalize_paths(logits, [[1, 2]], [[3, 4]], 1.5)
+    penalize_paths(logits, seen, drafts, 1.5)
     assert torch.equal(logits, before)
+
+
+def test_seen_tokens_ignore_ids_outside_the_vocabulary():
+    """As HF ignores them: a prompt may hold ids of a tokenizer larger than the model's output."""
+    assert SeenTokens([[1, 9, -1, 3]], 4).mask.tolist() == [[False, True, False, True]]
 
 
 def test_sampling_params_reject_a_non_positive_penalty():

@@ -12,8 +12,8 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from flashspec_core.constrained import Constraint, Grammar
-from flashspec_core.ngram_ban import ban_repeated_ngrams
-from flashspec_core.penalty import penalize_paths
+from flashspec_core.ngram_ban import OutputTokens, ban_repeated_ngrams
+from flashspec_core.penalty import SeenTokens, penalize_paths
 from flashspec_core.sampling import SamplingParams, probs_from_logits
 from flashspec_core.verify import verify
 
@@ -22,7 +22,7 @@ TIE = torch.tensor([[[24.0, 24.125]]], dtype=torch.bfloat16)  # [B=1, P=1, V=2]
 
 def test_the_penalty_on_bf16_logits_breaks_no_tie_that_hf_does_not():
     assert torch.where(TIE < 0, TIE * 1.3, TIE / 1.3).unique().numel() == 1, "bf16 arithmetic ties them"
-    got = penalize_paths(TIE, [[0, 1]], [[]], 1.3)
+    got = penalize_paths(TIE, SeenTokens([[0, 1]], 2), torch.zeros(1, 0, dtype=torch.long), 1.3)
     assert got.dtype == torch.float32
     hf = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([[0, 1]]), TIE[0].float())  # HF: fp32 first
     torch.testing.assert_close(got[0], hf, rtol=0, atol=0)
@@ -34,10 +34,10 @@ def test_the_penalty_on_bf16_logits_breaks_no_tie_that_hf_does_not():
 def test_every_processor_returns_float32_and_equals_its_float32_run(dtype):
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(2, 3, 6, generator=gen) * 20).to(dtype)  # [B, P, V]
-    contexts, drafts = [[1, 2, 1], [4]], [[2, 1], [4, 5]]
+    contexts, drafts = [[1, 2, 1], [4]], torch.tensor([[2, 1], [4, 5]])
     runs = [
-        lambda x: penalize_paths(x, contexts, drafts, 1.7),
-        lambda x: ban_repeated_ngrams(x, [c[1:] for c in contexts], drafts, 1),
+        lambda x: penalize_paths(x, SeenTokens(contexts, 6), drafts, 1.7),
+        lambda x: ban_repeated_ngrams(x, OutputTokens([c[1:] for c in contexts]), drafts, 1),
     ]
     for run in runs:
         got = run(logits)
