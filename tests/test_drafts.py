@@ -52,6 +52,13 @@ def test_prompt_lookup_copies_after_the_latest_occurrence_of_the_longest_tail(co
     assert tokens == [], "proposed tokens without an earlier occurrence of the tail"
 
 
+def test_prompt_lookup_proposes_nothing_for_ids_no_code_point_holds():
+    """The n-gram search runs on the ids as code points; no tokenizer has an id past 0x10FFFF."""
+    for bad in (0x110000, -1, 2**40):
+        assert PromptLookupDraft().propose([[1, 2, 3, bad, 1, 2]], 4, T1).tokens == [[]]
+    assert PromptLookupDraft().propose([[1, 0x10FFFF, 3, 1, 0x10FFFF]], 4, T1).tokens == [[3, 1, 0x10FFFF]]
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(token_lists, min_size=1, max_size=5), st.integers(1, 6))
 def test_prompt_lookup_rows_of_a_batch_are_independent(contexts, gamma):
@@ -60,10 +67,11 @@ def test_prompt_lookup_rows_of_a_batch_are_independent(contexts, gamma):
     assert batch == [draft.propose([c], gamma, T1).tokens[0] for c in contexts]
 
 
-# What happens to the row between two steps: it grows (a step's tokens), is cut back (a rollback),
-# has one token changed in place, is replaced (a new request, maybe as long as the old one), or is
-# passed as a copy (the router's scoring), a tuple, or at another row index of a batch.
-ROW_EDITS = ("extend", "extend", "truncate", "edit", "new", "copy", "tuple", "batch")
+# What happens to the row between two steps: it grows (a step's tokens, or an id past 16 bits,
+# or one no code point can hold), is cut back (a rollback), has one token changed in place, is
+# replaced (a new request, maybe as long as the old one), or is passed as a copy (the router's
+# scoring), a tuple, or at another row index of a batch.
+ROW_EDITS = ("extend", "extend", "wide", "invalid", "truncate", "edit", "new", "copy", "tuple", "batch")
 
 
 @settings(max_examples=300, deadline=None)
@@ -79,6 +87,10 @@ def test_prompt_lookup_reusing_its_copy_of_a_growing_row_proposes_what_the_plain
     for op, tokens, k in ops:
         if op == "extend":
             row.extend(tokens)
+        elif op == "wide":
+            row += [0x10FFFF - k, tokens[0], 0x10FFFF - k]
+        elif op == "invalid":
+            row += [0x110000 + k, -1 - k][k % 2:]
         elif op == "truncate":
             del row[max(0, len(row) - k):]
         elif op == "edit" and row:

@@ -6,84 +6,85 @@ a repeated n-gram is often what comes next. The draft is deterministic: q is one
 from __future__ import annotations
 
 import threading
+from array import array
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import Proposal
 
 
-def _latest_match_end(arr: np.ndarray, max_ngram: int, min_ngram: int) -> int | None:
-    """Where the most recent earlier copy of the longest matching tail n-gram of `arr` ends.
+def _as_text(tokens: Sequence[int]) -> str | None:
+    """The token ids as one code point each, so that `str.rfind` (C, no per-call array set-up)
+    does the n-gram search; None when an id is outside [0, 0x110000), which no tokenizer has."""
+    try:
+        return array("I", tokens).tobytes().decode("utf-32-le", "surrogatepass")
+    except (OverflowError, UnicodeDecodeError):
+        return None
 
-    One vectorised comparison finds where the last token occurred before, and only those
-    candidates are extended backwards, instead of comparing every window.
-    """
-    last = len(arr) - 1
-    ends = np.flatnonzero(arr[:-1] == arr[-1])  # candidate ends of an earlier copy of the tail
+
+def _latest_match_end(text: str, max_ngram: int, min_ngram: int) -> int | None:
+    """Where the most recent earlier copy of the longest matching tail n-gram of `text` ends
+    (an earlier copy ends before the last token, so at least one token follows it)."""
+    last = len(text) - 1
     for n in range(min(max_ngram, last), min_ngram - 1, -1):
-        cand = ends[ends >= n - 1]
-        ok = np.ones(cand.size, dtype=bool)
-        for k in range(1, n):
-            ok &= arr[cand - k] == arr[last - k]
-        if ok.any():
-            return int(cand[ok][-1])
+        start = text.rfind(text[last + 1 - n:], 0, last)
+        if start >= 0:
+            return start + n - 1
     return None
 
 
+def _continuation(text: str | None, end: int | None, gamma: int) -> list[int]:
+    return [] if text is None or end is None else list(map(ord, text[end + 1:end + 1 + gamma]))
+
+
 def lookup_continuation(context: Sequence[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Up to `gamma` tokens after the most recent earlier match of the longest matching tail n-gram."""
+    """Up to `gamma` tokens after the most recent earlier match of the longest matching tail
+    n-gram (nothing if an id is outside [0, 0x110000))."""
     if gamma <= 0 or len(context) < min_ngram + 1:
         return []
-    arr = np.asarray(context, dtype=np.int64)
-    end = _latest_match_end(arr, max_ngram, min_ngram)
-    return [] if end is None else arr[end + 1:end + 1 + gamma].tolist()
+    text = _as_text(context)
+    return _continuation(text, None if text is None else _latest_match_end(text, max_ngram, min_ngram), gamma)
 
 
 class _Mirror:
-    """An int64 copy of one row's context, extended while the row grows instead of rebuilt.
+    """One row's context as text (`_as_text`), extended while the row grows instead of rebuilt.
 
-    Converting a list of Python ints costs ~30 ns a token (80 µs at 3k tokens), and a row is
-    looked up twice a step (the engine's arm, then the router scoring the draft after the fact)
-    while it grows by a few tokens. The copy is reused only when a C-level list comparison with
-    `tokens` (the context it was built from) proves that the new context extends it: a new
-    request, a rollback or an edited list rebuilds. The match found for a context is kept until
-    the context changes, so the second lookup of a step is that comparison alone.
+    Converting costs ~10 ns a token (30 µs at 3k tokens), and a row is looked up twice a step
+    (the engine's arm, then the router scoring the draft after the fact) while it grows by a few
+    tokens. The text is reused only when a C-level list comparison with `tokens` (the context it
+    was built from) proves that the new context extends it: a new request, a rollback or an edited
+    list rebuilds it. The match found is kept until the context changes, so the second lookup of a
+    step is that comparison alone.
     """
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self.buf = np.empty(0, dtype=np.int64)  # buf[:len(tokens)] == tokens
+        self.text: str | None = ""  # _as_text(tokens)
         self.match: tuple[int, int, int | None] | None = None  # (max_ngram, min_ngram, end) for tokens
-
-    def sync(self, context: list[int]) -> np.ndarray:
-        """`np.asarray(context, dtype=np.int64)`, from the copy where `context` extends it."""
-        seen, n = len(self.tokens), len(context)
-        if seen and n >= seen and (context == self.tokens if n == seen else context[:seen] == self.tokens):
-            if n > seen:
-                new = context[seen:]
-                if n > len(self.buf):  # doubling: amortised O(new tokens) per step
-                    self.buf = np.resize(self.buf, max(n, 2 * len(self.buf)))
-                self.buf[seen:n] = np.asarray(new, dtype=np.int64)
-                self.tokens += new
-                self.match = None
-        else:
-            self.tokens = list(context)
-            self.buf = np.asarray(self.tokens, dtype=np.int64)
-            self.match = None
-        return self.buf[:n]
 
     def lookup(self, context: list[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:
         """`lookup_continuation(context, gamma, max_ngram, min_ngram)`, from the mirror."""
         if gamma <= 0 or len(context) < min_ngram + 1:
             return []
-        arr = self.sync(context)
+        seen, n = len(self.tokens), len(context)
+        if seen and n >= seen and (context == self.tokens if n == seen else context[:seen] == self.tokens):
+            if n > seen:
+                new = context[seen:]
+                added = _as_text(new)
+                self.text = None if self.text is None or added is None else self.text + added
+                self.tokens += new
+                self.match = None
+        else:
+            self.tokens = list(context)
+            self.text = _as_text(self.tokens)
+            self.match = None
+        if self.text is None:
+            return []
         if self.match is None or self.match[:2] != (max_ngram, min_ngram):
-            self.match = (max_ngram, min_ngram, _latest_match_end(arr, max_ngram, min_ngram))
-        end = self.match[2]
-        return [] if end is None else arr[end + 1:end + 1 + gamma].tolist()
+            self.match = (max_ngram, min_ngram, _latest_match_end(self.text, max_ngram, min_ngram))
+        return _continuation(self.text, self.match[2], gamma)
 
 
 class PromptLookupDraft:
