@@ -53,10 +53,10 @@ class _Mirror:
 
     Converting costs ~10 ns a token (30 µs at 3k tokens), and a row is looked up twice a step
     (the engine's arm, then the router scoring the draft after the fact) while it grows by a few
-    tokens. The text is reused only when a C-level list comparison with `tokens` (the context it
-    was built from) proves that the new context extends it: a new request, a rollback or an edited
-    list rebuilds it. The match found is kept until the context changes, so the second lookup of a
-    step is that comparison alone.
+    tokens. The text is reused only when a C-level list comparison proves that the new context
+    is `tokens` (the context it was built from) followed by what it added: a new request, a
+    rollback or an edited list rebuilds it. The match found is kept until the context changes,
+    so the second lookup of a step is that comparison alone.
     """
 
     def __init__(self) -> None:
@@ -68,13 +68,13 @@ class _Mirror:
         """`lookup_continuation(context, gamma, max_ngram, min_ngram)`, from the mirror."""
         if gamma <= 0 or len(context) < min_ngram + 1:
             return []
-        seen, n = len(self.tokens), len(context)
-        if seen and n >= seen and (context == self.tokens if n == seen else context[:seen] == self.tokens):
-            if n > seen:
-                new = context[seen:]
+        seen = len(self.tokens)
+        new = context[seen:] if seen else []
+        self.tokens += new  # kept if the whole context equals the result: no O(L) slice to compare
+        if seen and context == self.tokens:
+            if new:
                 added = _as_text(new)
                 self.text = None if self.text is None or added is None else self.text + added
-                self.tokens += new
                 self.match = None
         else:
             self.tokens = list(context)
