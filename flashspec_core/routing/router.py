@@ -395,8 +395,8 @@ class BanditRouter:
         plain = state.verify_seconds(1)
         return _TOKENS_AT_REWARD_ONE / plain if plain else state.stored_scale
 
-    def _reward(self, state: _Domain, goodput: float) -> float:
-        scale = self._scale(state)
+    @staticmethod
+    def _reward(scale: float | None, goodput: float) -> float:
         if not scale:  # no plain step measured yet: every arm alike (the first steps of a domain)
             return 0.5
         return min(1.0, goodput / scale)
@@ -405,6 +405,7 @@ class BanditRouter:
         """Bandit rounds of `domain`: the arm that ran (if `record`) and the free scorings resolved
         now, one reward per arm per round (an arm resolved twice gets a second round)."""
         state = self._domain(domain)
+        scale = self._scale(state)  # fixed during these rounds: they change tallies, not verify passes
         rounds: list[dict[int, float]] = [{}]
         ran = goodput = seconds = None
         if record is not None:
@@ -414,13 +415,13 @@ class BanditRouter:
             t = state.tallies[ran]
             # Steady seconds: a model draft's catch-up is the price of switching to it, which a
             # router that keeps the arm stops paying; charged to the arm it would bury it.
-            rounds[0][ran] = self._reward(state, record.emitted / t.mean_seconds(record.steady_seconds))
+            rounds[0][ran] = self._reward(scale, record.emitted / t.mean_seconds(record.steady_seconds))
             t.pulls += 1
             t.goodput_sum += goodput
             t.seconds_sum += seconds
             state.steps += 1
         for i, emitted, free_seconds in free:
-            reward = self._reward(state, emitted / state.tallies[i].mean_seconds(free_seconds))
+            reward = self._reward(scale, emitted / state.tallies[i].mean_seconds(free_seconds))
             for slot in rounds:
                 if i not in slot:
                     break
@@ -445,7 +446,7 @@ class BanditRouter:
                     d.reward_sum += r
                     d.reward_sumsq += r * r
             if deltas:
-                self._persist(domain, deltas, self._scale(state))
+                self._persist(domain, deltas, scale)
 
     def _persist(self, domain: str, deltas: dict[str, ArmDelta], scale: float | None) -> None:
         """Queue one update for the store; written by `flush` (every FLUSH_EVERY updates and at
