@@ -86,7 +86,8 @@ def run(router, drafts: dict, requests: list[tuple[list[int], list[int]]]) -> tu
             proposal = drafts[arm.draft].propose([seq], arm.gamma, GREEDY).tokens[0] if arm.gamma else []
             t2 = time.perf_counter()
             truth = output[len(seq) - len(prompt):]
-            matched = next((i for i, (p, t) in enumerate(zip(proposal, truth)) if p != t), min(len(proposal), len(truth)))
+            agree = [p == t for p, t in zip(proposal, truth)]
+            matched = agree.index(False) if False in agree else len(agree)  # greedy verify's accepted count
             context_len = len(seq)
             seq.extend(truth[:matched + 1])
             record = StepRecord(domain="rag", arm=arm, drafted=len(proposal), accepted=matched,
