@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashspec_core.drafts import DraftSource, ModelDraft, PromptLookupDraft, SuffixCacheDraft
+from flashspec_core.drafts.prompt_lookup import lookup_continuation
 from flashspec_core.sampling import SamplingParams, probs_from_logits
 
 T1 = SamplingParams(temperature=1.0)
@@ -51,12 +52,59 @@ def test_prompt_lookup_copies_after_the_latest_occurrence_of_the_longest_tail(co
     assert tokens == [], "proposed tokens without an earlier occurrence of the tail"
 
 
+def test_prompt_lookup_proposes_nothing_for_ids_no_code_point_holds():
+    """The n-gram search runs on the ids as code points; no tokenizer has an id past 0x10FFFF."""
+    for bad in (0x110000, -1, 2**40):
+        assert PromptLookupDraft().propose([[1, 2, 3, bad, 1, 2]], 4, T1).tokens == [[]]
+    assert PromptLookupDraft().propose([[1, 0x10FFFF, 3, 1, 0x10FFFF]], 4, T1).tokens == [[3, 1, 0x10FFFF]]
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(token_lists, min_size=1, max_size=5), st.integers(1, 6))
 def test_prompt_lookup_rows_of_a_batch_are_independent(contexts, gamma):
     draft = PromptLookupDraft()
     batch = draft.propose(contexts, gamma, T1).tokens
     assert batch == [draft.propose([c], gamma, T1).tokens[0] for c in contexts]
+
+
+# What happens to the row between two steps: it grows (a step's tokens, or an id past 16 bits,
+# or one no code point can hold), is cut back (a rollback), has one token changed in place, is
+# replaced (a new request, maybe as long as the old one), or is passed as a copy (the router's
+# scoring), a tuple, or at another row index of a batch.
+ROW_EDITS = ("extend", "extend", "wide", "invalid", "truncate", "edit", "new", "copy", "tuple", "batch")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(ROW_EDITS), token_lists, st.integers(0, 8)), min_size=1, max_size=30),
+       st.integers(1, 4), st.integers(0, 3))
+def test_prompt_lookup_reusing_its_copy_of_a_growing_row_proposes_what_the_plain_function_does(ops, max_ngram, shorter):
+    """The draft keeps an int64 copy of each row and converts only what a longer context added;
+    a context that does not extend the copy (a new request, a rollback, an edit in place, the
+    same length with other tokens) must be looked up afresh, never from the stale copy."""
+    min_ngram = max(1, max_ngram - shorter)
+    draft = PromptLookupDraft(max_ngram=max_ngram, min_ngram=min_ngram)
+    row: list[int] = []
+    for op, tokens, k in ops:
+        if op == "extend":
+            row.extend(tokens)
+        elif op == "wide":
+            row += [0x10FFFF - k, tokens[0], 0x10FFFF - k]
+        elif op == "invalid":
+            row += [0x110000 + k, -1 - k][k % 2:]
+        elif op == "truncate":
+            del row[max(0, len(row) - k):]
+        elif op == "edit" and row:
+            row[k % len(row)] = (row[k % len(row)] + 1) % 5
+        elif op == "new":
+            row = (tokens * 8)[:len(row)] if k % 2 else list(tokens)  # half the time as long as the old row
+        context = list(row) if op == "copy" else tuple(row) if op == "tuple" else row
+        for gamma in (k, 8):  # twice per context, as a step and then the router's scoring ask
+            expected = lookup_continuation(list(context), gamma, max_ngram, min_ngram)
+            if op == "batch":
+                assert draft.propose([tokens, context], gamma, T1).tokens == [
+                    lookup_continuation(tokens, gamma, max_ngram, min_ngram), expected]
+            else:
+                assert draft.propose([context], gamma, T1).tokens[0] == expected
 
 
 @settings(max_examples=200, deadline=None)

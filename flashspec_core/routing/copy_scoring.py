@@ -55,6 +55,7 @@ class CopyScorer:
 
     def __init__(self, arms: Sequence[Arm], drafts: Mapping[str, DraftSource]) -> None:
         self.arms = tuple(arms)
+        self._index = {a: i for i, a in enumerate(self.arms)}
         # (draft, [(arm index, γ)]): one call per draft and step, at its largest γ.
         self._drafts = [(d, [(i, a.gamma) for i, a in enumerate(self.arms) if a.draft == name])
                         for name, d in drafts.items()]
@@ -65,10 +66,13 @@ class CopyScorer:
         ctx, seq = record.context_len, record.sequence
         if not self._drafts or ctx <= 0 or len(seq) <= ctx:
             return None
-        context = list(seq[:ctx])  # a copy: drafts must not see or touch the live list
+        context = seq[:ctx]  # a copy: drafts must not see or touch the live list
+        if not isinstance(context, list):
+            context = list(context)
+        ran = self._index.get(record.arm)
         proposals, seconds = {}, {}
         for draft, arms in self._drafts:
-            arms = [(i, g) for i, g in arms if self.arms[i] != record.arm]  # the arm that ran has its own
+            arms = [(i, g) for i, g in arms if i != ran]  # the arm that ran has its own
             if not arms:
                 continue
             # A deterministic draft's γ proposal is the head of its longer one (DraftSource):

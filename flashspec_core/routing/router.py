@@ -45,7 +45,6 @@ ALGORITHMS = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted")
 # Updates queued in memory before the store is written (and at every request's end): one SQLite
 # transaction per step cost about a tenth of a CPU decode step.
 FLUSH_EVERY = 64
-_DELTA_FIELDS = tuple(ArmDelta.__dataclass_fields__)
 # Goodput maps to reward 1 at this many tokens per plain step's time: plain decoding scores 1/4,
 # a step four times as productive scores 1 (rarer, richer copy steps are clipped there), which
 # keeps rewards near the middle of [0, 1] where the Thompson prior is centred.
@@ -226,6 +225,7 @@ class BanditRouter:
         self.stored_weight = float(stored_weight)
         self.seed = seed
         self._index = {a: i for i, a in enumerate(self.arms)}
+        self._names = [str(a) for a in self.arms]  # the store's keys
         self._copies = CopyScorer(self.arms, free_drafts)
         self._free_names = frozenset(free_drafts)
         self._domains: dict[str, _Domain] = {}
@@ -395,8 +395,8 @@ class BanditRouter:
         plain = state.verify_seconds(1)
         return _TOKENS_AT_REWARD_ONE / plain if plain else state.stored_scale
 
-    def _reward(self, state: _Domain, goodput: float) -> float:
-        scale = self._scale(state)
+    @staticmethod
+    def _reward(scale: float | None, goodput: float) -> float:
         if not scale:  # no plain step measured yet: every arm alike (the first steps of a domain)
             return 0.5
         return min(1.0, goodput / scale)
@@ -405,8 +405,9 @@ class BanditRouter:
         """Bandit rounds of `domain`: the arm that ran (if `record`) and the free scorings resolved
         now, one reward per arm per round (an arm resolved twice gets a second round)."""
         state = self._domain(domain)
+        scale = self._scale(state)  # fixed during these rounds: they change tallies, not verify passes
         rounds: list[dict[int, float]] = [{}]
-        deltas: dict[str, ArmDelta] = {}
+        ran = goodput = seconds = None
         if record is not None:
             seconds = record.seconds - record.warmup_seconds  # one-time work is nobody's cost
             goodput = record.emitted / seconds
@@ -414,43 +415,45 @@ class BanditRouter:
             t = state.tallies[ran]
             # Steady seconds: a model draft's catch-up is the price of switching to it, which a
             # router that keeps the arm stops paying; charged to the arm it would bury it.
-            rounds[0][ran] = self._reward(state, record.emitted / t.mean_seconds(record.steady_seconds))
-            deltas[str(record.arm)] = ArmDelta(pulls=1, goodput_sum=goodput, seconds_sum=seconds)
+            rounds[0][ran] = self._reward(scale, record.emitted / t.mean_seconds(record.steady_seconds))
             t.pulls += 1
             t.goodput_sum += goodput
             t.seconds_sum += seconds
             state.steps += 1
-        for i, emitted, seconds in free:
-            reward = self._reward(state, emitted / state.tallies[i].mean_seconds(seconds))
-            slot = next((r for r in rounds if i not in r), None)
-            if slot is None:
+        for i, emitted, free_seconds in free:
+            reward = self._reward(scale, emitted / state.tallies[i].mean_seconds(free_seconds))
+            for slot in rounds:
+                if i not in slot:
+                    break
+            else:
                 slot = {}
                 rounds.append(slot)
             slot[i] = reward
             state.tallies[i].scored += 1
-            deltas.setdefault(str(self.arms[i]), ArmDelta()).scored += 1
         for rewards in rounds:
-            if not rewards:
-                continue
-            state.bandit.update_many(rewards)
-            for i, r in rewards.items():
-                d = deltas.setdefault(str(self.arms[i]), ArmDelta())
-                d.reward_n += 1.0
-                d.reward_sum += r
-                d.reward_sumsq += r * r
-        if deltas:
-            self._persist(domain, deltas, self._scale(state))
+            if rewards:
+                state.bandit.update_many(rewards)
+        if self.store is not None and not self._store_failed:  # the increments only a store needs
+            deltas: dict[str, ArmDelta] = {}
+            if ran is not None:
+                deltas[self._names[ran]] = ArmDelta(pulls=1, goodput_sum=goodput, seconds_sum=seconds)
+            for i, _, _ in free:
+                deltas.setdefault(self._names[i], ArmDelta()).scored += 1
+            for rewards in rounds:
+                for i, r in rewards.items():
+                    d = deltas.setdefault(self._names[i], ArmDelta())
+                    d.reward_n += 1.0
+                    d.reward_sum += r
+                    d.reward_sumsq += r * r
+            if deltas:
+                self._persist(domain, deltas, scale)
 
     def _persist(self, domain: str, deltas: dict[str, ArmDelta], scale: float | None) -> None:
         """Queue one update for the store; written by `flush` (every FLUSH_EVERY updates and at
         the end of each request), so a decode step never waits on a disk transaction."""
-        if self.store is None or self._store_failed:
-            return
         steps, queued, _ = self._unsaved.get(domain, (0, {}, None))
         for arm, d in deltas.items():
-            q = queued.setdefault(arm, ArmDelta())
-            for name in _DELTA_FIELDS:
-                setattr(q, name, getattr(q, name) + getattr(d, name))
+            queued.setdefault(arm, ArmDelta()).add(d)
         self._unsaved[domain] = (steps + 1, queued, scale)
         self._unsaved_updates += 1
         if self._unsaved_updates >= FLUSH_EVERY:

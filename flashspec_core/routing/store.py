@@ -29,7 +29,7 @@ import sqlite3
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
@@ -102,6 +102,17 @@ class ArmDelta:
     goodput_sum: float = 0.0
     seconds_sum: float = 0.0
 
+    def add(self, other: "ArmDelta") -> None:
+        """Add `other`'s increments to these (field by field, spelled out: the router merges
+        every step's increments into its write queue)."""
+        self.pulls += other.pulls
+        self.scored += other.scored
+        self.reward_n += other.reward_n
+        self.reward_sum += other.reward_sum
+        self.reward_sumsq += other.reward_sumsq
+        self.goodput_sum += other.goodput_sum
+        self.seconds_sum += other.seconds_sum
+
 
 @dataclass
 class DomainStats:
@@ -151,11 +162,6 @@ def _schema_columns() -> dict[str, list[str]]:
 
 
 _COLUMNS = _schema_columns()
-
-
-def _add(into: ArmDelta, delta: ArmDelta) -> None:
-    for f in fields(ArmDelta):
-        setattr(into, f.name, getattr(into, f.name) + getattr(delta, f.name))
 
 
 class RouterStore:
@@ -327,7 +333,7 @@ class RouterStore:
             pending.steps += steps
             pending.scale = pending.scale if scale is None else scale
             for arm, d in arms.items():
-                _add(pending.arms.setdefault(arm, ArmDelta()), d)
+                pending.arms.setdefault(arm, ArmDelta()).add(d)
             try:
                 self._write_pending(0.0 if self._behind else self.timeout)
             except sqlite3.OperationalError as exc:

@@ -35,9 +35,7 @@ def _add(into: Ledger, domain: str, arms: Mapping[str, ArmDelta], steps: int, sc
     stats.steps += steps
     stats.scale = scale if scale is not None else stats.scale
     for arm, delta in arms.items():
-        have = stats.arms.setdefault(arm, ArmDelta())
-        for f in fields(ArmDelta):
-            setattr(have, f.name, getattr(have, f.name) + getattr(delta, f.name))
+        stats.arms.setdefault(arm, ArmDelta()).add(delta)
 
 
 def _minus(a: Ledger, b: Ledger) -> Ledger:
