@@ -15,8 +15,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from langchain_rag_chain import build_chain, build_retriever  # noqa: E402
 
+from flashspec_core.backends.calibration import cpu_model  # noqa: E402
 from flashspec_integrations.langchain import ChatFlashSpec  # noqa: E402
 
 QUESTIONS = [
@@ -54,14 +53,6 @@ class BatchSizes(BaseCallbackHandler):
         message = response.generations[0][0].message
         self.sizes.append(message.response_metadata["flashspec"]["batch_size"])
         self.tokens += message.usage_metadata["output_tokens"]
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def run(chain, mode: str) -> tuple[float, list[str], BatchSizes]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import platform
 import random
 import tempfile
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from flashspec_core.backends.calibration import cpu_model
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.routing import BanditRouter, FixedRouter, RouterStore
 from flashspec_core.routing.router import FLUSH_EVERY
@@ -41,16 +41,6 @@ GAMMAS = (2, 4, 8)
 VOCAB = 32_000
 VERIFY_SECONDS = 2.1e-3  # an H200 target step (gpu_bench.py)
 GREEDY = SamplingParams()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_request(rng: random.Random, length: int, out_tokens: int) -> tuple[list[int], list[int]]:

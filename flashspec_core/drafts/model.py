@@ -68,6 +68,7 @@ class ModelDraft:
             # loop queues its γ forwards and the host waits once, for the γ tokens at the end.
             on_device = getattr(self._runner, "use_graphs", False)
             logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, V] or [B, K]
+            token = None  # [B] the token drafted last
             for i in range(gamma):
                 if i:
                     logits = (self._runner.feed_tokens(token) if on_device
