@@ -166,6 +166,10 @@ def main() -> None:
     print("\nrouter's steps per arm and domain (warm-up and timed)")
     for domain, arms in router_engine.router_summary().items():
         print(f"  {domain:<6}" + "  ".join(f"{a} {row['pulls']}" for a, row in arms.items() if row["pulls"]))
+    print("router's verify cost model: median ms of a pass by tokens fed (passes kept)")
+    for domain, state in getattr(router_engine.router, "_domains", {}).items():
+        costs = sorted((size, state.verify_seconds(size), len(kept)) for size, kept in state.verify.items())
+        print(f"  {domain:<6}" + "  ".join(f"{size}: {sec * 1e3:.2f} ({n})" for size, sec, n in costs))
 
 
 def measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args) -> list[dict]:

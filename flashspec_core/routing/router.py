@@ -26,9 +26,11 @@ measured time of verifying γ' + 1 tokens. Only finished steps are used, never t
 from __future__ import annotations
 
 import sqlite3
+import statistics
 import threading
 import warnings
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -45,6 +47,7 @@ ALGORITHMS = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted")
 # Updates queued in memory before the store is written (and at every request's end): one SQLite
 # transaction per step cost about a tenth of a CPU decode step.
 FLUSH_EVERY = 64
+VERIFY_SAMPLES = 63  # latest verify passes kept per size; their median prices the size (_Domain)
 # Goodput maps to reward 1 at this many tokens per plain step's time: plain decoding scores 1/4,
 # a step four times as productive scores 1 (rarer, richer copy steps are clipped there), which
 # keeps rewards near the middle of [0, 1] where the Thompson prior is centred.
@@ -127,17 +130,23 @@ class _Domain:
     tallies: list[_Tally]
     steps: int = 0
     stored_scale: float | None = None  # the store's scale, until this process measures its own
-    # Tokens fed by a single-row verify pass -> [passes, seconds]: the verify cost of a γ never run.
-    verify: dict[int, list[float]] = field(default_factory=dict)
+    # Tokens fed by a single-row verify pass -> its latest seconds: the verify cost of a γ never run.
+    verify: dict[int, deque[float]] = field(default_factory=dict)
     # Tokens -> seconds of one target forward as calibrated on this machine (one dict shared by
     # all domains): what a pass costs until this domain has measured its own.
     calibrated: dict[int, float] = field(default_factory=dict)
 
     def verify_seconds(self, tokens: int) -> float | None:
-        """Mean seconds of a single-row verify pass over `tokens` tokens, else the calibrated
-        forward cost at that width; None when neither is known."""
-        n, total = self.verify.get(tokens, (0, 0.0))
-        return total / n if n else self.calibrated.get(tokens)
+        """Median seconds of the latest single-row verify passes over `tokens` tokens, else the
+        calibrated forward cost at that width; None when neither is known.
+
+        Median, not mean: this price is charged to every copy-draft proposal of that size scored
+        after the fact, and only sizes the router runs are measured again. One pass that met a
+        garbage-collector pause or another process's burst (tens of ms against a 2 ms GPU step)
+        would, in a mean over a size's few passes, price those proposals out for the rest of the run.
+        """
+        samples = self.verify.get(tokens)
+        return statistics.median(samples) if samples else self.calibrated.get(tokens)
 
     def verify_estimate(self, tokens: int) -> float | None:
         """`verify_seconds(tokens)`, else that of the nearest size measured in this domain, else
@@ -378,9 +387,8 @@ class BanditRouter:
         with self._lock:
             state = self._domain(record.domain)
             if record.rows == 1:
-                v = state.verify.setdefault(record.drafted + 1, [0, 0.0])
-                v[0] += 1
-                v[1] += record.steady_verify_seconds
+                size = record.drafted + 1
+                state.verify.setdefault(size, deque(maxlen=VERIFY_SAMPLES)).append(record.steady_verify_seconds)
             free: dict[str, list[tuple[int, int, float]]] = {}
             for c in self._copies.step(record):
                 seconds = self._free_seconds(self._domain(c.domain), c.arm, c.proposed, c.draft_seconds, c.step_seconds)

@@ -364,6 +364,16 @@ def test_a_graph_capture_inside_a_step_is_charged_to_no_arm():
     assert cold._domains["rag"].verify_seconds(5) == pytest.approx(0.0021)
 
 
+def test_one_slow_pass_does_not_price_a_size_out():
+    """A verify pass that met a pause (a GC, another process) is one sample among the size's
+    latest: copy-draft proposals of that size are still priced at its typical pass."""
+    router = BanditRouter([NGRAM])
+    for seconds in (0.002, 0.0021, 0.05, 0.002, 0.0022):  # the third met a 48 ms pause
+        router.update(StepRecord(domain="rag", arm=NGRAM, drafted=4, accepted=1, emitted=2,
+                                 draft_seconds=0.0001, verify_seconds=seconds))
+    assert router._domains["rag"].verify_seconds(5) == pytest.approx(0.0021)
+
+
 def test_warmup_seconds_outside_the_verify_pass_are_rejected():
     router = BanditRouter([NGRAM])
     for warmup in (-0.1, 0.05):
