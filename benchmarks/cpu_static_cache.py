@@ -150,7 +150,7 @@ def engine_rows(target, stock, pad, old, new, args) -> None:
         runner.plan = engine._target_runner.plan  # the engine's calibration
         engine._target_runner = runner  # the benchmark's swap: make_runner picks the static one
         engines[label] = engine
-    prompts = [engine._encode_all([s.messages], args.max_new_tokens)[0] for s in steps]
+    prompts = [engine.encode([s.messages], args.max_new_tokens)[0] for s in steps]
     prompts = sorted(prompts, key=len)[-args.prompts:]
     print(f"\nengine fixed:none vs HF generate, {len(prompts)} prompts of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens, {args.max_new_tokens} new tokens, greedy; tokens/s over whole calls; "

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     for domain in args.domains.split(","):
         prompts = dev_prompts(domain, args.prompts)
         for messages in tqdm(prompts, desc=f"{domain} prompts", unit="prompt"):
-            ids = base._encode_all([messages], args.max_new_tokens)[0]
+            ids = base.encode([messages], args.max_new_tokens)[0]
             ref, seconds = hf_generate(stock, ids, args.max_new_tokens, base.tokenizer.pad_token_id)
             cell = totals[("hf_generate", domain)]
             cell["tokens"] += len(ref)

@@ -95,7 +95,7 @@ def main() -> None:
         raise SystemExit(f"--backends llama.cpp needs llama-cpp-python: {llama_cpp.INSTALL}")
     target = load_target(None)
     encoder = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), backend="hf", calibrate=False)
-    encode = lambda s: encoder._encode_all([s.messages], s.max_new_tokens)[0]  # noqa: E731
+    encode = lambda s: encoder.encode([s.messages], s.max_new_tokens)[0]  # noqa: E731
     ids, warm_ids = [encode(s) for s in steps], [encode(s) for s in warmup]
 
     stock = stock_default_model()

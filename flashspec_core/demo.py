@@ -38,7 +38,7 @@ def _race(name: str, run, prompts, budgets, outputs) -> tuple[float, int]:
 def run_demo(max_new_tokens: int = 64, baseline: bool = True) -> None:
     engine = SpecEngine.from_default()
     steps = demo_workload(max_new_tokens=max_new_tokens)
-    prompts = [engine._encode_all([s.messages], s.max_new_tokens)[0] for s in steps]
+    prompts = [engine.encode([s.messages], s.max_new_tokens)[0] for s in steps]
     budgets = [s.max_new_tokens for s in steps]
     print(f"{machine_line()}; target on {engine.backend}")
     rows, spec_tokens, spec_seconds, outputs = [], 0, 0.0, []

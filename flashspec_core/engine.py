@@ -15,10 +15,10 @@ import torch
 
 from flashspec_core.backends import make_runner, resolve_backend
 from flashspec_core.drafts import DraftSource
-from flashspec_core.models import LoadedModel, vocab_size
+from flashspec_core.models import LoadedModel, eos_ids, vocab_size
 from flashspec_core.ngram_ban import OutputTokens, ban_repeated_ngrams, json_punctuation_tokens
 from flashspec_core.penalty import SeenTokens, penalize_paths
-from flashspec_core.prompts import PromptLike, encode_prompt, is_batch, prompt_text
+from flashspec_core.prompts import PromptLike, encode_prompts, is_batch, prompt_text
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import resolve_domain
 from flashspec_core.sampling import SamplingParams
@@ -27,14 +27,6 @@ from flashspec_core.types import NO_DRAFT, Arm, Router, StepRecord
 from flashspec_core.verify import BACKENDS, verify
 
 DEFAULT_GAMMAS = (2, 4, 8)
-
-
-def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
-    ids = loaded.model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(loaded.tokenizer.eos_token_id)
-    return frozenset(ids)
 
 
 class SpecEngine:
@@ -74,7 +66,7 @@ class SpecEngine:
             router = make_router(router, self.arms, self.drafts)
         self.router: Router = router
         self.verify_backend = verify_backend
-        self.eos_ids = _eos_ids(target)
+        self.eos_ids = eos_ids(target)
         self.context_window = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)
         self._lock = threading.Lock()
         self._owner: int | None = None
@@ -233,21 +225,10 @@ class SpecEngine:
             raise ValueError(f"stop must be a non-empty string or a list of them; got {stop!r}")
         return sampling, stops
 
-    def _encode_all(self, prompts: Sequence[PromptLike], max_new_tokens: int) -> list[list[int]]:
-        vocab = vocab_size(self.target_model)
-        encoded = [encode_prompt(self.tokenizer, p, vocab) for p in prompts]
-        for ids in encoded:
-            if len(ids) >= self.context_window:
-                raise ValueError(
-                    f"prompt: {len(ids)} tokens do not fit the model's context window of "
-                    f"{self.context_window}; shorten the prompt"
-                )
-            if len(ids) + max_new_tokens > self.context_window:
-                raise ValueError(
-                    f"max_new_tokens: the prompt has {len(ids)} tokens, so at most "
-                    f"{self.context_window - len(ids)} new tokens fit the context window of {self.context_window}"
-                )
-        return encoded
+    def encode(self, prompts: Sequence[PromptLike], max_new_tokens: int) -> list[list[int]]:
+        """The token ids `generate` would decode from for each prompt (chat template applied);
+        ValueError when one does not fit the context window with `max_new_tokens`."""
+        return encode_prompts(self.tokenizer, prompts, self._vocab, max_new_tokens, self.context_window)
 
     def _acquire(self) -> None:
         if self._owner == threading.get_ident():
@@ -264,7 +245,7 @@ class SpecEngine:
 
     def _run(self, prompts, max_new_tokens, sampling, stop, domain, hint, json_schema=None):
         sampling, stops = self._validate(max_new_tokens, sampling, stop)
-        encoded = self._encode_all(prompts, max_new_tokens)
+        encoded = self.encode(prompts, max_new_tokens)
         constraint = None
         if json_schema is not None:
             from flashspec_core.constrained import constraint_for
@@ -338,7 +319,11 @@ class SpecEngine:
         if outputs is not None:
             exempt = None if constraint is None else self._json_punctuation(logits)
             logits = ban_repeated_ngrams(logits, outputs, draft_tokens, sampling.no_repeat_ngram_size, exempt)
-        n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=self.verify_backend, generator=gen)
+        # A request's first step (the only eager one on CUDA graphs) verifies on torch ops unless
+        # pinned: Triton compiles its kernel per shape at first use (0.36 s on an H200, against a
+        # 2 ms step), and the router would charge that to the step's arm and verify width.
+        backend = "torch" if first is not None and self.verify_backend == "auto" else self.verify_backend
+        n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=backend, generator=gen)
         return n_acc.tolist(), out.tolist()
 
     def _json_punctuation(self, logits: torch.Tensor) -> torch.Tensor:

@@ -179,3 +179,12 @@ def check_vocab(target: PreTrainedModel, draft: PreTrainedModel, draft_name: str
             f"drafts: {draft_name!r} has a vocabulary of {d} tokens but the target has {t}; "
             "a model draft must share the target's tokenizer"
         )
+
+
+def eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    """Every token that ends a generation: the generation config's (one id or a list) and the tokenizer's."""
+    ids = loaded.model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    return frozenset(ids)

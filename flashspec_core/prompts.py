@@ -68,3 +68,22 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptLike, vocab_
     if not ids:
         raise ValueError("prompt: it encodes to no tokens; pass some text")
     return ids
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[PromptLike], vocab_size: int,
+                   max_new_tokens: int, context_window: int) -> list[list[int]]:
+    """Token ids of each prompt; ValueError naming the argument when a prompt, or a prompt plus
+    `max_new_tokens`, does not fit the model's context window (nothing is truncated silently)."""
+    encoded = [encode_prompt(tokenizer, p, vocab_size) for p in prompts]
+    for ids in encoded:
+        if len(ids) >= context_window:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens do not fit the model's context window of {context_window}; "
+                "shorten the prompt"
+            )
+        if len(ids) + max_new_tokens > context_window:
+            raise ValueError(
+                f"max_new_tokens: the prompt has {len(ids)} tokens, so at most "
+                f"{context_window - len(ids)} new tokens fit the context window of {context_window}"
+            )
+    return encoded

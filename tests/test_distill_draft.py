@@ -140,7 +140,7 @@ def test_default_engine_loads_the_shipped_drafts_and_stays_exact(default_target,
     engine = SpecEngine(default_target, [drafts["distill_code"]], router=FixedRouter(Arm("distill_code", 3)),
                        backend="hf")  # compared with transformers: its own forward
     res = engine.generate(messages, max_new_tokens=16)
-    ids = engine._encode_all([messages], 16)[0]
+    ids = engine.encode([messages], 16)[0]
     x = torch.tensor([ids])
     ref = default_target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
                                         pad_token_id=default_target.tokenizer.pad_token_id)[0, len(ids):].tolist()

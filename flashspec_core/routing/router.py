@@ -132,21 +132,33 @@ class _Domain:
     stored_scale: float | None = None  # the store's scale, until this process measures its own
     # Tokens fed by a single-row verify pass -> its latest seconds: the verify cost of a γ never run.
     verify: dict[int, deque[float]] = field(default_factory=dict)
+    medians: dict[int, float] = field(default_factory=dict)  # tokens -> median of `verify[tokens]`
     # Tokens -> seconds of one target forward as calibrated on this machine (one dict shared by
     # all domains): what a pass costs until this domain has measured its own.
     calibrated: dict[int, float] = field(default_factory=dict)
 
-    def verify_seconds(self, tokens: int) -> float | None:
-        """Median seconds of the latest single-row verify passes over `tokens` tokens, else the
-        calibrated forward cost at that width; None when neither is known.
+    def add_pass(self, tokens: int, seconds: float) -> None:
+        """Record a single-row verify pass over `tokens` tokens."""
+        kept = self.verify.setdefault(tokens, deque(maxlen=VERIFY_SAMPLES))
+        kept.append(seconds)
+        self.medians[tokens] = statistics.median(kept)
 
-        Median, not mean: this price is charged to every copy-draft proposal of that size scored
-        after the fact, and only sizes the router runs are measured again. One pass that met a
-        garbage-collector pause or another process's burst (tens of ms against a 2 ms GPU step)
-        would, in a mean over a size's few passes, price those proposals out for the rest of the run.
+    def verify_seconds(self, tokens: int) -> float | None:
+        """What a single-row verify pass over `tokens` tokens costs: the median of its latest
+        passes, at most that of any larger size measured; else the calibrated forward cost at that
+        width; None when neither is known.
+
+        This price is charged to every copy-draft proposal of that size scored after the fact,
+        and only sizes the router runs are measured again, so one slow pass must not set it: a
+        Triton kernel compiled at its first use (0.36 s on an H200, against a 2 ms step) or a
+        garbage-collector pause priced a size, and with it the copy drafts of a whole domain, out
+        for the rest of a run. Hence the median, and the bound: a pass over fewer tokens does not
+        cost more than one over more.
         """
-        samples = self.verify.get(tokens)
-        return statistics.median(samples) if samples else self.calibrated.get(tokens)
+        median = self.medians.get(tokens)
+        if median is None:
+            return self.calibrated.get(tokens)
+        return min([median] + [m for n, m in self.medians.items() if n > tokens])
 
     def verify_estimate(self, tokens: int) -> float | None:
         """`verify_seconds(tokens)`, else that of the nearest size measured in this domain, else
@@ -387,8 +399,7 @@ class BanditRouter:
         with self._lock:
             state = self._domain(record.domain)
             if record.rows == 1:
-                size = record.drafted + 1
-                state.verify.setdefault(size, deque(maxlen=VERIFY_SAMPLES)).append(record.steady_verify_seconds)
+                state.add_pass(record.drafted + 1, record.steady_verify_seconds)
             free: dict[str, list[tuple[int, int, float]]] = {}
             for c in self._copies.step(record):
                 seconds = self._free_seconds(self._domain(c.domain), c.arm, c.proposed, c.draft_seconds, c.step_seconds)

@@ -372,6 +372,11 @@ def test_one_slow_pass_does_not_price_a_size_out():
         router.update(StepRecord(domain="rag", arm=NGRAM, drafted=4, accepted=1, emitted=2,
                                  draft_seconds=0.0001, verify_seconds=seconds))
     assert router._domains["rag"].verify_seconds(5) == pytest.approx(0.0021)
+    # A size met only in slow passes (a kernel compiled at its first use) costs at most a larger one.
+    for _ in range(2):
+        router.update(StepRecord(domain="rag", arm=NGRAM, drafted=2, accepted=0, emitted=1,
+                                 draft_seconds=0.0001, verify_seconds=0.36))
+    assert router._domains["rag"].verify_seconds(3) == pytest.approx(0.0021)
 
 
 def test_warmup_seconds_outside_the_verify_pass_are_rejected():
