@@ -22,20 +22,12 @@ from flashspec_core.distill.generate import continue_prompts
 from flashspec_core.distill.model import DraftNetwork, decoder_layers, load_draft, save_draft
 from flashspec_core.distill.options import DistillOptions
 from flashspec_core.distill.train import TrainConfig, train_draft
-from flashspec_core.models import LoadedModel, load_model, resolve_device, vocab_size
-
-
-def eos_token_ids(loaded: LoadedModel) -> list[int]:
-    ids = loaded.model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(loaded.tokenizer.eos_token_id)
-    return sorted(ids)
+from flashspec_core.models import LoadedModel, eos_ids, load_model, resolve_device, vocab_size
 
 
 def _continuations(opts: DistillOptions, loaded: LoadedModel, prompts: TokenSet, pad: int, eos: list[int]) -> TokenSet:
     """Dev rows (greedy, for evaluation) then train rows (time-limited) of the target's continuations."""
-    dev, train = TokenSet(), TokenSet()
+    dev = TokenSet()
     for domain in ("chat", "code"):
         rows = prompts.select(domain, "dev").take(opts.dev_rows)
         for s, d, sp, p in zip(rows.seqs, rows.domains, rows.splits, rows.prompt_lens):
@@ -67,7 +59,7 @@ def run_distill(opts: DistillOptions, loaded: LoadedModel | None = None) -> dict
     out_dir = Path(opts.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    eos = eos_token_ids(loaded)
+    eos = sorted(eos_ids(loaded))
     if opts.data and Path(opts.data).is_file():
         data = TokenSet.load(opts.data)
     else:
