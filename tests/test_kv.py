@@ -102,8 +102,19 @@ def test_any_history_of_rollbacks_matches_a_fresh_forward(model, history):
             _check(model, runner, passed, active, keep)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))
-def test_common_prefix_is_the_length_of_the_longest_shared_head(a, b):
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=200), st.lists(st.integers(0, 3), max_size=150),
+       st.lists(st.integers(0, 3), max_size=150))
+def test_common_prefix_is_the_length_of_the_longest_shared_head(head, a, b):
+    """Differences near the ends (walked) and far before them (bisected: tails past 64 tokens)."""
+    a, b = head + a, head + b
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     assert _common_prefix(a, b) == _common_prefix(tuple(a), b) == n
+
+
+def test_common_prefix_finds_a_difference_far_from_the_ends():
+    """Rows that part long before their ends (the bisection), at every position."""
+    a = list(range(400))
+    for k in range(400):
+        b = a[:k] + [-1] + a[k + 1:]
+        assert _common_prefix(a, b) == _common_prefix(b, a) == k
