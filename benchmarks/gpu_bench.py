@@ -31,7 +31,7 @@ from flashspec_core.engine import SpecEngine
 from flashspec_core.models import load_model
 from flashspec_core.drafts.trained import shipped_drafts
 from flashspec_core.pool import build_drafts, default_drafts
-from flashspec_core.routing.router import FixedRouter
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_workloads.common import Step

@@ -6,7 +6,7 @@ pulling in the decode loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
@@ -91,3 +91,30 @@ class Router(Protocol):
     def select(self, domain: str) -> Arm: ...
 
     def update(self, record: StepRecord) -> None: ...
+
+
+def check_record(record: StepRecord, index: Mapping[Arm, int]) -> None:
+    """ValueError naming the field when `record` cannot be a finished step of a router with these arms."""
+    if not isinstance(record, StepRecord):
+        raise ValueError(f"record must be a StepRecord, got {type(record).__name__}")
+    if not isinstance(record.domain, str) or not record.domain:
+        raise ValueError(f"record.domain must be a non-empty str, got {record.domain!r}")
+    if record.arm not in index:
+        raise ValueError(f"record.arm {record.arm} is not one of the router's arms {list(index)}")
+    if record.emitted < 0:
+        raise ValueError(f"record.emitted must be >= 0, got {record.emitted}")
+    if not 0.0 <= record.catchup_seconds <= record.draft_seconds:
+        raise ValueError(
+            f"record.catchup_seconds must be within [0, draft_seconds={record.draft_seconds}], "
+            f"got {record.catchup_seconds}"
+        )
+    if record.warmup_seconds < 0 or (record.warmup_seconds and record.warmup_seconds >= record.verify_seconds):
+        raise ValueError(
+            f"record.warmup_seconds must be within [0, verify_seconds={record.verify_seconds}), "
+            f"got {record.warmup_seconds}"
+        )
+    if not record.seconds > 0:
+        raise ValueError(
+            f"record.seconds (draft_seconds + verify_seconds) must be > 0, got {record.seconds}; "
+            "time the step with time.perf_counter()"
+        )

@@ -31,7 +31,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import LoadedModel
-from flashspec_core.routing.router import FixedRouter
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import Arm
 

@@ -23,7 +23,7 @@ from flashspec_core.distill.options import DistillOptions
 from flashspec_core.distill.train import TrainConfig, train_draft
 from flashspec_core.drafts.trained import TrainedDraft
 from flashspec_core.engine import SpecEngine
-from flashspec_core.routing.router import FixedRouter
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import Arm
 
 VOCAB = 64

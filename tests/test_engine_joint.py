@@ -32,7 +32,7 @@ from plants import planted_verify
 
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
-from flashspec_core.routing.router import FixedRouter
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 

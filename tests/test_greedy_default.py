@@ -21,7 +21,7 @@ from flashspec_core.engine import SpecEngine
 from flashspec_core.models import vocab_size
 from flashspec_core.pool import build_drafts
 from flashspec_core.prompts import encode_prompt
-from flashspec_core.routing.router import FixedRouter
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = pytest.mark.slow

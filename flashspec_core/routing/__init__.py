@@ -6,7 +6,8 @@ from typing import Mapping, Sequence
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.routing.bandits import UCB1, ThompsonSampling, bandit_from_state
 from flashspec_core.routing.domains import classify_prompt, resolve_domain
-from flashspec_core.routing.router import ALGORITHMS, BanditRouter, FixedRouter
+from flashspec_core.routing.fixed import FixedRouter
+from flashspec_core.routing.router import ALGORITHMS, BanditRouter
 from flashspec_core.routing.store import RouterStore, default_store_path
 from flashspec_core.types import Arm, Router
 

@@ -21,24 +21,21 @@ would have emitted min(accepted, γ') + 1 tokens, in a γ'/γ share of the draft
 measured time of verifying γ' + 1 tokens. Only finished steps are used, never the current one
 (exactness invariant): `update` runs after the step's tokens are final.
 
-`FixedRouter` always returns one arm; it is the engine's baseline and fallback.
 """
 from __future__ import annotations
 
 import sqlite3
-import statistics
 import threading
 import warnings
 import zlib
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.routing.bandits import UCB1, ThompsonSampling, Bandit
 from flashspec_core.routing.copy_scoring import CopyScorer
+from flashspec_core.routing.domain_state import ArmTally, DomainState
 from flashspec_core.routing.store import ArmDelta, DomainStats, RouterStore
-from flashspec_core.types import NO_DRAFT, Arm, StepRecord
+from flashspec_core.types import NO_DRAFT, Arm, StepRecord, check_record
 
 # Evidence half-life of ~140 steps within a domain: on the switching simulation (benchmarks/
 # bandit_sim.py) 0.995 lost less than 0.98 or 0.99 (more exploration) and no more than 0.998.
@@ -47,132 +44,10 @@ ALGORITHMS = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted")
 # Updates queued in memory before the store is written (and at every request's end): one SQLite
 # transaction per step cost about a tenth of a CPU decode step.
 FLUSH_EVERY = 64
-VERIFY_SAMPLES = 63  # latest verify passes kept per size; their median prices the size (_Domain)
 # Goodput maps to reward 1 at this many tokens per plain step's time: plain decoding scores 1/4,
 # a step four times as productive scores 1 (rarer, richer copy steps are clipped there), which
 # keeps rewards near the middle of [0, 1] where the Thompson prior is centred.
 _TOKENS_AT_REWARD_ONE = 4.0
-
-
-def _check_record(record: StepRecord, index: Mapping[Arm, int]) -> None:
-    if not isinstance(record, StepRecord):
-        raise ValueError(f"record must be a StepRecord, got {type(record).__name__}")
-    if not isinstance(record.domain, str) or not record.domain:
-        raise ValueError(f"record.domain must be a non-empty str, got {record.domain!r}")
-    if record.arm not in index:
-        raise ValueError(f"record.arm {record.arm} is not one of the router's arms {list(index)}")
-    if record.emitted < 0:
-        raise ValueError(f"record.emitted must be >= 0, got {record.emitted}")
-    if not 0.0 <= record.catchup_seconds <= record.draft_seconds:
-        raise ValueError(
-            f"record.catchup_seconds must be within [0, draft_seconds={record.draft_seconds}], "
-            f"got {record.catchup_seconds}"
-        )
-    if record.warmup_seconds < 0 or (record.warmup_seconds and record.warmup_seconds >= record.verify_seconds):
-        raise ValueError(
-            f"record.warmup_seconds must be within [0, verify_seconds={record.verify_seconds}), "
-            f"got {record.warmup_seconds}"
-        )
-    if not record.seconds > 0:
-        raise ValueError(
-            f"record.seconds (draft_seconds + verify_seconds) must be > 0, got {record.seconds}; "
-            "time the step with time.perf_counter()"
-        )
-
-
-class FixedRouter:
-    """Always the same arm; still tallies steps so `summary()` reads like the bandit router's."""
-
-    def __init__(self, arm: Arm) -> None:
-        if not isinstance(arm, Arm):
-            raise ValueError(f"arm must be an Arm, e.g. Arm('ngram', 4), got {arm!r}")
-        self.arm = arm
-        self.arms: tuple[Arm, ...] = (arm,)
-        self._tally: dict[str, list[float]] = {}
-
-    def select(self, domain: str) -> Arm:
-        return self.arm
-
-    def update(self, record: StepRecord) -> None:
-        _check_record(record, {self.arm: 0})
-        t = self._tally.setdefault(record.domain, [0, 0.0])
-        t[0] += 1
-        t[1] += record.emitted / record.seconds
-
-    def summary(self) -> dict[str, dict[str, dict[str, Any]]]:
-        return {
-            d: {str(self.arm): {"pulls": int(n), "mean_goodput": g / n if n else None}}
-            for d, (n, g) in self._tally.items()
-        }
-
-
-@dataclass
-class _Tally:
-    """Raw (un-normalised) per-(domain, arm) counters for `summary()` and step-time estimates."""
-
-    pulls: int = 0
-    scored: int = 0
-    goodput_sum: float = 0.0
-    seconds_sum: float = 0.0
-    cost_n: float = 0  # steps run or scored (fewer when resumed: stored_weight), with
-    cost_sum: float = 0.0  # their measured or estimated seconds
-
-    def mean_seconds(self, seconds: float) -> float:
-        """Add one step's (measured or estimated) seconds; the arm's mean step time so far."""
-        self.cost_n += 1
-        self.cost_sum += seconds
-        return self.cost_sum / self.cost_n
-
-
-@dataclass
-class _Domain:
-    bandit: Bandit
-    tallies: list[_Tally]
-    steps: int = 0
-    stored_scale: float | None = None  # the store's scale, until this process measures its own
-    # Tokens fed by a single-row verify pass -> its latest seconds: the verify cost of a γ never run.
-    verify: dict[int, deque[float]] = field(default_factory=dict)
-    medians: dict[int, float] = field(default_factory=dict)  # tokens -> median of `verify[tokens]`
-    # Tokens -> seconds of one target forward as calibrated on this machine (one dict shared by
-    # all domains): what a pass costs until this domain has measured its own.
-    calibrated: dict[int, float] = field(default_factory=dict)
-
-    def add_pass(self, tokens: int, seconds: float) -> None:
-        """Record a single-row verify pass over `tokens` tokens."""
-        kept = self.verify.setdefault(tokens, deque(maxlen=VERIFY_SAMPLES))
-        kept.append(seconds)
-        self.medians[tokens] = statistics.median(kept)
-
-    def verify_seconds(self, tokens: int) -> float | None:
-        """What a single-row verify pass over `tokens` tokens costs: the median of its latest
-        passes, at most that of any larger size measured; else the calibrated forward cost at that
-        width; None when neither is known.
-
-        This price is charged to every copy-draft proposal of that size scored after the fact,
-        and only sizes the router runs are measured again, so one slow pass must not set it: a
-        Triton kernel compiled at its first use (0.36 s on an H200, against a 2 ms step) or a
-        garbage-collector pause priced a size, and with it the copy drafts of a whole domain, out
-        for the rest of a run. Hence the median, and the bound: a pass over fewer tokens does not
-        cost more than one over more.
-        """
-        median = self.medians.get(tokens)
-        if median is None:
-            return self.calibrated.get(tokens)
-        return min([median] + [m for n, m in self.medians.items() if n > tokens])
-
-    def verify_estimate(self, tokens: int) -> float | None:
-        """`verify_seconds(tokens)`, else that of the nearest size measured in this domain, else
-        of the nearest calibrated width (the larger on a tie); None when nothing is known. A pass
-        costs about the same for a few more or fewer tokens, and an arm whose cost this
-        misjudges gets picked and measured."""
-        known = self.verify_seconds(tokens)
-        if known is not None:
-            return known
-        sizes = self.verify or self.calibrated
-        if not sizes:
-            return None
-        nearest = min(sizes, key=lambda n: (abs(n - tokens), -n))
-        return self.verify_seconds(nearest)
 
 
 class BanditRouter:
@@ -249,8 +124,8 @@ class BanditRouter:
         self._names = [str(a) for a in self.arms]  # the store's keys
         self._copies = CopyScorer(self.arms, free_drafts)
         self._free_names = frozenset(free_drafts)
-        self._domains: dict[str, _Domain] = {}
-        self._calibrated: dict[int, float] = {}  # shared by every _Domain (set_forward_costs)
+        self._domains: dict[str, DomainState] = {}
+        self._calibrated: dict[int, float] = {}  # shared by every DomainState (set_forward_costs)
         self._lock = threading.Lock()
         self._store_failed = False
         self._unsaved: dict[str, tuple[int, dict[str, ArmDelta], float | None]] = {}  # see _persist
@@ -277,14 +152,14 @@ class BanditRouter:
 
     def _load(self, store: RouterStore) -> None:
         for domain, stats in store.load().items():
-            state = self._domains[domain] = _Domain(
-                self._new_bandit(domain), [_Tally() for _ in self.arms], stats.steps, stats.scale,
+            state = self._domains[domain] = DomainState(
+                self._new_bandit(domain), [ArmTally() for _ in self.arms], stats.steps, stats.scale,
                 calibrated=self._calibrated,
             )
             self._add_evidence(state, stats, self._cap())
             state.bandit.steps = min(max(state.bandit.steps, float(stats.steps)), self._cap())
 
-    def _add_evidence(self, state: _Domain, stats: DomainStats, cap: float) -> None:
+    def _add_evidence(self, state: DomainState, stats: DomainStats, cap: float) -> None:
         """Add stored counters to a domain's bandit and tallies, each arm's shrunk to at most `cap`
         steps (rewards and step times alike); arms this router was not configured with are skipped."""
         names = {str(a): i for i, a in enumerate(self.arms)}
@@ -324,7 +199,7 @@ class BanditRouter:
                 if state.verify_seconds(1) is None and stats.scale:
                     state.stored_scale = stats.scale
 
-    def _domain(self, domain: str) -> _Domain:
+    def _domain(self, domain: str) -> DomainState:
         state = self._domains.get(domain)
         if state is not None:
             return state
@@ -342,7 +217,7 @@ class BanditRouter:
                 n[i], s[i], q[i] = n[i] * shrink, s[i] * shrink, q[i] * shrink
         if any(n):
             bandit.add_prior(n, s, q)
-        state = self._domains[domain] = _Domain(bandit, [_Tally() for _ in range(k)], calibrated=self._calibrated)
+        state = self._domains[domain] = DomainState(bandit, [ArmTally() for _ in range(k)], calibrated=self._calibrated)
         return state
 
     def set_forward_costs(self, seconds: Mapping[int, float]) -> None:
@@ -361,7 +236,7 @@ class BanditRouter:
         with self._lock:
             return self.arms[self._domain(domain).bandit.select()]
 
-    def _free_seconds(self, domain: _Domain, i: int, proposed: int, draft_seconds: float, fallback: float) -> float:
+    def _free_seconds(self, domain: DomainState, i: int, proposed: int, draft_seconds: float, fallback: float) -> float:
         """What a step of free arm i proposing `proposed` tokens would have cost: its measured
         drafting time plus this domain's mean single-row verify pass over `proposed` + 1 tokens
         (or the nearest size measured). Before any pass in this domain: arm i's mean step time in
@@ -377,7 +252,7 @@ class BanditRouter:
             return sum(d.tallies[i].seconds_sum for d in self._domains.values()) / pulls
         return fallback
 
-    def _shorter_gamma(self, state: _Domain, record: StepRecord) -> list[tuple[int, int, float]]:
+    def _shorter_gamma(self, state: DomainState, record: StepRecord) -> list[tuple[int, int, float]]:
         """The same model draft at each smaller γ, scored from this step: [(arm, emitted, seconds)]."""
         drafted = record.drafted
         if record.rows != 1 or drafted < 2 or record.arm.draft in self._free_names:
@@ -395,7 +270,7 @@ class BanditRouter:
     def update(self, record: StepRecord) -> None:
         """Learn from a finished step: its own goodput, the same draft at smaller γ, and free
         drafts scored after the fact."""
-        _check_record(record, self._index)
+        check_record(record, self._index)
         with self._lock:
             state = self._domain(record.domain)
             if record.rows == 1:
@@ -409,7 +284,7 @@ class BanditRouter:
                 self._learn(domain, record if domain == record.domain else None, free.get(domain, []))
 
     @staticmethod
-    def _scale(state: _Domain) -> float | None:
+    def _scale(state: DomainState) -> float | None:
         """The goodput that earns reward 1 in this domain (tokens/s), None before any evidence."""
         plain = state.verify_seconds(1)
         return _TOKENS_AT_REWARD_ONE / plain if plain else state.stored_scale

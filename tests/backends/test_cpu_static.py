@@ -20,7 +20,7 @@ from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.kv import CachedModel
 from flashspec_core.models import LoadedModel
-from flashspec_core.routing.router import FixedRouter
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import Arm
 
 VOCAB = 24

@@ -16,7 +16,7 @@ from flashspec_core.drafts.trained import shipped_drafts
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import load_model, vocab_size
 from flashspec_core.prompts import encode_prompt
-from flashspec_core.routing.router import FixedRouter
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

@@ -1,0 +1,85 @@
+"""What a `BanditRouter` keeps per domain: its bandit, raw tallies per arm, and what a verify pass costs.
+
+The cost model prices steps the router did not run (copy drafts scored after the fact, smaller γ
+of a model draft), so it is where one bad measurement does the most harm: see `verify_seconds`.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from flashspec_core.routing.bandits import Bandit
+
+VERIFY_SAMPLES = 63  # latest verify passes kept per size; their median prices the size
+
+
+@dataclass
+class ArmTally:
+    """Raw (un-normalised) per-(domain, arm) counters for `summary()` and step-time estimates."""
+
+    pulls: int = 0
+    scored: int = 0
+    goodput_sum: float = 0.0
+    seconds_sum: float = 0.0
+    cost_n: float = 0  # steps run or scored (fewer when resumed: stored_weight), with
+    cost_sum: float = 0.0  # their measured or estimated seconds
+
+    def mean_seconds(self, seconds: float) -> float:
+        """Add one step's (measured or estimated) seconds; the arm's mean step time so far."""
+        self.cost_n += 1
+        self.cost_sum += seconds
+        return self.cost_sum / self.cost_n
+
+
+@dataclass
+class DomainState:
+    """One domain's bandit, its arms' tallies and its cost model of a verify pass by size."""
+
+    bandit: Bandit
+    tallies: list[ArmTally]
+    steps: int = 0
+    stored_scale: float | None = None  # the store's scale, until this process measures its own
+    # Tokens fed by a single-row verify pass -> its latest seconds: the verify cost of a γ never run.
+    verify: dict[int, deque[float]] = field(default_factory=dict)
+    medians: dict[int, float] = field(default_factory=dict)  # tokens -> median of `verify[tokens]`
+    # Tokens -> seconds of one target forward as calibrated on this machine (one dict shared by
+    # all domains): what a pass costs until this domain has measured its own.
+    calibrated: dict[int, float] = field(default_factory=dict)
+
+    def add_pass(self, tokens: int, seconds: float) -> None:
+        """Record a single-row verify pass over `tokens` tokens."""
+        kept = self.verify.setdefault(tokens, deque(maxlen=VERIFY_SAMPLES))
+        kept.append(seconds)
+        self.medians[tokens] = statistics.median(kept)
+
+    def verify_seconds(self, tokens: int) -> float | None:
+        """What a single-row verify pass over `tokens` tokens costs: the median of its latest
+        passes, at most that of any larger size measured; else the calibrated forward cost at that
+        width; None when neither is known.
+
+        This price is charged to every copy-draft proposal of that size scored after the fact,
+        and only sizes the router runs are measured again, so one slow pass must not set it: a
+        Triton kernel compiled at its first use (0.36 s on an H200, against a 2 ms step) or a
+        garbage-collector pause priced a size, and with it the copy drafts of a whole domain, out
+        for the rest of a run. Hence the median, and the bound: a pass over fewer tokens does not
+        cost more than one over more.
+        """
+        median = self.medians.get(tokens)
+        if median is None:
+            return self.calibrated.get(tokens)
+        return min([median] + [m for n, m in self.medians.items() if n > tokens])
+
+    def verify_estimate(self, tokens: int) -> float | None:
+        """`verify_seconds(tokens)`, else that of the nearest size measured in this domain, else
+        of the nearest calibrated width (the larger on a tie); None when nothing is known. A pass
+        costs about the same for a few more or fewer tokens, and an arm whose cost this
+        misjudges gets picked and measured."""
+        known = self.verify_seconds(tokens)
+        if known is not None:
+            return known
+        sizes = self.verify or self.calibrated
+        if not sizes:
+            return None
+        nearest = min(sizes, key=lambda n: (abs(n - tokens), -n))
+        return self.verify_seconds(nearest)
