@@ -167,9 +167,8 @@ def main() -> None:
     for domain, arms in router_engine.router_summary().items():
         print(f"  {domain:<6}" + "  ".join(f"{a} {row['pulls']}" for a, row in arms.items() if row["pulls"]))
     print("router's verify cost model: median ms of a pass by tokens fed (passes kept)")
-    for domain, state in getattr(router_engine.router, "_domains", {}).items():
-        costs = sorted((size, state.verify_seconds(size), len(kept)) for size, kept in state.verify.items())
-        print(f"  {domain:<6}" + "  ".join(f"{size}: {sec * 1e3:.2f} ({n})" for size, sec, n in costs))
+    for domain, costs in router_engine.router.verify_costs().items():
+        print(f"  {domain:<6}" + "  ".join(f"{size}: {sec * 1e3:.2f} ({n})" for size, (sec, n) in costs.items()))
 
 
 def measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args) -> list[dict]:

@@ -23,6 +23,7 @@ import torch
 
 from flashspec_core.backends.static_llama import StaticLlama
 from flashspec_core.kv import _common_prefix
+from flashspec_core.models import vocab_size
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.verify.reference import PAD
 
@@ -58,7 +59,7 @@ class _Graph:
         self.drafts = torch.zeros((batch, max(width - 1, 0)), dtype=torch.long, device=dev)
         self.q = None  # [B, W - 1, V] float32: a model draft's q (sampled steps only)
         if sampling is not None and not one_hot and width > 1:
-            self.q = torch.zeros((batch, width - 1, static.vocab), dtype=torch.float32, device=dev)
+            self.q = torch.zeros((batch, width - 1, vocab_size(static.model)), dtype=torch.float32, device=dev)
         self.seed = torch.zeros(1, dtype=torch.long, device=dev)  # the kernel's Philox seed
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -218,8 +219,7 @@ class GraphedModel:
         if weights != getattr(self, "_weights", None):  # a trained draft swapped its head rows
             self._drop_graphs()
             self._weights = weights
-        mode = None if sampling is None else (sampling.temperature, one_hot)
-        key = (self.static.batch, width, mode)
+        key = self._key(width, sampling, one_hot)
         graph = self._graphs.get(key)
         if graph is None:
             start = time.perf_counter()
@@ -248,12 +248,15 @@ class GraphedModel:
                 self._graph(width)
             self.widths = tuple(widths)
 
+    def _key(self, width: int, sampling: SamplingParams | None, one_hot: bool) -> tuple:
+        """A graph's key: rows, width, and for a sampled step what its verification bakes in."""
+        return self.static.batch, width, None if sampling is None else (sampling.temperature, one_hot)
+
     def _sampled_graphs_full(self, width: int, sampling: SamplingParams, one_hot: bool) -> bool:
         """Whether a sampled step would capture a graph past MAX_SAMPLED_GRAPHS: each temperature
         a caller uses is a graph per width, and a caller sweeping temperatures must not fill the GPU."""
-        key = (self.static.batch, width, (sampling.temperature, one_hot))
         sampled = sum(1 for k in self._graphs if k[2] is not None)
-        return key not in self._graphs and sampled >= MAX_SAMPLED_GRAPHS
+        return self._key(width, sampling, one_hot) not in self._graphs and sampled >= MAX_SAMPLED_GRAPHS
 
     def _graph_width(self, chunks, active) -> int | None:
         """The width of the graph that runs these chunks, or None to run them eagerly.
@@ -273,10 +276,14 @@ class GraphedModel:
             return c if c <= SCRATCH else None
         return next((w for w in self.widths if w >= c), None)
 
-    def _replay(self, chunks, graph_width: int, drafts=None) -> _Graph:
+    def _replay(self, chunks, graph_width: int, drafts=None, sampling: SamplingParams | None = None,
+                draft_probs: torch.Tensor | None = None, seed: torch.Tensor | None = None,
+                first: torch.Tensor | None = None) -> _Graph:
+        """Replay the graph of `graph_width` (and of `sampling`, for a sampled step) on these
+        chunks; the other arguments go to `_Graph.replay`."""
         self._ensure(max(len(h) for h in self.held) + graph_width)  # padded columns need slots too
-        graph = self._graph(graph_width)
-        graph.replay(self._host_inputs(chunks, graph_width, drafts))
+        graph = self._graph(graph_width, sampling, one_hot=draft_probs is None)
+        graph.replay(self._host_inputs(chunks, graph_width, drafts), draft_probs, seed, first)
         return graph
 
     @torch.inference_mode()
@@ -315,15 +322,13 @@ class GraphedModel:
             chunks = [[self.pad_token_id] for _ in self.held]  # column 0's id comes from `tokens`
             active = [True] * len(chunks)
             width = self._graph_width(chunks, active)
-            self._ensure(max(len(h) for h in self.held) + (width or 1))
             if width is None:
+                self._ensure(max(len(h) for h in self.held) + 1)
                 host = self._host_inputs(chunks, 1).to(self.device)
                 host[0, :, 0] = tokens
                 logits = self.static(host[0], host[1])
             else:
-                graph = self._graph(width)
-                graph.replay(self._host_inputs(chunks, width), first=tokens)
-                logits = graph.logits[:, :1].clone()
+                logits = self._replay(chunks, width, first=tokens).logits[:, :1].clone()
             for held in self.held:
                 held.append(PLACEHOLDER)
             return logits
@@ -353,7 +358,7 @@ class GraphedModel:
         if not self.use_graphs:
             return None
         greedy = sampling.greedy
-        if not greedy and (not graphed_sampling(sampling, self.static.vocab) or generator is None
+        if not greedy and (not graphed_sampling(sampling, vocab_size(self.model)) or generator is None
                            or generator.device.type != "cuda" or len(contexts) > MAX_SAMPLED_ROWS):
             return None
         width = len(drafts[next(b for b, a in enumerate(active) if a)]) + 1
@@ -363,15 +368,13 @@ class GraphedModel:
             graph_width = self._graph_width(chunks, active) if greedy else width
             if graph_width is None or any(len(c) != width for c, a in zip(chunks, active) if a):
                 return None  # rows were only rolled back to what their caches hold
-            self._ensure(max(len(h) for h in self.held) + graph_width)  # padded columns need slots too
             if greedy:
-                graph, seed = self._graph(graph_width), None
+                graph = self._replay(chunks, graph_width, drafts)
             elif self._sampled_graphs_full(width, sampling, draft_probs is None):
                 return None  # the rows were only rolled back, as above
             else:
-                graph = self._graph(width, sampling, one_hot=draft_probs is None)
                 seed = torch.randint(0, 2**62, (1,), device=self.device, generator=generator)
-            graph.replay(self._host_inputs(chunks, graph_width, drafts), draft_probs, seed)
+                graph = self._replay(chunks, width, drafts, sampling, draft_probs, seed)
             result = graph.result.cpu().tolist()  # the step's one sync
             for b, chunk in enumerate(chunks):
                 self.held[b].extend(chunk)

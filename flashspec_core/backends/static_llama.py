@@ -107,11 +107,6 @@ class StaticLlama(nn.Module):
         return self.model.get_output_embeddings().weight.device
 
     @property
-    def vocab(self) -> int:
-        """Columns of the logits: the output head's rows (a distilled draft's reduced head has fewer)."""
-        return self.model.get_output_embeddings().weight.shape[0]
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.model.get_output_embeddings().weight.dtype
 

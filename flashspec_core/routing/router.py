@@ -375,6 +375,13 @@ class BanditRouter:
                 )
                 return
 
+    def verify_costs(self) -> dict[str, dict[int, tuple[float, int]]]:
+        """Per domain, tokens fed -> (the seconds a verify pass is priced at, passes kept): the
+        cost model copy drafts are scored with, for benchmarks to print."""
+        with self._lock:
+            return {d: {n: (s.verify_seconds(n), len(kept)) for n, kept in sorted(s.verify.items())}
+                    for d, s in self._domains.items()}
+
     def summary(self) -> dict[str, dict[str, dict[str, Any]]]:
         """Per domain, per arm: real pulls, mean measured goodput (tokens/s, None if never
         pulled), full-information scorings, and the bandit's mean normalised reward."""

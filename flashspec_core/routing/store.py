@@ -29,7 +29,7 @@ import sqlite3
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
@@ -103,15 +103,12 @@ class ArmDelta:
     seconds_sum: float = 0.0
 
     def add(self, other: "ArmDelta") -> None:
-        """Add `other`'s increments to these (field by field, spelled out: the router merges
-        every step's increments into its write queue)."""
-        self.pulls += other.pulls
-        self.scored += other.scored
-        self.reward_n += other.reward_n
-        self.reward_sum += other.reward_sum
-        self.reward_sumsq += other.reward_sumsq
-        self.goodput_sum += other.goodput_sum
-        self.seconds_sum += other.seconds_sum
+        """Add `other`'s increments to these, every field (a field added later is summed too)."""
+        for name in _DELTA_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+_DELTA_FIELDS = tuple(f.name for f in fields(ArmDelta))
 
 
 @dataclass

@@ -377,6 +377,7 @@ def test_one_slow_pass_does_not_price_a_size_out():
         router.update(StepRecord(domain="rag", arm=NGRAM, drafted=2, accepted=0, emitted=1,
                                  draft_seconds=0.0001, verify_seconds=0.36))
     assert router._domains["rag"].verify_seconds(3) == pytest.approx(0.0021)
+    assert router.verify_costs()["rag"] == {3: (pytest.approx(0.0021), 2), 5: (pytest.approx(0.0021), 5)}
 
 
 def test_warmup_seconds_outside_the_verify_pass_are_rejected():
