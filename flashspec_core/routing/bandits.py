@@ -4,6 +4,10 @@ Both keep the same sufficient statistics per arm (count, sum and sum of squares 
 one state layout serves every algorithm, the store and the shared prior of the router. Rewards
 must already be normalised into [0, 1]; the router turns goodput into such a reward.
 
+Arms in `observed` are scored on every round whether played or not (the router's copy drafts
+and plain decoding, see router.py): pulling one buys no information, so neither algorithm
+explores them; they compete on their mean reward alone.
+
 Non-stationary streams (an agent moves on to a different kind of work) get either a discount
 factor (every update first multiplies all statistics by `discount`, so old evidence fades
 geometrically, as in discounted UCB / discounted Thompson sampling) or a sliding window (only the
@@ -47,6 +51,7 @@ class Bandit:
         discount: float = 1.0,
         window: int | None = None,
         seed: int | None = None,
+        observed: Sequence[int] = (),
     ) -> None:
         if isinstance(n_arms, bool) or not isinstance(n_arms, int) or n_arms < 1:
             raise ValueError(f"n_arms must be an int >= 1, got {n_arms!r}")
@@ -59,7 +64,11 @@ class Bandit:
                 raise ValueError("window and discount are alternatives: pass one of them, not both")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be None or an int, got {seed!r}")
+        observed = tuple(observed)
+        if any(isinstance(a, bool) or not isinstance(a, int) or not 0 <= a < n_arms for a in observed):
+            raise ValueError(f"observed must list arm indices in [0, {n_arms}), got {list(observed)!r}")
         self.n_arms = n_arms
+        self.observed = frozenset(observed)
         self.discount = float(discount)
         self.window = window
         self.seed = seed
@@ -150,7 +159,7 @@ class Bandit:
         return [s / c if c > 0 else 0.0 for s, c in zip(self.sums, self.counts)]
 
     def _params(self) -> dict[str, Any]:
-        return {}
+        return {"observed": sorted(self.observed)} if self.observed else {}
 
     def export_state(self) -> dict[str, Any]:
         """Everything needed to resume, as plain JSON-able values (the RNG stream is not kept)."""
@@ -229,24 +238,27 @@ class UCB1(Bandit):
         discount: float = 1.0,
         window: int | None = None,
         seed: int | None = None,
+        observed: Sequence[int] = (),
     ) -> None:
-        super().__init__(n_arms, discount=discount, window=window, seed=seed)
+        super().__init__(n_arms, discount=discount, window=window, seed=seed, observed=observed)
         if not isinstance(exploration, (int, float)) or not (exploration >= 0.0):
             raise ValueError(f"exploration must be a number >= 0 (UCB1 uses 2), got {exploration!r}")
         self.exploration = float(exploration)
 
     def _params(self) -> dict[str, Any]:
-        return {"exploration": self.exploration}
+        return {**super()._params(), "exploration": self.exploration}
 
     def select(self) -> int:
-        # An arm whose evidence has (almost) faded away counts as unplayed and is tried first.
+        # An arm whose evidence has (almost) faded away counts as unplayed and is tried first
+        # (observed arms too: one that was never scored may need a pull before it can be).
         for i, c in enumerate(self.counts):
             if c < 1e-9:
                 return i
         log_t = math.log(max(self.steps, 1.0))
         best, best_score = 0, -math.inf
         for i, (s, c) in enumerate(zip(self.sums, self.counts)):
-            score = s / c + math.sqrt(self.exploration * log_t / c)
+            bonus = 0.0 if i in self.observed else math.sqrt(self.exploration * log_t / c)
+            score = s / c + bonus
             if score > best_score:
                 best, best_score = i, score
         return best
@@ -280,11 +292,12 @@ class ThompsonSampling(Bandit):
         discount: float = 1.0,
         window: int | None = None,
         seed: int | None = None,
+        observed: Sequence[int] = (),
     ) -> None:
         """prior_sd: the spread of one reward that the Normal-Gamma prior expects. The default
         0.5 spans the whole [0, 1] range; rewards that vary less (goodput on a fixed scale) want
         a smaller value, or the prior keeps the posterior wide for hundreds of pulls."""
-        super().__init__(n_arms, discount=discount, window=window, seed=seed)
+        super().__init__(n_arms, discount=discount, window=window, seed=seed, observed=observed)
         if posterior not in _POSTERIORS:
             raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
         if isinstance(prior_sd, bool) or not isinstance(prior_sd, (int, float)) or not prior_sd > 0:
@@ -293,25 +306,31 @@ class ThompsonSampling(Bandit):
         self.prior_sd = float(prior_sd)
 
     def _params(self) -> dict[str, Any]:
-        return {"posterior": self.posterior, "prior_sd": self.prior_sd}
+        return {**super()._params(), "posterior": self.posterior, "prior_sd": self.prior_sd}
 
     def _uses_beta(self) -> bool:
         return self.posterior == "beta" or (self.posterior == "auto" and self.binary)
 
     def sample_means(self) -> list[float]:
-        """One posterior draw of every arm's mean reward."""
-        rng = self._rng
+        """One posterior draw of every arm's mean reward; an observed arm's posterior mean, or
+        +inf while it has no evidence (it may need one pull before it can be scored: the router
+        scores plain decoding once it has timed a one-token pass)."""
+        rng, observed = self._rng, self.observed
         if self._uses_beta():
             return [
-                rng.betavariate(1.0 + s, 1.0 + max(0.0, c - s))
-                for s, c in zip(self.sums, self.counts)
+                (math.inf if c < 1e-9 else (1.0 + s) / (2.0 + c)) if i in observed
+                else rng.betavariate(1.0 + s, 1.0 + max(0.0, c - s))
+                for i, (s, c) in enumerate(zip(self.sums, self.counts))
             ]
         mu0, k0, a0 = self._MU0, self._KAPPA0, self._ALPHA0
         b0 = a0 * self.prior_sd ** 2
         draws = []
-        for s, q, c in zip(self.sums, self.sumsqs, self.counts):
+        for i, (s, q, c) in enumerate(zip(self.sums, self.sumsqs, self.counts)):
             kn = k0 + c
             mun = (k0 * mu0 + s) / kn
+            if i in observed:
+                draws.append(math.inf if c < 1e-9 else mun)
+                continue
             m2 = max(0.0, q - s * s / c) if c > 0 else 0.0
             dev = (s / c - mu0) if c > 0 else 0.0
             bn = b0 + 0.5 * m2 + k0 * c * dev * dev / (2.0 * kn)

@@ -9,7 +9,14 @@ step time in the domain, so that the rewards average to the arm's throughput (Σ
 Σ seconds, what the user waits on); emitted / own seconds would also carry the timer's jitter.
 Goodput is normalised per domain into [0, 1] in units of plain decoding's goodput there (one
 token per measured one-token verify pass): a fixed yardstick, so an arm's rewards do not drift
-with what the other arms happened to do while it ran.
+with what the other arms happened to do while it ran. Reward 1 is the most any arm's step can
+emit (its γ + 1 tokens) in one plain step's time, so no step is clipped: on a GPU, where a pass
+over 9 tokens costs what one over 1 does, a cap at 4 tokens scored γ = 4 and γ = 8 alike on every
+long copy and the router split its steps between them.
+
+Copy drafts and plain decoding are scored on every step (plain decoding: one token per row at
+the measured one-token pass), so the bandit is told not to explore them (`observed`): they
+compete on their mean reward, and only model drafts are explored.
 
 Deterministic drafts (prompt lookup, suffix cache) are scored after the fact on every step,
 whichever arm ran (full-information updates, copy_scoring.py). Such a step is charged what
@@ -44,10 +51,6 @@ ALGORITHMS = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted")
 # Updates queued in memory before the store is written (and at every request's end): one SQLite
 # transaction per step cost about a tenth of a CPU decode step.
 FLUSH_EVERY = 64
-# Goodput maps to reward 1 at this many tokens per plain step's time: plain decoding scores 1/4,
-# a step four times as productive scores 1 (rarer, richer copy steps are clipped there), which
-# keeps rewards near the middle of [0, 1] where the Thompson prior is centred.
-_TOKENS_AT_REWARD_ONE = 4.0
 
 
 class BanditRouter:
@@ -121,6 +124,9 @@ class BanditRouter:
         self.stored_weight = float(stored_weight)
         self.seed = seed
         self._index = {a: i for i, a in enumerate(self.arms)}
+        self._plain = self._index[Arm(NO_DRAFT, 0)]
+        self._tokens_at_one = float(max(a.gamma for a in self.arms) + 1)  # reward 1: see the docstring
+        self._observed = sorted({self._plain} | {i for i, a in enumerate(self.arms) if a.draft in free_drafts})
         self._names = [str(a) for a in self.arms]  # the store's keys
         self._copies = CopyScorer(self.arms, free_drafts)
         self._free_names = frozenset(free_drafts)
@@ -139,10 +145,11 @@ class BanditRouter:
             # One step's reward on this scale varies by about 0.1 (plain decoding earns 0.25, a
             # draft step 0.1-0.5): a prior sized for [0, 1] would keep posteriors wide for
             # hundreds of steps and the router exploring.
-            return ThompsonSampling(len(self.arms), prior_sd=0.1, discount=self.discount, seed=seed)
+            return ThompsonSampling(len(self.arms), prior_sd=0.1, discount=self.discount, seed=seed,
+                                    observed=self._observed)
         # UCB1's bonus is sized for rewards spread over [0, 1]; these spread over about [0, 0.5],
         # so the bonus is halved: exploration 2 * 0.5**2.
-        return UCB1(len(self.arms), exploration=0.5, discount=self.discount, seed=seed)
+        return UCB1(len(self.arms), exploration=0.5, discount=self.discount, seed=seed, observed=self._observed)
 
     def _cap(self) -> float:
         """Most evidence per arm taken from the store: `stored_weight`, or a discounted
@@ -280,14 +287,26 @@ class BanditRouter:
                 seconds = self._free_seconds(self._domain(c.domain), c.arm, c.proposed, c.draft_seconds, c.step_seconds)
                 free.setdefault(c.domain, []).append((c.arm, c.emitted, seconds))
             free.setdefault(record.domain, []).extend(self._shorter_gamma(state, record))
+            plain = self._plain_seconds(state)
+            if record.arm.gamma and plain is not None:  # plain decoding: a token per row per one-token pass
+                free[record.domain].append((self._plain, record.rows, plain))
             for domain in sorted(set(free) | {record.domain}, key=lambda d: d != record.domain):
                 self._learn(domain, record if domain == record.domain else None, free.get(domain, []))
 
-    @staticmethod
-    def _scale(state: DomainState) -> float | None:
+    def _plain_seconds(self, state: DomainState) -> float | None:
+        """What a one-token pass costs in this domain: measured here (or calibrated), else the mean
+        of the other domains' measurements (a pass costs about the same whatever the domain), else
+        None. Plain decoding is never explored, so a domain must not wait for its own."""
+        own = state.verify_seconds(1)
+        if own is not None:
+            return own
+        others = [t for d in self._domains.values() if (t := d.verify_seconds(1)) is not None]
+        return sum(others) / len(others) if others else None
+
+    def _scale(self, state: DomainState) -> float | None:
         """The goodput that earns reward 1 in this domain (tokens/s), None before any evidence."""
-        plain = state.verify_seconds(1)
-        return _TOKENS_AT_REWARD_ONE / plain if plain else state.stored_scale
+        plain = self._plain_seconds(state)
+        return self._tokens_at_one / plain if plain else state.stored_scale
 
     @staticmethod
     def _reward(scale: float | None, goodput: float) -> float:

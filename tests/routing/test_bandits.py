@@ -177,6 +177,7 @@ def test_bad_arm_raises_naming_arm(arm):
         ({"n_arms": 2, "window": 0}, "window"),
         ({"n_arms": 2, "window": 5, "discount": 0.9}, "window"),
         ({"n_arms": 2, "seed": "x"}, "seed"),
+        ({"n_arms": 2, "observed": [2]}, "observed"),
     ],
 )
 def test_bad_constructor_arguments_name_the_argument(kwargs, name):
@@ -203,6 +204,37 @@ def test_a_prior_sized_to_the_rewards_spread_explores_less_and_survives_export()
         wrong[sd] = sum(bandit.select() == 0 for _ in range(4000)) / 4000
         assert bandit_from_state(bandit.export_state()).prior_sd == sd
     assert wrong[0.1] < wrong[0.5] / 2
+
+
+@pytest.mark.parametrize("make", [lambda **k: ThompsonSampling(3, prior_sd=0.1, **k),
+                                  lambda **k: UCB1(3, exploration=0.5, **k)])
+def test_observed_arms_compete_on_their_means_and_are_never_explored(make):
+    """Arms 0 and 1 are scored every round whether played or not (the router's copy drafts):
+    playing the worse of them buys nothing, so it is never played."""
+    rng = random.Random(0)
+    plain, observed = make(seed=3), make(seed=3, observed=[0, 1])
+    for bandit in (plain, observed):
+        for i in range(100):
+            if i < 20:
+                bandit.update_many({0: 0.30 + rng.gauss(0, 0.05), 1: 0.33 + rng.gauss(0, 0.05)})
+            bandit.update(2, 0.05 + rng.uniform(-0.05, 0.05))
+        assert bandit.means()[1] > bandit.means()[0] > bandit.means()[2]
+    picks = {id(b): [b.select() for _ in range(2000)] for b in (plain, observed)}
+    assert picks[id(observed)].count(0) == 0
+    assert picks[id(observed)].count(1) > 1900
+    if isinstance(plain, ThompsonSampling):  # without `observed`, Thompson plays the worse one too
+        assert picks[id(plain)].count(0) > 20
+    assert bandit_from_state(observed.export_state()).observed == {0, 1}
+
+
+@pytest.mark.parametrize("cls", [ThompsonSampling, UCB1])
+def test_an_observed_arm_without_evidence_is_tried_first(cls):
+    """The router can score plain decoding only once it has timed a one-token pass."""
+    bandit = cls(2, observed=[1], seed=0)
+    bandit.update(0, 0.9)
+    assert bandit.select() == 1
+    bandit.update_many({0: 0.9, 1: 0.1})
+    assert bandit.select() == 0
 
 
 def test_seed_makes_thompson_reproducible():
