@@ -21,7 +21,7 @@ from flashspec_core.penalty import SeenTokens, penalize_paths
 from flashspec_core.prompts import PromptLike, encode_prompts, is_batch, prompt_text
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import resolve_domain
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.sampling import SamplingParams, request_generator, request_params
 from flashspec_core.stopping import RowOutput
 from flashspec_core.types import NO_DRAFT, Arm, Router, StepRecord
 from flashspec_core.verify import BACKENDS, verify
@@ -211,20 +211,6 @@ class SpecEngine:
 
     # ------------------------------------------------------------------------------ the loop
 
-    def _validate(self, max_new_tokens: int, sampling, stop) -> tuple[SamplingParams, tuple[str, ...]]:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
-        if sampling is None:
-            sampling = SamplingParams()
-        elif isinstance(sampling, dict):
-            sampling = SamplingParams(**sampling)
-        elif not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling must be a SamplingParams or a dict of its fields; got {type(sampling).__name__}")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError(f"stop must be a non-empty string or a list of them; got {stop!r}")
-        return sampling, stops
-
     def encode(self, prompts: Sequence[PromptLike], max_new_tokens: int) -> list[list[int]]:
         """The token ids `generate` would decode from for each prompt (chat template applied);
         ValueError when one does not fit the context window with `max_new_tokens`."""
@@ -244,7 +230,7 @@ class SpecEngine:
         self._lock.release()
 
     def _run(self, prompts, max_new_tokens, sampling, stop, domain, hint, json_schema=None):
-        sampling, stops = self._validate(max_new_tokens, sampling, stop)
+        sampling, stops = request_params(max_new_tokens, sampling, stop)
         encoded = self.encode(prompts, max_new_tokens)
         constraint = None
         if json_schema is not None:
@@ -259,14 +245,6 @@ class SpecEngine:
             yield from self._decode(encoded, max_new_tokens, sampling, stops, step_domain, constraint)
         finally:
             self._release()
-
-    def _generator(self, sampling: SamplingParams) -> torch.Generator:
-        gen = torch.Generator(device=self._device)
-        if sampling.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(sampling.seed)
-        return gen
 
     def _propose(self, arm: Arm, seqs, active, gamma: int, sampling, gen):
         """Returns draft tokens as B host lists of g ids (g = shortest active proposal; inactive
@@ -292,15 +270,16 @@ class SpecEngine:
                 and constraint is None and pinned_ok and hasattr(self._target_runner, "verify_step"))
 
     def _forward_and_verify(self, target, seqs, seen, outputs, drafts, draft_probs, active, sampling, constraint,
-                            gen, first=None):
+                            gen, first=None, while_waiting=None):
         """Score every row's context + draft in one target forward and verify; host lists out.
 
         seen, outputs: what the penalty and the n-gram ban read on the device (None when off).
         first: [B, 1, V] the prefill's logits after each whole prompt, on the first step: they
         score the first position, and the forward feeds only the draft (see `_prefill`).
+        while_waiting: host work the graphed step runs while the GPU computes (not called otherwise).
         """
         if first is None and self._in_graph(sampling, constraint):
-            fused = target.verify_step(seqs, drafts, active, sampling, draft_probs, gen)
+            fused = target.verify_step(seqs, drafts, active, sampling, draft_probs, gen, while_waiting)
             if fused is not None:
                 return fused
         g = len(drafts[0])
@@ -325,6 +304,11 @@ class SpecEngine:
         backend = "torch" if first is not None and self.verify_backend == "auto" else self.verify_backend
         n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=backend, generator=gen)
         return n_acc.tolist(), out.tolist()
+
+    def _learn(self, unlearned: list[StepRecord]) -> None:
+        """Hand the router the finished steps it has not learned from yet."""
+        while unlearned:
+            self.router.update(unlearned.pop(0))
 
     def _json_punctuation(self, logits: torch.Tensor) -> torch.Tensor:
         """[V] bool on the logits' device: tokens the n-gram ban leaves alone under a JSON schema; built once."""
@@ -362,7 +346,12 @@ class SpecEngine:
         rows = [RowOutput(self.tokenizer, self.eos_ids, stops, max_new_tokens) for _ in prompts]
         seqs = [list(p) for p in prompts]
         stats = [GenerationStats(domain, prompt_tokens=len(p)) for p in prompts]
-        gen = self._generator(sampling)
+        gen = request_generator(sampling, self._device)
+        # On CUDA graphs the router learns from a step while the GPU runs the next one (its
+        # host work, ~0.1-0.3 ms, is then off the critical path); it selects one step behind,
+        # which exactness does not care about. Elsewhere it learns at once.
+        overlap = getattr(target, "use_graphs", False) and self._in_graph(sampling, constraint)
+        unlearned: list[StepRecord] = []
         try:
             first = self._prefill(target, prompts, stats)
             # What the penalty and the ban read, on the device: committed to below, never reread per step.
@@ -381,9 +370,11 @@ class SpecEngine:
                 g = len(drafts[0])
                 t1 = time.perf_counter()
                 n_acc, out = self._forward_and_verify(
-                    target, seqs, seen, outputs, drafts, draft_probs, active, sampling, constraint, gen, first)
+                    target, seqs, seen, outputs, drafts, draft_probs, active, sampling, constraint, gen, first,
+                    while_waiting=lambda: self._learn(unlearned))
                 first = None
                 t2 = time.perf_counter()
+                self._learn(unlearned)  # when no graph ran it
                 context_row = active.index(True)
                 context_len = len(seqs[context_row])
                 new = [[] for _ in rows]
@@ -407,7 +398,9 @@ class SpecEngine:
                     catchup_seconds=catchup,
                     warmup_seconds=getattr(target, "warmup_seconds", 0.0) - warmed,
                 )
-                self.router.update(record)
+                unlearned.append(record)
+                if not overlap:
+                    self._learn(unlearned)
                 for b in (b for b, a in enumerate(active) if a):
                     stats[b].drafted += g
                     stats[b].accepted += n_acc[b]
@@ -421,6 +414,7 @@ class SpecEngine:
             target.reset(1)
             raise
         finally:
+            self._learn(unlearned)
             for d in self.drafts.values():
                 d.end(prompts, [r.token_ids for r in rows])
             flush = getattr(self.router, "flush", None)

@@ -123,3 +123,30 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     # No crossing (rounding, or no mass at all): take the last token with mass.
     last = probs.shape[-1] - 1 - has_mass.flip(-1).int().argmax(-1)
     return torch.where(crossed.any(-1), first, last)
+
+
+def request_params(max_new_tokens, sampling, stop) -> tuple[SamplingParams, tuple[str, ...]]:
+    """A request's checked length limit, sampling (None and dicts accepted) and stop strings;
+    ValueError naming the argument otherwise."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
+    if sampling is None:
+        sampling = SamplingParams()
+    elif isinstance(sampling, dict):
+        sampling = SamplingParams(**sampling)
+    elif not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams or a dict of its fields; got {type(sampling).__name__}")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of them; got {stop!r}")
+    return sampling, stops
+
+
+def request_generator(sampling: SamplingParams, device: torch.device) -> torch.Generator:
+    """The one generator every random draw of a request takes from: seeded, or fresh."""
+    gen = torch.Generator(device=device)
+    if sampling.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(sampling.seed)
+    return gen

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -343,7 +343,8 @@ class GraphedModel:
     @torch.inference_mode()
     def verify_step(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
                     active: Sequence[bool], sampling: SamplingParams, draft_probs: torch.Tensor | None = None,
-                    generator: torch.Generator | None = None) -> tuple[list[int], list[list[int]]] | None:
+                    generator: torch.Generator | None = None,
+                    while_waiting: Callable[[], None] | None = None) -> tuple[list[int], list[list[int]]] | None:
         """One step in one graph replay: feed each active row's context + draft, verify in the
         graph and return (n_accepted per row, tokens per row), or None when this step cannot
         replay a graph (rows at different widths, top-k / top-p, a generator off the GPU, more
@@ -354,6 +355,10 @@ class GraphedModel:
         and q kind at first use (a one-time cost, counted in `warmup_seconds`). The seed of a
         sampled step is drawn from `generator` as the eager kernel draws it, so both give the
         same tokens for the same generator state. Raises ValueError on NaN or +inf logits.
+
+        while_waiting: host work to run between the replay's launch and its one sync, while the
+        GPU computes (the engine learns from the previous step there); called only when this
+        returns a result.
         """
         if not self.use_graphs:
             return None
@@ -375,6 +380,8 @@ class GraphedModel:
             else:
                 seed = torch.randint(0, 2**62, (1,), device=self.device, generator=generator)
                 graph = self._replay(chunks, width, drafts, sampling, draft_probs, seed)
+            if while_waiting is not None:
+                while_waiting()
             result = graph.result.cpu().tolist()  # the step's one sync
             for b, chunk in enumerate(chunks):
                 self.held[b].extend(chunk)

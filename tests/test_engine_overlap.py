@@ -1,0 +1,113 @@
+"""On CUDA graphs the router learns from a step while the GPU runs the next one: every step is
+learned exactly once, in order, one step late, and all of them by the end of the request.
+
+The runner here is the CPU one behind the interface of a graphed runner (`use_graphs`, and a
+`verify_step` that calls `while_waiting` between its forward and its result), so the engine's
+bookkeeping is tested without a GPU; tests/gpu runs the real graphs through the same code.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashspec_core.drafts import PromptLookupDraft
+from flashspec_core.engine import SpecEngine
+from flashspec_core.types import Arm, StepRecord
+from flashspec_core.verify import verify
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+ARM = Arm("prompt_lookup", 1)
+PROMPT = [8, 2, 8, 1, 8, 2, 8, 1, 8, 2]
+
+
+class Recording:
+    """A router that always picks ARM and keeps what it was told, in order."""
+
+    arms = (ARM,)
+
+    def __init__(self) -> None:
+        self.learned: list[StepRecord] = []
+
+    def select(self, domain: str) -> Arm:
+        return ARM
+
+    def update(self, record: StepRecord) -> None:
+        self.learned.append(record)
+
+
+class GraphLike:
+    """The engine's CPU runner seen through a graphed runner's interface."""
+
+    use_graphs = True
+
+    def __init__(self, inner, router: Recording) -> None:
+        self.inner, self.router = inner, router
+        self.at_launch: list[int] = []  # steps the router had learned when each step started
+        self.after_wait: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def verify_step(self, contexts, drafts, active, sampling, draft_probs=None, generator=None, while_waiting=None):
+        self.at_launch.append(len(self.router.learned))
+        g = len(drafts[0])
+        logits = self.inner.forward_to([list(c) + list(d) for c, d in zip(contexts, drafts)], active, keep_logits=g + 1)
+        n_acc, out = verify(logits, torch.tensor(drafts, dtype=torch.long).view(len(contexts), g), None, sampling,
+                            backend="torch")
+        if while_waiting is not None:  # the GPU would still be computing here
+            while_waiting()
+        self.after_wait.append(len(self.router.learned))
+        return n_acc.tolist(), out.tolist()
+
+
+def engine_with(tiny_target, router) -> SpecEngine:
+    return SpecEngine(tiny_target, [PromptLookupDraft()], router=router, calibrate=False)
+
+
+def test_the_router_learns_each_step_once_in_order_one_step_late(tiny_target):
+    plain_router = Recording()
+    expected = engine_with(tiny_target, plain_router).generate(PROMPT, max_new_tokens=20)
+    router = Recording()
+    engine = engine_with(tiny_target, router)
+    runner = engine._target_runner = GraphLike(engine._target_runner, router)
+    result = engine.generate(PROMPT, max_new_tokens=20)
+
+    assert result.token_ids == expected.token_ids
+    assert router.learned == result.stats.records  # each step once, in order, all by the end
+    assert len(plain_router.learned) == len(expected.stats.records)
+    # Step 0 scores the prefill's logits (no graph); step k >= 1 replays, and the router learns
+    # step k - 1 while it runs: it had learned k - 1 steps at launch and k once the GPU was waited on.
+    steps = len(result.stats.records)
+    assert steps > 3
+    assert runner.at_launch == list(range(0, steps - 1))
+    assert runner.after_wait == list(range(1, steps))
+
+
+def test_without_graphs_the_router_learns_each_step_before_the_next(tiny_target):
+    router = Recording()
+    engine = engine_with(tiny_target, router)
+    seen: list[int] = []
+    real_select = router.select
+    router.select = lambda domain: (seen.append(len(router.learned)), real_select(domain))[1]
+    result = engine.generate(PROMPT, max_new_tokens=20)
+    assert seen == list(range(len(result.stats.records)))
+    assert router.learned == result.stats.records
+
+
+def test_a_failing_step_still_hands_the_router_the_steps_before_it(tiny_target, monkeypatch):
+    router = Recording()
+    engine = engine_with(tiny_target, router)
+    runner = engine._target_runner = GraphLike(engine._target_runner, router)
+    real = GraphLike.verify_step
+
+    def failing(self, *args, **kwargs):
+        if len(self.at_launch) == 3:
+            raise RuntimeError("simulated failure in a replay")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GraphLike, "verify_step", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate(PROMPT, max_new_tokens=20)
+    assert len(router.learned) == 4  # step 0 and the three replayed steps, none twice
+    assert runner.after_wait == [1, 2, 3]
