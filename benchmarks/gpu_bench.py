@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from flashspec_core.engine import SpecEngine
+from flashspec_core.engine import DEFAULT_GAMMAS, SpecEngine
 from flashspec_core.models import load_model
 from flashspec_core.drafts.trained import shipped_drafts
 from flashspec_core.pool import build_drafts, default_drafts
@@ -77,10 +77,15 @@ def peer_runner(model, eos_ids, temperature: float):
 def engine_runner(engine: SpecEngine, breakdown: dict, temperature: float):
     calls = iter(range(1 << 30))
 
+    runner = engine._target_runner
+
     def run(ids: list[int], max_new: int) -> list[int]:
         sampling = SamplingParams(temperature=temperature, seed=next(calls)) if temperature else None
+        captures, warm = runner.captures, runner.warmup_seconds
         res = engine.generate(ids, max_new_tokens=max_new, sampling=sampling)
         st = res.stats
+        breakdown["captures"] += runner.captures - captures  # graphs captured (or cache grown) in timed steps
+        breakdown["capture s"] += runner.warmup_seconds - warm
         breakdown["requests"] += 1
         breakdown["steps"] += st.steps
         breakdown["tokens"] += len(res.token_ids)
@@ -107,10 +112,15 @@ def main() -> None:
     parser.add_argument("--router-with-trained", action="store_true",
                         help="also time a router whose pool adds the shipped trained drafts")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; otherwise sample at T")
+    parser.add_argument("--gammas", default=",".join(map(str, DEFAULT_GAMMAS)),
+                        help="the γ of the router's arms (each fixed arm's engine adds its own)")
+    parser.add_argument("--router-gammas", default="",
+                        help="also time a router over these γ (comma list), e.g. 2,4,8,16")
     parser.add_argument("--out", default="bench_out/gpu")
     args = parser.parse_args()
     temp = args.temperature
     skip = set(filter(None, args.skip.split(",")))
+    gammas = tuple(int(g) for g in args.gammas.split(","))
 
     if args.steps_file:
         stream = [Step(**s) for s in json.loads(Path(args.steps_file).read_text())][:args.warmup + args.steps]
@@ -140,13 +150,20 @@ def main() -> None:
         # NF4 copy of the target (bitsandbytes).
         extra = build_drafts(["nf4"], target, None, device="cuda", dtype=torch.bfloat16) if draft == "nf4" else []
         engine, built[f"engine {arm}"] = timed(lambda: SpecEngine(
-            target, default_drafts(target) + shipped_drafts(target) + extra, router=FixedRouter(arm)))
+            target, default_drafts(target) + shipped_drafts(target) + extra, router=FixedRouter(arm),
+            gammas=sorted(set(gammas) | ({arm.gamma} if arm.gamma else set()))))
         breakdowns[f"engine {arm}"] = defaultdict(float)
         runners[f"engine {arm}"] = engine_runner(engine, breakdowns[f"engine {arm}"], temp)
     router_engine, built["engine router"] = timed(lambda: SpecEngine(target, default_drafts(target),
-                                                                     router="thompson"))
+                                                                     router="thompson", gammas=gammas))
     breakdowns["engine router"] = defaultdict(float)
     runners["engine router"] = engine_runner(router_engine, breakdowns["engine router"], temp)
+    if args.router_gammas:
+        wide = tuple(int(g) for g in args.router_gammas.split(","))
+        key = f"engine router γ {','.join(map(str, wide))}"
+        engine, built[key] = timed(lambda: SpecEngine(target, default_drafts(target), router="thompson", gammas=wide))
+        breakdowns[key] = defaultdict(float)
+        runners[key] = engine_runner(engine, breakdowns[key], temp)
     if args.router_with_trained:  # the pool the CPU gets: copy drafts plus the shipped trained drafts
         key = "engine router +trained"
         engine, built[key] = timed(lambda: SpecEngine(target, default_drafts(target) + shipped_drafts(target),
@@ -222,12 +239,13 @@ def report(results, steps, warmups, breakdowns, out: Path, args) -> None:
               f"{row['warmup_s']:>10.1f}")
     print("\nper-step breakdown of this engine (ms per step)")
     print(f"{'configuration':<30}{'steps':>7}{'tok/step':>9}{'draft':>8}{'fwd+verify':>11}{'host':>7}"
-          f"{'prefill ms/request':>20}")
+          f"{'prefill ms/request':>20}{'captures (s) in timing':>24}")
     for key, b in breakdowns.items():
         n = max(b["steps"], 1)
         print(f"{key:<30}{int(b['steps']):>7}{b['tokens'] / n:>9.2f}{b['draft'] / n * 1e3:>8.2f}"
               f"{b['forward+verify'] / n * 1e3:>11.2f}{b['host'] / n * 1e3:>7.2f}"
-              f"{b['prefill'] / max(b['requests'], 1) * 1e3:>20.2f}")
+              f"{b['prefill'] / max(b['requests'], 1) * 1e3:>20.2f}"
+              f"{int(b['captures']):>17} ({b['capture s']:.2f})")
     (out / "results.json").write_text(json.dumps({"table": table, "breakdown": breakdowns,
                                                   "gpu": torch.cuda.get_device_name()}, indent=1))
     plot(table, domains, out / "gpu_bench.png", mode)

@@ -142,11 +142,11 @@ class BanditRouter:
     def _new_bandit(self, domain: str) -> Bandit:
         seed = None if self.seed is None else (self.seed * 1_000_003 + zlib.crc32(domain.encode())) % 2**63
         if self.algorithm.startswith("thompson"):
-            # One step's reward on this scale varies by about 0.1 (plain decoding earns 0.25, a
-            # draft step 0.1-0.5): a prior sized for [0, 1] would keep posteriors wide for
-            # hundreds of steps and the router exploring.
-            return ThompsonSampling(len(self.arms), prior_sd=0.1, discount=self.discount, seed=seed,
-                                    observed=self._observed)
+            # One step's reward varies by about 0.4 plain steps' worth of tokens (0.1 when reward
+            # 1 was 4 of them): a prior sized for [0, 1] would keep posteriors wide for hundreds
+            # of steps and the router exploring.
+            return ThompsonSampling(len(self.arms), prior_sd=0.4 / self._tokens_at_one, discount=self.discount,
+                                    seed=seed, observed=self._observed)
         # UCB1's bonus is sized for rewards spread over [0, 1]; these spread over about [0, 0.5],
         # so the bonus is halved: exploration 2 * 0.5**2.
         return UCB1(len(self.arms), exploration=0.5, discount=self.discount, seed=seed, observed=self._observed)
