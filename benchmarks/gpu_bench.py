@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from flashspec_core.engine import DEFAULT_GAMMAS, SpecEngine
+from flashspec_core.engine import SpecEngine
 from flashspec_core.models import load_model
 from flashspec_core.drafts.trained import shipped_drafts
-from flashspec_core.pool import build_drafts, default_drafts
+from flashspec_core.pool import GPU_GAMMAS, build_drafts, default_drafts
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--router-with-trained", action="store_true",
                         help="also time a router whose pool adds the shipped trained drafts")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; otherwise sample at T")
-    parser.add_argument("--gammas", default=",".join(map(str, DEFAULT_GAMMAS)),
+    parser.add_argument("--gammas", default=",".join(map(str, GPU_GAMMAS)),
                         help="the γ of the router's arms (each fixed arm's engine adds its own)")
     parser.add_argument("--router-gammas", default="",
                         help="also time a router over these γ (comma list), e.g. 2,4,8,16")

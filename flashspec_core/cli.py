@@ -59,9 +59,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Time the target's forward per width and kernel on this machine again, cache and print it."""
     from flashspec_core.backends.calibration import calibrate, machine_line, model_id
-    from flashspec_core.engine import DEFAULT_GAMMAS, SpecEngine
+    from flashspec_core.engine import SpecEngine
     from flashspec_core.models import vocab_size
-    from flashspec_core.pool import load_target
+    from flashspec_core.pool import CPU_GAMMAS, load_target
 
     target = load_target(args.model)
     engine = SpecEngine(target, [], router="fixed", backend=args.backend, calibrate=False)
@@ -69,7 +69,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not hasattr(runner, "kernels") or runner.device.type != "cpu":
         raise ValueError("calibrate times CPU targets; this one runs on "
                          f"{runner.device} (its costs are learned by the router as it runs)")
-    widths = [1] + [g + 1 for g in DEFAULT_GAMMAS]
+    widths = [1] + [g + 1 for g in CPU_GAMMAS]
     cal = calibrate(runner, model_id(target.model), engine.backend, widths, vocab_size(target.model), force=True,
                     context=min(256, engine.context_window // 2))
     print(f"{machine_line()}; backend {engine.backend}")

@@ -18,6 +18,7 @@ from flashspec_core.drafts import DraftSource
 from flashspec_core.models import LoadedModel, eos_ids, vocab_size
 from flashspec_core.ngram_ban import OutputTokens, ban_repeated_ngrams, json_punctuation_tokens
 from flashspec_core.penalty import SeenTokens, penalize_paths
+from flashspec_core.proposals import cut_to_widths, step_proposal
 from flashspec_core.prompts import PromptLike, encode_prompts, is_batch, prompt_text
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import resolve_domain
@@ -25,8 +26,6 @@ from flashspec_core.sampling import SamplingParams, request_generator, request_p
 from flashspec_core.stopping import RowOutput
 from flashspec_core.types import NO_DRAFT, Arm, Router, StepRecord
 from flashspec_core.verify import BACKENDS, verify
-
-DEFAULT_GAMMAS = (2, 4, 8)
 
 
 class SpecEngine:
@@ -40,7 +39,7 @@ class SpecEngine:
         target: LoadedModel,
         drafts: Sequence[DraftSource] = (),
         router: Router | str = "thompson",
-        gammas: Sequence[int] = DEFAULT_GAMMAS,
+        gammas: Sequence[int] | None = None,
         verify_backend: str = "auto",
         backend: str = "auto",
         calibrate: bool = True,
@@ -49,7 +48,12 @@ class SpecEngine:
         a GGUF target on the CPU when llama-cpp-python is installed, see backends/__init__.py).
         calibrate: time the target's forward per width on this machine at first use (cached per
         CPU in the cache folder) to pick the fastest kernel and seed the router's cost model.
+        gammas: the γ of each draft's arms; None: `pool.default_gammas` (16 too on a GPU).
         """
+        if gammas is None:
+            from flashspec_core.pool import default_gammas
+
+            gammas = default_gammas(target)
         if verify_backend not in BACKENDS:
             raise ValueError(f"verify_backend must be one of {BACKENDS}; got {verify_backend!r}")
         if not gammas or any(not isinstance(g, int) or not 1 <= g <= 16 for g in gammas):
@@ -105,12 +109,12 @@ class SpecEngine:
         statistics persist, once per process."""
         with cls._default_lock:
             if cls._default is None:
-                from flashspec_core.pool import default_drafts, load_target
+                from flashspec_core.pool import default_drafts, default_gammas, load_target
                 from flashspec_core.routing import make_router
 
                 target = load_target(None)
                 drafts = default_drafts(target)
-                arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in DEFAULT_GAMMAS]
+                arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in default_gammas(target)]
                 router = make_router("thompson", arms, {d.name: d for d in drafts}, persist=True)
                 cls._default = cls(target, drafts, router=router)
             return cls._default
@@ -124,7 +128,7 @@ class SpecEngine:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         load_in_4bit: bool = False,
-        gammas: Sequence[int] = DEFAULT_GAMMAS,
+        gammas: Sequence[int] | None = None,
         verify_backend: str = "auto",
         backend: str = "auto",
     ) -> "SpecEngine":
@@ -246,21 +250,6 @@ class SpecEngine:
         finally:
             self._release()
 
-    def _propose(self, arm: Arm, seqs, active, gamma: int, sampling, gen):
-        """Returns draft tokens as B host lists of g ids (g = shortest active proposal; inactive
-        rows padded with 0), q [B, g, V] or None, and the draft's catch-up seconds."""
-        if arm.draft == NO_DRAFT or gamma <= 0:
-            return [[] for _ in seqs], None, 0.0
-        proposal = self.drafts[arm.draft].propose(seqs, gamma, sampling, gen)
-        g = min(len(t) for t, a in zip(proposal.tokens, active) if a)
-        bad = sorted({t for row, a in zip(proposal.tokens, active) if a for t in row[:g] if not 0 <= t < self._vocab})
-        if bad:  # caught here: the target's embedding would meet the id before verify does
-            raise ValueError(f"drafts: {arm.draft!r} proposed token ids {bad[:5]} outside the target's vocabulary "
-                             f"[0, {self._vocab}); a draft must share the target's tokenizer")
-        tokens = [(list(t[:g]) + [0] * g)[:g] for t in proposal.tokens]
-        probs = None if proposal.probs is None else proposal.probs[:, :g].to(self._device)
-        return tokens, probs, proposal.catchup_seconds
-
     def _in_graph(self, sampling: SamplingParams, constraint) -> bool:
         """Whether steps may run forward and verification as one call of the runner (a CUDA-graph
         replay): no logits processor between them, and the verify backend the graph runs (torch
@@ -365,8 +354,11 @@ class SpecEngine:
                 remaining = min(r.max_new_tokens - len(r.token_ids) for r, a in zip(rows, active) if a)
                 warmed = getattr(target, "warmup_seconds", 0.0)
                 t0 = time.perf_counter()
-                drafts, draft_probs, catchup = self._propose(
-                    arm, seqs, active, min(arm.gamma, remaining - 1), sampling, gen)
+                drafts, draft_probs, catchup = step_proposal(
+                    self.drafts.get(arm.draft), seqs, active, min(arm.gamma, remaining - 1), sampling, gen,
+                    self._vocab, self._device)
+                if overlap and not sampling.greedy:
+                    drafts, draft_probs = cut_to_widths(drafts, draft_probs, getattr(target, "widths", ()))
                 g = len(drafts[0])
                 t1 = time.perf_counter()
                 n_acc, out = self._forward_and_verify(

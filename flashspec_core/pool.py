@@ -81,6 +81,20 @@ def build_drafts(
     return pool
 
 
+# The γ of every draft's arms. A CPU pays for each drafted token in verify time (calibration
+# measures how much); on a GPU a graphed pass over 17 tokens costs what one over 2 does, so γ = 16
+# is free where a copy runs long (H200, BENCHMARKS.md "GPU": the router with it 852 tok/s, 751
+# without, greedy; 595 and 528 at T = 0.7).
+CPU_GAMMAS = (2, 4, 8)
+GPU_GAMMAS = (2, 4, 8, 16)
+
+
+def default_gammas(target: LoadedModel) -> tuple[int, ...]:
+    """The γ an engine over `target` offers each draft when none are given: see GPU_GAMMAS."""
+    on_cuda = target.model.get_output_embeddings().weight.device.type == "cuda"
+    return GPU_GAMMAS if on_cuda else CPU_GAMMAS
+
+
 def default_drafts(target: LoadedModel | None = None) -> list[DraftSource]:
     """The default pool: copy drafts, which cost next to nothing to run, the grammar-forced draft
     (it proposes only under a `json_schema`), plus, on the CPU, the shipped trained drafts

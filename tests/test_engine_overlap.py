@@ -12,6 +12,7 @@ import torch
 
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
+from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import Arm, StepRecord
 from flashspec_core.verify import verify
 
@@ -111,3 +112,23 @@ def test_a_failing_step_still_hands_the_router_the_steps_before_it(tiny_target, 
         engine.generate(PROMPT, max_new_tokens=20)
     assert len(router.learned) == 4  # step 0 and the three replayed steps, none twice
     assert runner.after_wait == [1, 2, 3]
+
+
+def test_sampled_steps_on_graphs_cut_proposals_to_warmed_widths(tiny_target):
+    """A sampled step replays a graph of its exact width: proposals are cut to γ + 1 in the
+    runner's warmed widths, so no width outside them is ever fed (no capture mid-request)."""
+    router = Recording()
+    router.arms = (Arm("prompt_lookup", 4),)
+    router.select = lambda domain: Arm("prompt_lookup", 4)
+    engine = engine_with(tiny_target, router)
+    runner = engine._target_runner = GraphLike(engine._target_runner, router)
+    runner.widths = (1, 3, 5)
+    fed = []
+    real = runner.verify_step
+    runner.verify_step = lambda contexts, drafts, *a, **k: (fed.append(len(drafts[0])), real(contexts, drafts, *a, **k))[1]
+    for seed in range(6):
+        result = engine.generate([6, 6, 6, 6, 1], max_new_tokens=24, sampling=SamplingParams(temperature=1.0, seed=seed))
+        assert {r.drafted for r in result.stats.records} <= {0, 2, 4}
+    assert set(fed) <= {0, 2, 4} and 4 in fed and 2 in fed
+    greedy = engine.generate([6, 6, 6, 6, 1], max_new_tokens=24)  # greedy steps pad instead: uncut
+    assert {r.drafted for r in greedy.stats.records} - {0, 2, 4}

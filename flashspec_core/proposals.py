@@ -1,0 +1,44 @@
+"""A step's proposal as the verifier takes it: one length for every row, ids inside the target's
+vocabulary, and, for a sampled step on CUDA graphs, a length some graph was warmed for."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from flashspec_core.drafts import DraftSource
+from flashspec_core.sampling import SamplingParams
+
+
+def step_proposal(draft: DraftSource | None, seqs: Sequence[Sequence[int]], active: Sequence[bool], gamma: int,
+                  sampling: SamplingParams, gen: torch.Generator, vocab: int, device: torch.device):
+    """Draft tokens as B host lists of g ids (g = the shortest active proposal; inactive rows
+    padded with 0), q [B, g, V] on `device` or None (one-hot), and the draft's catch-up seconds.
+    draft None (plain decoding) or gamma <= 0 proposes nothing."""
+    if draft is None or gamma <= 0:
+        return [[] for _ in seqs], None, 0.0
+    proposal = draft.propose(seqs, gamma, sampling, gen)
+    g = min(len(t) for t, a in zip(proposal.tokens, active) if a)
+    bad = sorted({t for row, a in zip(proposal.tokens, active) if a for t in row[:g] if not 0 <= t < vocab})
+    if bad:  # caught here: the target's embedding would meet the id before verify does
+        raise ValueError(f"drafts: {draft.name!r} proposed token ids {bad[:5]} outside the target's vocabulary "
+                         f"[0, {vocab}); a draft must share the target's tokenizer")
+    tokens = [(list(t[:g]) + [0] * g)[:g] for t in proposal.tokens]
+    probs = None if proposal.probs is None else proposal.probs[:, :g].to(device)
+    return tokens, probs, proposal.catchup_seconds
+
+
+def cut_to_widths(drafts: list[list[int]], draft_probs: torch.Tensor | None, widths: Sequence[int]):
+    """Cut a sampled step's proposal to the longest warmed width (γ + 1) it fills.
+
+    drafts: B lists of g ids; draft_probs: [B, g, V] or None; widths: the runner's warmed widths.
+    A sampled step replays a graph of its exact width (a padded slot would be a token to test),
+    captured per temperature at first use (about a second with the kernel's compile): copy drafts
+    propose anything from 1 to γ tokens, so uncut they would capture up to γ graphs per
+    temperature mid-request. Exact: the cut depends on the proposal's length only.
+    """
+    g = len(drafts[0])
+    fit = max((w - 1 for w in widths if w - 1 <= g), default=g)
+    if fit == g:
+        return drafts, draft_probs
+    return [d[:fit] for d in drafts], None if draft_probs is None else draft_probs[:, :fit]
