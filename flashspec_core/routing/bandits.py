@@ -280,8 +280,8 @@ class ThompsonSampling(Bandit):
     """
 
     algorithm = "thompson"
-    # Normal-Gamma prior: mean 0.5 worth one observation; Gamma(1, prior_sd**2) on the precision.
-    _MU0, _KAPPA0, _ALPHA0 = 0.5, 1.0, 1.0
+    # Normal-Gamma prior: mean `prior_mean` worth one observation; Gamma(1, prior_sd**2) on the precision.
+    _KAPPA0, _ALPHA0 = 1.0, 1.0
 
     def __init__(
         self,
@@ -289,6 +289,7 @@ class ThompsonSampling(Bandit):
         *,
         posterior: str = "auto",
         prior_sd: float = 0.5,
+        prior_mean: float = 0.5,
         discount: float = 1.0,
         window: int | None = None,
         seed: int | None = None,
@@ -296,17 +297,23 @@ class ThompsonSampling(Bandit):
     ) -> None:
         """prior_sd: the spread of one reward that the Normal-Gamma prior expects. The default
         0.5 spans the whole [0, 1] range; rewards that vary less (goodput on a fixed scale) want
-        a smaller value, or the prior keeps the posterior wide for hundreds of pulls."""
+        a smaller value, or the prior keeps the posterior wide for hundreds of pulls.
+        prior_mean: the Normal-Gamma prior's mean reward; an untried arm above the arms' usual
+        rewards is tried a few times before its own rewards pull it down (optimism)."""
         super().__init__(n_arms, discount=discount, window=window, seed=seed, observed=observed)
         if posterior not in _POSTERIORS:
             raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
         if isinstance(prior_sd, bool) or not isinstance(prior_sd, (int, float)) or not prior_sd > 0:
             raise ValueError(f"prior_sd must be a number > 0, got {prior_sd!r}")
+        if isinstance(prior_mean, bool) or not isinstance(prior_mean, (int, float)) or not 0.0 <= prior_mean <= 1.0:
+            raise ValueError(f"prior_mean must be a number in [0, 1], got {prior_mean!r}")
         self.posterior = posterior
         self.prior_sd = float(prior_sd)
+        self.prior_mean = float(prior_mean)
 
     def _params(self) -> dict[str, Any]:
-        return {**super()._params(), "posterior": self.posterior, "prior_sd": self.prior_sd}
+        return {**super()._params(), "posterior": self.posterior, "prior_sd": self.prior_sd,
+                "prior_mean": self.prior_mean}
 
     def _uses_beta(self) -> bool:
         return self.posterior == "beta" or (self.posterior == "auto" and self.binary)
@@ -322,7 +329,7 @@ class ThompsonSampling(Bandit):
                 else rng.betavariate(1.0 + s, 1.0 + max(0.0, c - s))
                 for i, (s, c) in enumerate(zip(self.sums, self.counts))
             ]
-        mu0, k0, a0 = self._MU0, self._KAPPA0, self._ALPHA0
+        mu0, k0, a0 = self.prior_mean, self._KAPPA0, self._ALPHA0
         b0 = a0 * self.prior_sd ** 2
         draws = []
         for i, (s, q, c) in enumerate(zip(self.sums, self.sumsqs, self.counts)):

@@ -142,11 +142,14 @@ class BanditRouter:
     def _new_bandit(self, domain: str) -> Bandit:
         seed = None if self.seed is None else (self.seed * 1_000_003 + zlib.crc32(domain.encode())) % 2**63
         if self.algorithm.startswith("thompson"):
-            # One step's reward varies by about 0.4 plain steps' worth of tokens (0.1 when reward
-            # 1 was 4 of them): a prior sized for [0, 1] would keep posteriors wide for hundreds
-            # of steps and the router exploring.
-            return ThompsonSampling(len(self.arms), prior_sd=0.4 / self._tokens_at_one, discount=self.discount,
-                                    seed=seed, observed=self._observed)
+            # In units of a plain step's tokens: one step's reward varies by about 0.4 of them (a
+            # prior sized for [0, 1] would keep posteriors wide for hundreds of steps), and an
+            # untried model draft is presumed twice as productive as plain decoding, enough to try
+            # it, not so much that every γ of every draft is pulled many times to disprove it
+            # (0.1 and 0.5 when reward 1 was 4 tokens).
+            unit = 1.0 / self._tokens_at_one
+            return ThompsonSampling(len(self.arms), prior_sd=0.4 * unit, prior_mean=min(1.0, 2.0 * unit),
+                                    discount=self.discount, seed=seed, observed=self._observed)
         # UCB1's bonus is sized for rewards spread over [0, 1]; these spread over about [0, 0.5],
         # so the bonus is halved: exploration 2 * 0.5**2.
         return UCB1(len(self.arms), exploration=0.5, discount=self.discount, seed=seed, observed=self._observed)

@@ -189,6 +189,8 @@ def test_bad_constructor_arguments_name_the_argument(kwargs, name):
         UCB1(2, exploration=-1)
     with pytest.raises(ValueError, match="prior_sd"):
         ThompsonSampling(2, prior_sd=0)
+    with pytest.raises(ValueError, match="prior_mean"):
+        ThompsonSampling(2, prior_mean=1.5)
 
 
 def test_a_prior_sized_to_the_rewards_spread_explores_less_and_survives_export():
@@ -273,3 +275,18 @@ def test_statistics_stay_consistent_for_any_valid_stream(stream, discount):
 def test_any_out_of_range_float_is_rejected(x):
     with pytest.raises(ValueError, match="reward"):
         UCB1(2).update(0, x)
+
+
+def test_an_untried_arm_is_tried_until_its_rewards_fall_below_the_prior_mean():
+    """prior_mean is the optimism an untried arm gets: with the prior at the arms' usual reward
+    (0.2), an arm that earns 0.1 is dropped after fewer pulls than with the prior at 0.5."""
+    pulls = {}
+    for mean in (0.5, 0.2):
+        bandit = ThompsonSampling(2, prior_sd=0.05, prior_mean=mean, seed=0, observed=[0])
+        bandit.update_many({0: 0.2})
+        for _ in range(200):
+            arm = bandit.select()
+            bandit.update_many({0: 0.2, 1: 0.1} if arm == 1 else {0: 0.2})
+        pulls[mean] = bandit.counts[1]
+        assert bandit_from_state(bandit.export_state()).prior_mean == mean
+    assert 0 < pulls[0.2] < pulls[0.5]
