@@ -357,7 +357,9 @@ class SpecEngine:
                 drafts, draft_probs, catchup = step_proposal(
                     self.drafts.get(arm.draft), seqs, active, min(arm.gamma, remaining - 1), sampling, gen,
                     self._vocab, self._device)
+                lengths = ()  # draft lengths verified uncut (all: ())
                 if overlap and not sampling.greedy:
+                    lengths = tuple(w - 1 for w in getattr(target, "widths", ()))
                     drafts, draft_probs = cut_to_widths(drafts, draft_probs, getattr(target, "widths", ()))
                 g = len(drafts[0])
                 t1 = time.perf_counter()
@@ -389,6 +391,7 @@ class SpecEngine:
                     rows=sum(active),
                     catchup_seconds=catchup,
                     warmup_seconds=getattr(target, "warmup_seconds", 0.0) - warmed,
+                    draft_lengths=lengths,
                 )
                 unlearned.append(record)
                 if not overlap:

@@ -38,7 +38,13 @@ def cut_to_widths(drafts: list[list[int]], draft_probs: torch.Tensor | None, wid
     temperature mid-request. Exact: the cut depends on the proposal's length only.
     """
     g = len(drafts[0])
-    fit = max((w - 1 for w in widths if w - 1 <= g), default=g)
+    fit = cut_length(g, [w - 1 for w in widths])
     if fit == g:
         return drafts, draft_probs
     return [d[:fit] for d in drafts], None if draft_probs is None else draft_probs[:, :fit]
+
+
+def cut_length(proposed: int, lengths: Sequence[int]) -> int:
+    """The longest of `lengths` within `proposed` (`proposed` itself when `lengths` is empty):
+    what a proposal of that length is cut to (the router scores copy drafts with the same cut)."""
+    return max((n for n in lengths if n <= proposed), default=proposed)

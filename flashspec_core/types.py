@@ -66,6 +66,9 @@ class StepRecord:
     # Part of verify_seconds the target's runner spent on one-time work (capturing a CUDA graph,
     # growing its cache): paid once by whichever step triggered it, not a cost of the step's arm.
     warmup_seconds: float = 0.0
+    # The draft lengths this step's runner verifies as proposed, others being cut to the longest
+    # of them that fits (a sampled step on CUDA graphs, proposals.cut_to_widths); () when any.
+    draft_lengths: tuple[int, ...] = ()
 
     @property
     def seconds(self) -> float:

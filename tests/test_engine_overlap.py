@@ -129,6 +129,8 @@ def test_sampled_steps_on_graphs_cut_proposals_to_warmed_widths(tiny_target):
     for seed in range(6):
         result = engine.generate([6, 6, 6, 6, 1], max_new_tokens=24, sampling=SamplingParams(temperature=1.0, seed=seed))
         assert {r.drafted for r in result.stats.records} <= {0, 2, 4}
+        assert {r.draft_lengths for r in result.stats.records} == {(0, 2, 4)}  # the router scores copies so
     assert set(fed) <= {0, 2, 4} and 4 in fed and 2 in fed
     greedy = engine.generate([6, 6, 6, 6, 1], max_new_tokens=24)  # greedy steps pad instead: uncut
     assert {r.drafted for r in greedy.stats.records} - {0, 2, 4}
+    assert {r.draft_lengths for r in greedy.stats.records} == {()}

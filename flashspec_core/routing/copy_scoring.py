@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from flashspec_core.drafts.base import DraftSource
+from flashspec_core.proposals import cut_length
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import Arm, StepRecord
 
@@ -80,8 +81,9 @@ class CopyScorer:
             start = time.perf_counter()
             longest = [int(t) for t in draft.propose([context], max(g for _, g in arms), _GREEDY).tokens[0]]
             elapsed = time.perf_counter() - start
-            for i, gamma in arms:
-                proposals[i], seconds[i] = longest[:gamma], elapsed
+            for i, gamma in arms:  # cut as the step's runner would have cut it
+                head = longest[:gamma]
+                proposals[i], seconds[i] = head[:cut_length(len(head), record.draft_lengths)], elapsed
         if not proposals:
             return None
         return _Pending(record.domain, seq, ctx, record.rows, record.steady_seconds, proposals, seconds)

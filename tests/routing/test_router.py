@@ -411,3 +411,27 @@ def test_on_flat_pass_costs_the_longest_copy_wins_every_step():
     assert picks[-70:] == [Arm("ngram", 8)] * 70
     s = router.summary()["rag"]
     assert s["none"]["scored"] >= 70 and s["ngram@8"]["mean_reward"] > 1.5 * s["ngram@4"]["mean_reward"]
+
+
+def test_copy_drafts_are_scored_cut_as_the_step_would_have_cut_them():
+    """A sampled step on CUDA graphs verifies only some draft lengths and cuts a proposal to the
+    longest of them that fits (proposals.cut_to_widths): a copy draft's after-the-fact score
+    must be what that cut proposal would have emitted, not the uncut one."""
+    script = list(range(300, 400))
+    scored = {}
+    for lengths in ((), (0, 2, 4)):
+        draft = CopyDraft(script)  # always right: proposes γ tokens of the script
+        router = BanditRouter([Arm("ngram", 3)], free_drafts={"ngram": draft})
+        seq = script[:20]
+        for ctx in (19, 20, 21):  # plain steps (they time the one-token pass), each scoring ngram@3
+            router.update(dataclasses.replace(record("rag", NONE, 1, 0.05, context_len=ctx), sequence=seq,
+                                              draft_lengths=lengths))  # the live list, as the engine passes it
+            seq.append(script[len(seq)])
+        seq.extend(script[len(seq):40])  # later steps of the request verify the rest
+        router.update(dataclasses.replace(record("rag", NONE, 1, 0.05, context_len=39), sequence=seq))
+        scored[lengths] = router.summary()["rag"]["ngram@3"]
+    # Uncut: 3 proposed, 3 matched, 4 emitted; cut to 2: 3 emitted. Both priced at the one-token
+    # pass (the only size measured), so the rewards stand 4 : 3.
+    assert scored[()]["scored"] == scored[(0, 2, 4)]["scored"] >= 1
+    ratio = scored[()]["mean_reward"] / scored[(0, 2, 4)]["mean_reward"]
+    assert ratio == pytest.approx(4 / 3, rel=0.05)
