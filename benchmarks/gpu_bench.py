@@ -82,8 +82,13 @@ def engine_runner(engine: SpecEngine, breakdown: dict, temperature: float):
     def run(ids: list[int], max_new: int) -> list[int]:
         sampling = SamplingParams(temperature=temperature, seed=next(calls)) if temperature else None
         captures, warm = runner.captures, runner.warmup_seconds
+        start = time.perf_counter()
         res = engine.generate(ids, max_new_tokens=max_new, sampling=sampling)
+        wall = time.perf_counter() - start
         st = res.stats
+        # What a request costs outside its prefill, steps and per-step host work (domain
+        # classification, drafts' begin/end, the router's last update and flush, ...).
+        breakdown["other"] += wall - st.prefill_seconds - sum(r.seconds for r in st.records) - st.host_seconds
         breakdown["captures"] += runner.captures - captures  # graphs captured (or cache grown) in timed steps
         breakdown["capture s"] += runner.warmup_seconds - warm
         breakdown["requests"] += 1
@@ -239,12 +244,12 @@ def report(results, steps, warmups, breakdowns, out: Path, args) -> None:
               f"{row['warmup_s']:>10.1f}")
     print("\nper-step breakdown of this engine (ms per step)")
     print(f"{'configuration':<30}{'steps':>7}{'tok/step':>9}{'draft':>8}{'fwd+verify':>11}{'host':>7}"
-          f"{'prefill ms/request':>20}{'captures (s) in timing':>24}")
+          f"{'prefill ms/request':>20}{'other ms/request':>18}{'captures (s) in timing':>24}")
     for key, b in breakdowns.items():
         n = max(b["steps"], 1)
         print(f"{key:<30}{int(b['steps']):>7}{b['tokens'] / n:>9.2f}{b['draft'] / n * 1e3:>8.2f}"
               f"{b['forward+verify'] / n * 1e3:>11.2f}{b['host'] / n * 1e3:>7.2f}"
-              f"{b['prefill'] / max(b['requests'], 1) * 1e3:>20.2f}"
+              f"{b['prefill'] / max(b['requests'], 1) * 1e3:>20.2f}{b['other'] / max(b['requests'], 1) * 1e3:>18.2f}"
               f"{int(b['captures']):>17} ({b['capture s']:.2f})")
     (out / "results.json").write_text(json.dumps({"table": table, "breakdown": breakdowns,
                                                   "gpu": torch.cuda.get_device_name()}, indent=1))
