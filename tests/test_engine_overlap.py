@@ -54,8 +54,8 @@ class GraphLike:
         self.at_launch.append(len(self.router.learned))
         g = len(drafts[0])
         logits = self.inner.forward_to([list(c) + list(d) for c, d in zip(contexts, drafts)], active, keep_logits=g + 1)
-        n_acc, out = verify(logits, torch.tensor(drafts, dtype=torch.long).view(len(contexts), g), None, sampling,
-                            backend="torch")
+        n_acc, out = verify(logits, torch.tensor(drafts, dtype=torch.long).view(len(contexts), g), draft_probs,
+                            sampling, backend="torch", generator=generator)
         if while_waiting is not None:  # the GPU would still be computing here
             while_waiting()
         self.after_wait.append(len(self.router.learned))
