@@ -150,9 +150,12 @@ class BanditRouter:
             unit = 1.0 / self._tokens_at_one
             return ThompsonSampling(len(self.arms), prior_sd=0.4 * unit, prior_mean=min(1.0, 2.0 * unit),
                                     discount=self.discount, seed=seed, observed=self._observed)
-        # UCB1's bonus is sized for rewards spread over [0, 1]; these spread over about [0, 0.5],
-        # so the bonus is halved: exploration 2 * 0.5**2.
-        return UCB1(len(self.arms), exploration=0.5, discount=self.discount, seed=seed, observed=self._observed)
+        # UCB1's bonus is sized for rewards spread over [0, 1]; these spread over about two plain
+        # steps' worth of tokens, so the bonus shrinks with them: exploration 2 * (2 units)**2
+        # (0.5 when reward 1 was 4 tokens, as Thompson's prior above).
+        unit = 1.0 / self._tokens_at_one
+        return UCB1(len(self.arms), exploration=2.0 * (2.0 * unit) ** 2, discount=self.discount, seed=seed,
+                    observed=self._observed)
 
     def _cap(self) -> float:
         """Most evidence per arm taken from the store: `stored_weight`, or a discounted
