@@ -7,6 +7,7 @@ exactly the target's distribution whatever the arm; the arm only changes how fas
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Iterator, Sequence
@@ -18,7 +19,7 @@ from flashspec_core.drafts import DraftSource
 from flashspec_core.models import LoadedModel, eos_ids, vocab_size
 from flashspec_core.ngram_ban import OutputTokens, ban_repeated_ngrams, json_punctuation_tokens
 from flashspec_core.penalty import SeenTokens, penalize_paths
-from flashspec_core.proposals import cut_to_widths, step_proposal
+from flashspec_core.proposals import cut_to_lengths, step_proposal
 from flashspec_core.prompts import PromptLike, encode_prompts, is_batch, prompt_text
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import resolve_domain
@@ -341,6 +342,10 @@ class SpecEngine:
         # which exactness does not care about. Elsewhere it learns at once.
         overlap = getattr(target, "use_graphs", False) and self._in_graph(sampling, constraint)
         unlearned: list[StepRecord] = []
+        learn = functools.partial(self._learn, unlearned)
+        # Draft lengths a step verifies uncut (() = any): a sampled step on graphs replays a graph
+        # of its exact width, so its proposal is cut to a warmed one (proposals.cut_to_lengths).
+        lengths = tuple(w - 1 for w in getattr(target, "widths", ())) if overlap and not sampling.greedy else ()
         try:
             first = self._prefill(target, prompts, stats)
             # What the penalty and the ban read, on the device: committed to below, never reread per step.
@@ -357,18 +362,15 @@ class SpecEngine:
                 drafts, draft_probs, catchup = step_proposal(
                     self.drafts.get(arm.draft), seqs, active, min(arm.gamma, remaining - 1), sampling, gen,
                     self._vocab, self._device)
-                lengths = ()  # draft lengths verified uncut (all: ())
-                if overlap and not sampling.greedy:
-                    lengths = tuple(w - 1 for w in getattr(target, "widths", ()))
-                    drafts, draft_probs = cut_to_widths(drafts, draft_probs, getattr(target, "widths", ()))
+                drafts, draft_probs = cut_to_lengths(drafts, draft_probs, lengths)
                 g = len(drafts[0])
                 t1 = time.perf_counter()
                 n_acc, out = self._forward_and_verify(
                     target, seqs, seen, outputs, drafts, draft_probs, active, sampling, constraint, gen, first,
-                    while_waiting=lambda: self._learn(unlearned))
+                    while_waiting=learn)
                 first = None
                 t2 = time.perf_counter()
-                self._learn(unlearned)  # when no graph ran it
+                learn()  # when no graph ran it
                 context_row = active.index(True)
                 context_len = len(seqs[context_row])
                 new = [[] for _ in rows]
@@ -395,7 +397,7 @@ class SpecEngine:
                 )
                 unlearned.append(record)
                 if not overlap:
-                    self._learn(unlearned)
+                    learn()
                 for b in (b for b, a in enumerate(active) if a):
                     stats[b].drafted += g
                     stats[b].accepted += n_acc[b]
@@ -409,7 +411,7 @@ class SpecEngine:
             target.reset(1)
             raise
         finally:
-            self._learn(unlearned)
+            learn()
             for d in self.drafts.values():
                 d.end(prompts, [r.token_ids for r in rows])
             flush = getattr(self.router, "flush", None)

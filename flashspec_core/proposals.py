@@ -28,17 +28,17 @@ def step_proposal(draft: DraftSource | None, seqs: Sequence[Sequence[int]], acti
     return tokens, probs, proposal.catchup_seconds
 
 
-def cut_to_widths(drafts: list[list[int]], draft_probs: torch.Tensor | None, widths: Sequence[int]):
-    """Cut a sampled step's proposal to the longest warmed width (γ + 1) it fills.
+def cut_to_lengths(drafts: list[list[int]], draft_probs: torch.Tensor | None, lengths: Sequence[int]):
+    """Cut a step's proposal to the longest of `lengths` it fills (uncut when `lengths` is empty).
 
-    drafts: B lists of g ids; draft_probs: [B, g, V] or None; widths: the runner's warmed widths.
-    A sampled step replays a graph of its exact width (a padded slot would be a token to test),
-    captured per temperature at first use (about a second with the kernel's compile): copy drafts
-    propose anything from 1 to γ tokens, so uncut they would capture up to γ graphs per
-    temperature mid-request. Exact: the cut depends on the proposal's length only.
+    drafts: B lists of g ids; draft_probs: [B, g, V] or None; lengths: γ of the runner's warmed
+    widths. A sampled step on CUDA graphs replays a graph of its exact width (a padded slot would
+    be a token to test), captured per temperature at first use (about a second with the kernel's
+    compile): copy drafts propose anything from 1 to γ tokens, so uncut they would capture up to γ
+    graphs per temperature mid-request. Exact: the cut depends on the proposal's length only.
     """
     g = len(drafts[0])
-    fit = cut_length(g, [w - 1 for w in widths])
+    fit = cut_length(g, lengths)
     if fit == g:
         return drafts, draft_probs
     return [d[:fit] for d in drafts], None if draft_probs is None else draft_probs[:, :fit]

@@ -67,7 +67,7 @@ class StepRecord:
     # growing its cache): paid once by whichever step triggered it, not a cost of the step's arm.
     warmup_seconds: float = 0.0
     # The draft lengths this step's runner verifies as proposed, others being cut to the longest
-    # of them that fits (a sampled step on CUDA graphs, proposals.cut_to_widths); () when any.
+    # of them that fits (a sampled step on CUDA graphs, proposals.cut_to_lengths); () when any.
     draft_lengths: tuple[int, ...] = ()
 
     @property
