@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashspec_core.backends.blockq import BlockWeight, block_linear
+
 
 def packing_available() -> bool:
     """Whether this torch build can pack linear weights for oneDNN (x86 and ARM CPU builds can)."""
@@ -36,21 +38,26 @@ def packing_available() -> bool:
         ops, "_linear_pointwise")
 
 
-class KernelChoice:
-    """The kernel every swapped layer of one model runs now: oneDNN's packed or stock `F.linear`.
+STOCK, PACKED, BLOCKS = "stock", "packed", "gguf-blocks"
 
-    The model's runner sets `packed` before each forward from the calibrated choice for its width.
+
+class KernelChoice:
+    """The kernel every swapped layer of one model runs now: `name` is STOCK (`F.linear`), PACKED
+    (oneDNN's packed weight) or BLOCKS (the GGUF blocks the weight came from, `backends/blockq.py`;
+    layers without blocks run stock then). The runner sets it before each forward from the
+    calibrated choice for its width.
     """
 
-    def __init__(self, packed: bool = True):
-        self.packed = packed
+    def __init__(self, name: str = PACKED):
+        self.name = name
 
 
 class PackedLinear(nn.Module):
     """`nn.Linear` computed by oneDNN from a weight copy packed once into its blocked layout.
 
     Shares the original module's parameters (tied embeddings stay tied; `state_dict` is unchanged).
-    `choice.packed` False runs stock `F.linear` on the same weight.
+    `choice.name` STOCK runs stock `F.linear` on the same weight; BLOCKS runs the block kernel on
+    the blocks `use_blocks` attached (checked to hold this very weight), while the weight is unchanged.
     """
 
     def __init__(self, linear: nn.Linear, choice: KernelChoice | None = None):
@@ -63,11 +70,26 @@ class PackedLinear(nn.Module):
         # (weight packed from, its version, the opaque oneDNN tensor): a held reference, not an id,
         # tells a replaced weight.
         self._packed: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        self._blocks: tuple[torch.Tensor, int, BlockWeight] | None = None  # (weight, its version, blocks)
+
+    def use_blocks(self, blocks: BlockWeight) -> None:
+        """Compute from `blocks` under the BLOCKS kernel; the caller checked they hold this weight."""
+        self._blocks = (self.weight, self._version(self.weight), blocks)
+
+    @staticmethod
+    def _version(w: torch.Tensor) -> int:
+        return -1 if w.is_inference() else w._version  # inference tensors keep no version
+
+    def blocks(self) -> BlockWeight | None:
+        """The attached blocks while the weight is the one they hold (not replaced, not edited)."""
+        if self._blocks is None or self._blocks[0] is not self.weight or self._blocks[1] != self._version(self.weight):
+            return None
+        return self._blocks[2]
 
     def _packed_weight(self) -> torch.Tensor:
         """The packed copy of the current weight, re-packed when it was replaced or edited."""
         w = self.weight
-        version = -1 if w.is_inference() else w._version  # inference tensors keep no version
+        version = self._version(w)
         if self._packed is None or self._packed[0] is not w or self._packed[1] != version:
             self._packed = (w, version, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
         return self._packed[2]
@@ -76,8 +98,12 @@ class PackedLinear(nn.Module):
         """x: [..., in] -> [..., out]."""
         w = self.weight
         fp32_cpu = w.device.type == "cpu" and w.dtype == x.dtype == torch.float32
-        if not self.choice.packed or not fp32_cpu or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        kernel = self.choice.name
+        if kernel == STOCK or not fp32_cpu or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
             return F.linear(x, w, self.bias)  # moved, cast or training since the swap: the stock kernel
+        if kernel == BLOCKS:
+            blocks = self.blocks()
+            return F.linear(x, w, self.bias) if blocks is None else block_linear(x, blocks, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), bias, "none", [], "")
 

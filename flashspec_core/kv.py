@@ -15,9 +15,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from flashspec_core.cpu_linear import use_packed_linear
-
-STOCK, PACKED = "stock", "packed"
+from flashspec_core.cpu_linear import BLOCKS, PACKED, STOCK, use_packed_linear
 
 
 _TAIL = 64  # positions `_common_prefix` walks one by one before bisecting
@@ -57,24 +55,34 @@ class LinearKernels:
     """The calibration contract (`backends/calibration.py`) of a runner over an HF model on the CPU.
 
     The model's fp32 linear layers are swapped in place for `PackedLinear`, whose cost barely
-    grows with the number of tokens fed on some CPUs (see cpu_linear.py). Which kernel runs a
-    forward of a given width is `plan`'s choice (a `backends.calibration.Calibration` measured on
-    this machine); without a plan the packed kernel runs.
+    grows with the number of tokens fed on some CPUs (see cpu_linear.py); for a model loaded from
+    a GGUF file they also get the file's blocks (`backends/gguf_weights.py`), read by a kernel
+    that moves 4-5x fewer bytes a token. Which kernel runs a forward of a given width is `plan`'s
+    choice (a `backends.calibration.Calibration` measured on this machine); without a plan the
+    packed kernel runs.
     """
 
-    def _swap_linears(self, model: PreTrainedModel) -> None:
+    def _swap_linears(self, model: PreTrainedModel, gguf: str | None = None) -> None:
         self._choice = use_packed_linear(model)
         self.plan = None  # a Calibration: width -> kernel
+        self.block_layers = 0  # layers computing from GGUF blocks under the BLOCKS kernel
+        if self._choice is not None and gguf is not None:
+            from flashspec_core.backends import blockq, gguf_weights
+
+            if blockq.available():
+                self.block_layers = gguf_weights.attach(model, gguf)
 
     def kernels(self) -> tuple[str, ...]:
         """The linear kernels this model can switch between (calibration.py times them)."""
-        return (STOCK, PACKED) if self._choice is not None else (STOCK,)
+        if self._choice is None:
+            return (STOCK,)
+        return (STOCK, PACKED, BLOCKS) if self.block_layers else (STOCK, PACKED)
 
     def use_kernel(self, name: str) -> None:
         if name not in self.kernels():
             raise ValueError(f"kernel must be one of {self.kernels()}; got {name!r}")
         if self._choice is not None:
-            self._choice.packed = name == PACKED
+            self._choice.name = name
 
     def _use_planned_kernel(self, tokens: int) -> None:
         """Switch to the kernel `plan` keeps for a forward of `tokens` tokens (rows x width)."""
@@ -86,8 +94,8 @@ class CachedModel(LinearKernels):
     """One HF causal LM plus the cache and slot mask of a batch of rows (any architecture; for
     Llama-family models on the CPU, `backends/cpu_static.py` runs a static cache instead)."""
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int):
-        self._swap_linears(model)
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, gguf: str | None = None):
+        self._swap_linears(model, gguf)
         self.model = model
         self.pad_token_id = pad_token_id
         self.device = model.get_output_embeddings().weight.device

@@ -6,7 +6,7 @@ import torch
 from helpers import tiny_llama
 from torch import nn
 
-from flashspec_core.cpu_linear import PackedLinear, packing_available, use_packed_linear
+from flashspec_core.cpu_linear import PACKED, STOCK, PackedLinear, packing_available, use_packed_linear
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
@@ -74,8 +74,8 @@ def test_swap_shares_parameters_and_keeps_the_model_output():
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert {id(p) for p in model.parameters()} == params, "the swap keeps the parameters it was given"
     assert use_packed_linear(model) is choice, "a second swap finds nothing new and keeps the one choice"
-    for kernel in (True, False):  # both kernels the calibration chooses between compute the same
-        choice.packed = kernel
+    for kernel in (PACKED, STOCK):  # both kernels the calibration chooses between compute the same
+        choice.name = kernel
         with torch.inference_mode():
             torch.testing.assert_close(model(x).logits, before, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(model(x[:, :1]).logits, before[:, :1], rtol=1e-4, atol=1e-5)

@@ -16,6 +16,7 @@ import torch
 from helpers import idle_core_threads
 
 from flashspec_workloads.baselines import stock_default_model
+from flashspec_core.cpu_linear import BLOCKS
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import vocab_size
@@ -123,13 +124,21 @@ def _draft(kind: str, nf4_draft, prompt_ids, references):
 
 # The nf4 draft at one γ only: its forward is the slowest here (three γ cost 3.7 of the suite's
 # ~19 minutes), and γ's bookkeeping is the same code the copy drafts cover at every γ.
-@pytest.mark.parametrize(("kind", "gamma"), [("none", 0), ("nf4", 4)] + [
-    (kind, gamma) for kind in ("prompt_lookup", "suffix_cache") for gamma in GAMMAS])
+# Every kernel the calibration may keep runs these prompts somewhere; the GGUF block kernel
+# (backends/blockq.py) is also forced on every forward, whatever this machine's calibration keeps.
+@pytest.mark.parametrize(("kind", "gamma", "kernel"), [("none", 0, None), ("nf4", 4, None)] + [
+    (kind, gamma, None) for kind in ("prompt_lookup", "suffix_cache") for gamma in GAMMAS] + [
+    ("none", 0, BLOCKS), ("prompt_lookup", 4, BLOCKS)])
 def test_greedy_is_token_identical_to_hf_generate(default_target, prompt_ids, references, nf4_draft,
-                                                 kind, gamma, record_property):
+                                                 kind, gamma, kernel, record_property):
     draft = _draft(kind, nf4_draft, prompt_ids, references)
     arm = Arm(NO_DRAFT, 0) if draft is None else Arm(draft.name, gamma)
-    engine = SpecEngine(default_target, [draft] if draft else [], router=FixedRouter(arm), backend="hf")
+    engine = SpecEngine(default_target, [draft] if draft else [], router=FixedRouter(arm), backend="hf",
+                        calibrate=kernel is None)
+    if kernel is not None:
+        if kernel not in engine._target_runner.kernels():
+            pytest.skip(f"{kernel} is not available on this machine")
+        engine._target_runner.use_kernel(kernel)  # no plan: it stays on for every forward
     start = time.perf_counter()
     results = engine.generate(prompt_ids, max_new_tokens=MAX_NEW)
     record_property("engine_seconds", round(time.perf_counter() - start, 2))

@@ -73,19 +73,20 @@ def make_runner(target: LoadedModel, backend: str, pad_token_id: int, context_wi
         from flashspec_core.backends.cuda_graph import GraphedModel
 
         return GraphedModel(target.model, pad_token_id)
-    return _eager_runner(target.model, pad_token_id)
+    return _eager_runner(target.model, pad_token_id, target.gguf)
 
 
-def _eager_runner(model: nn.Module, pad_token_id: int):
+def _eager_runner(model: nn.Module, pad_token_id: int, gguf=None):
     """transformers' forward without graphs: on the CPU, a Llama-family model runs over a static
-    cache (`cpu_static.py`: no per-step copy of the cache); anything else over `DynamicCache`."""
+    cache (`cpu_static.py`: no per-step copy of the cache); anything else over `DynamicCache`.
+    `gguf`: the file the model was loaded from, whose blocks its linear layers may compute from."""
     if _cpu_static(model):
         from flashspec_core.backends.cpu_static import StaticCachedModel
 
-        return StaticCachedModel(model, pad_token_id)
+        return StaticCachedModel(model, pad_token_id, gguf=gguf)
     from flashspec_core.kv import CachedModel
 
-    return CachedModel(model, pad_token_id)
+    return CachedModel(model, pad_token_id, gguf=gguf)
 
 
 def model_runner(model: nn.Module, pad_token_id: int):

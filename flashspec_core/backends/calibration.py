@@ -121,9 +121,10 @@ def machine_line() -> str:
 
 
 # Bumped when a runner's kernels change what they cost (2: llama.cpp's one-token passes moved
-# to one thread; 3: "hf" on the CPU runs Llama-family models over a static cache), so a cache
-# measured by an older version is measured again.
-RUNNERS_VERSION = "3"
+# to one thread; 3: "hf" on the CPU runs Llama-family models over a static cache; 4: GGUF
+# targets may compute from the file's blocks), so a cache measured by an older version is
+# measured again.
+RUNNERS_VERSION = "4"
 
 
 def fingerprint(model_id: str, backend: str) -> str:

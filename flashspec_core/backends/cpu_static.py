@@ -32,16 +32,17 @@ class StaticCachedModel(LinearKernels, GraphedModel):
     """The `kv.CachedModel` contract (and its `kernels()/use_kernel()/plan`) on a static cache.
 
     model: a Llama-family HF model on the CPU (`static_llama.supports`); its nn.Linear layers are
-    swapped in place for `PackedLinear`. Memory: 2 x layers x H_kv x D x dtype bytes per slot and
+    swapped in place for `PackedLinear` (given the GGUF file it was loaded from, `gguf`, they get
+    its blocks too: kv.LinearKernels). Memory: 2 x layers x H_kv x D x dtype bytes per slot and
     row, allocated up front for `max_len` slots (46 KB per slot for the default model: 24 MB per
     row at 512 slots, 188 MB at 4096): 512 doubled until the longest row (plus GraphedModel's 32
     scratch slots) fits, so up to twice what `DynamicCache` would hold.
     """
 
-    def __init__(self, model: nn.Module, pad_token_id: int, max_len: int = INITIAL_LEN):
+    def __init__(self, model: nn.Module, pad_token_id: int, max_len: int = INITIAL_LEN, gguf: str | None = None):
         if model.get_output_embeddings().weight.device.type != "cpu":
             raise ValueError("model: StaticCachedModel runs on the CPU; on CUDA use GraphedModel")
-        self._swap_linears(model)
+        self._swap_linears(model, gguf)
         super().__init__(model, pad_token_id, max_len=max_len, graphs=False, fuse=False)
 
     def reset(self, batch_size: int) -> None:

@@ -12,7 +12,7 @@ from helpers import tiny_loaded
 from flashspec_core.backends import calibration
 from flashspec_core.backends.calibration import Calibration, calibrate, machine_line
 from flashspec_core.backends.cpu_static import StaticCachedModel
-from flashspec_core.cpu_linear import PackedLinear
+from flashspec_core.cpu_linear import BLOCKS, PACKED, PackedLinear
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.kv import CachedModel
@@ -85,13 +85,36 @@ def test_an_artificially_slow_packed_kernel_loses_to_stock(flashspec_cache_dir, 
     real = PackedLinear.forward
 
     def slow(self, x):
-        if self.choice.packed:
+        if self.choice.name == PACKED:
             time.sleep(0.002)
         return real(self, x)
 
     monkeypatch.setattr(PackedLinear, "forward", slow)
     cal = calibrate(runner, f"tiny-slow-packed-{runner_cls.__name__}", "hf", [1, 5], vocab=16)
     assert set(cal.best.values()) == {"stock"}
+
+
+@pytest.mark.parametrize("slow", ["fp32", BLOCKS])
+def test_the_gguf_block_kernel_is_kept_only_where_it_is_measured_faster(flashspec_cache_dir, monkeypatch,
+                                                                       default_target, slow):
+    from flashspec_core.backends import blockq
+
+    if not blockq.available():
+        pytest.skip("no C compiler for the block kernel")
+    runner = StaticCachedModel(default_target.model, pad_token_id=0, gguf=default_target.gguf)
+    assert BLOCKS in runner.kernels()
+    real = PackedLinear.forward
+
+    def slowed(self, x):
+        if (self.choice.name == BLOCKS) == (slow == BLOCKS):
+            time.sleep(0.0005)  # 211 layers: ~0.1 s a forward
+        return real(self, x)
+
+    monkeypatch.setattr(PackedLinear, "forward", slowed)
+    cal = calibrate(runner, f"default-slow-{slow}", "hf", [1, 3], vocab=default_target.model.config.vocab_size,
+                    context=32)
+    kept = set(cal.best.values())
+    assert (BLOCKS in kept) == (slow != BLOCKS), cal.table()
 
 
 def test_the_engine_calibrates_its_cpu_runner_and_seeds_the_router(flashspec_cache_dir):

@@ -1,0 +1,189 @@
+/* y[M,N] = x[M,K] @ W[N,K]^T with W held as GGUF blocks of 32 weights along K, in fp32 arithmetic.
+ *
+ * q4_1: w = d*q + m, q in 0..15 (low nibbles: weights 0..15 of the block, high: 16..31);
+ * q8_0: w = d*q, q in -128..127. With d and m fp16 values, d*q is exact in fp32, so fma(d, q, m)
+ * rounds once, as d*q + m does: the kernel multiplies by the dequantised weights bit for bit and
+ * differs from a dense fp32 product only in the order of its sums (as MKL's gemv and gemm do).
+ *
+ * Why: a CPU decode step is bound by the bytes of weights it reads; these blocks are 0.75 (q4_1)
+ * and 1.125 (q8_0) bytes a weight against fp32's 4. A tile of 4 rows x CMAX columns (tokens) keeps
+ * every accumulator in a register, so a verify pass of M tokens dequantises each block
+ * ceil(M / CMAX) times, not M times. Built per machine with -march=native (blockq.py), so the
+ * AVX-512 or AVX2 path is the one this CPU runs; a plain C loop elsewhere. */
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define VW 16
+#define VZERO _mm512_setzero_ps()
+#define VSET1 _mm512_set1_ps
+#define VLOAD _mm512_loadu_ps
+#define VFMA _mm512_fmadd_ps
+#define VSUM _mm512_reduce_add_ps
+/* 16 bytes -> the 16 low nibbles and the 16 high nibbles as floats */
+static inline void nibbles(const uint8_t *p, vf *lo, vf *hi) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+static inline vf bytes_s8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vf;
+#define VW 8
+#define VZERO _mm256_setzero_ps()
+#define VSET1 _mm256_set1_ps
+#define VLOAD _mm256_loadu_ps
+#define VFMA _mm256_fmadd_ps
+static inline float VSUM(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline void nibbles(const uint8_t *p, vf *lo, vf *hi) {  /* 8 bytes -> 8 low, 8 high */
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+static inline vf bytes_s8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+#define SCALAR 1
+#endif
+
+int blockq_lanes(void) {
+#ifdef SCALAR
+    return 1;
+#else
+    return VW;
+#endif
+}
+
+
+#define INLINE static inline __attribute__((always_inline))
+
+#ifndef SCALAR
+/* One tile: R rows of W against C columns of x, every accumulator in a register. */
+INLINE void q4_tile(const int R, const int C, const uint8_t *q, const float *s, int nb, const float *x, int K,
+                    float *y, int N) {
+    vf acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = VZERO;
+    for (int b = 0; b < nb; b++) {
+        for (int h = 0; h < 16; h += VW) {
+            vf lo[4], hi[4];
+            for (int r = 0; r < R; r++) {
+                const float *sr = s + (size_t)r * nb * 2 + 2 * b;
+                const vf d = VSET1(sr[0]), m = VSET1(sr[1]);
+                nibbles(q + (size_t)r * nb * 16 + b * 16 + h, &lo[r], &hi[r]);
+                lo[r] = VFMA(lo[r], d, m);
+                hi[r] = VFMA(hi[r], d, m);
+            }
+            for (int c = 0; c < C; c++) {
+                const vf xl = VLOAD(x + (size_t)c * K + b * 32 + h), xh = VLOAD(x + (size_t)c * K + b * 32 + 16 + h);
+                for (int r = 0; r < R; r++) acc[r][c] = VFMA(hi[r], xh, VFMA(lo[r], xl, acc[r][c]));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[(size_t)c * N + r] = VSUM(acc[r][c]);
+}
+
+INLINE void q8_tile(const int R, const int C, const int8_t *q, const float *s, int nb, const float *x, int K,
+                    float *y, int N) {
+    vf acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = VZERO;
+    for (int b = 0; b < nb; b++) {
+        for (int h = 0; h < 32; h += VW) {
+            vf w[4];
+            for (int r = 0; r < R; r++) w[r] = bytes_s8(q + (size_t)r * K + b * 32 + h) * VSET1(s[(size_t)r * nb + b]);
+            for (int c = 0; c < C; c++) {
+                const vf xv = VLOAD(x + (size_t)c * K + b * 32 + h);
+                for (int r = 0; r < R; r++) acc[r][c] = VFMA(w[r], xv, acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[(size_t)c * N + r] = VSUM(acc[r][c]);
+}
+
+#if VW == 16
+#define CMAX 4
+#else
+#define CMAX 2  /* AVX2 has 16 registers */
+#endif
+
+#define DISPATCH(TILE, R, cols, ...) do { switch (cols) { \
+    case 1: TILE(R, 1, __VA_ARGS__); break; case 2: TILE(R, 2, __VA_ARGS__); break; \
+    case 3: TILE(R, CMAX >= 3 ? 3 : 1, __VA_ARGS__); break; default: TILE(R, CMAX, __VA_ARGS__); } } while (0)
+#endif
+
+void q4_1_mm(const float *x, int M, int K, const uint8_t *qs, const float *dm, float *y, int N, int threads) {
+    const int nb = K / 32;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n += 4) {
+        const int R = N - n < 4 ? 1 : 4;
+        for (int r0 = 0; r0 < (N - n < 4 ? N - n : 4); r0 += R) {
+            const uint8_t *q = qs + (size_t)(n + r0) * nb * 16;
+            const float *s = dm + (size_t)(n + r0) * nb * 2;
+            for (int j0 = 0; j0 < M;) {
+#ifdef SCALAR
+                for (int r = 0; r < R; r++) {
+                    float acc = 0.f;
+                    for (int b = 0; b < nb; b++)
+                        for (int i = 0; i < 16; i++) {
+                            const float d = s[r * nb * 2 + 2 * b], m = s[r * nb * 2 + 2 * b + 1];
+                            const uint8_t v = q[(size_t)r * nb * 16 + b * 16 + i];
+                            acc += (d * (float)(v & 15) + m) * x[(size_t)j0 * K + b * 32 + i];
+                            acc += (d * (float)(v >> 4) + m) * x[(size_t)j0 * K + b * 32 + 16 + i];
+                        }
+                    y[(size_t)j0 * N + n + r0 + r] = acc;
+                }
+                j0 += 1;
+#else
+                const int cols = M - j0;
+                const int step = cols >= CMAX ? CMAX : (cols == 3 && CMAX < 3 ? 1 : cols);
+                if (R == 4) DISPATCH(q4_tile, 4, step, q, s, nb, x + (size_t)j0 * K, K, y + (size_t)j0 * N + n + r0, N);
+                else DISPATCH(q4_tile, 1, step, q, s, nb, x + (size_t)j0 * K, K, y + (size_t)j0 * N + n + r0, N);
+                j0 += step;
+#endif
+            }
+        }
+    }
+}
+
+void q8_0_mm(const float *x, int M, int K, const int8_t *qs, const float *ds, float *y, int N, int threads) {
+    const int nb = K / 32;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n += 4) {
+        const int R = N - n < 4 ? 1 : 4;
+        for (int r0 = 0; r0 < (N - n < 4 ? N - n : 4); r0 += R) {
+            const int8_t *q = qs + (size_t)(n + r0) * K;
+            const float *s = ds + (size_t)(n + r0) * nb;
+            for (int j0 = 0; j0 < M;) {
+#ifdef SCALAR
+                for (int r = 0; r < R; r++) {
+                    float acc = 0.f;
+                    for (int k = 0; k < K; k++) acc += s[r * nb + k / 32] * (float)q[(size_t)r * K + k] * x[(size_t)j0 * K + k];
+                    y[(size_t)j0 * N + n + r0 + r] = acc;
+                }
+                j0 += 1;
+#else
+                const int cols = M - j0;
+                const int step = cols >= CMAX ? CMAX : (cols == 3 && CMAX < 3 ? 1 : cols);
+                if (R == 4) DISPATCH(q8_tile, 4, step, q, s, nb, x + (size_t)j0 * K, K, y + (size_t)j0 * N + n + r0, N);
+                else DISPATCH(q8_tile, 1, step, q, s, nb, x + (size_t)j0 * K, K, y + (size_t)j0 * N + n + r0, N);
+                j0 += step;
+#endif
+            }
+        }
+    }
+}

@@ -1,0 +1,90 @@
+"""Give a model's linear layers the GGUF blocks their fp32 weights were de-quantised from.
+
+transformers loads a GGUF file by de-quantising every tensor to fp32 (and, for Llama's q and k
+projections, reordering rows for its rotary layout). This finds each swapped layer's tensor in
+the same file through gguf-py's own name map, reorders the block rows the same way (matched row by
+row, so no architecture's reordering is hard-coded), and attaches the blocks only when they
+de-quantise to the layer's weight bit for bit: a layer whose weight is anything else (a file that
+is not the model's, a weight edited after loading, an unsupported block type) keeps the fp32
+kernels. The block kernel (`blockq.py`) then computes with exactly the model's weights.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flashspec_core.backends.blockq import KINDS, BlockWeight, from_gguf_rows
+from flashspec_core.cpu_linear import PackedLinear
+
+
+def _name_map(reader, model: nn.Module):
+    """gguf-py's HF-name -> GGUF-name map for this file's architecture, or None if it has none."""
+    import gguf
+
+    field = reader.fields.get("general.architecture")
+    arch_name = field.contents() if field is not None else None
+    arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name), None)
+    layers = getattr(model.config, "num_hidden_layers", None)
+    return None if arch is None or layers is None else gguf.get_tensor_name_map(arch, layers)
+
+
+def _tensor_for(name: str, model: nn.Module, names, tensors: dict):
+    """The GGUF tensor of module `name`: the mapped one, or the token embedding for a tied head."""
+    mapped = names.get_name(f"{name}.weight", try_suffixes=(".weight",))
+    if mapped in tensors:
+        return tensors[mapped]
+    if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        head = model.get_output_embeddings()
+        if dict(model.named_modules()).get(name) is head:
+            return tensors.get(names.get_name("model.embed_tokens.weight", try_suffixes=(".weight",)))
+    return None
+
+
+def match_rows(blocks: BlockWeight, weight: torch.Tensor) -> BlockWeight | None:
+    """`blocks` with rows reordered so they de-quantise to `weight` [out, in] bit for bit, or None.
+
+    Rows are matched by their exact fp32 bytes (transformers reorders q and k rows on loading).
+    """
+    if tuple(weight.shape) != (blocks.out_features, blocks.in_features) or weight.dtype != torch.float32:
+        return None
+    values = blocks.dequantize()
+    if torch.equal(values.view(torch.int32), weight.view(torch.int32)):
+        return blocks
+    index = {row.numpy().tobytes(): i for i, row in enumerate(values)}
+    order = [index.get(row.numpy().tobytes()) for row in weight.detach()]
+    if None in order:
+        return None
+    order = torch.tensor(order)
+    return BlockWeight(blocks.kind, blocks.qs[order].contiguous(), blocks.scales[order].contiguous(),
+                       blocks.out_features, blocks.in_features)
+
+
+def attach(model: nn.Module, gguf_path: str | Path) -> int:
+    """Attach to each `PackedLinear` of `model` the blocks of its weight in `gguf_path`; returns how
+    many layers got them (0 when the file's architecture or block types are not ones the kernel reads)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    names = _name_map(reader, model)
+    if names is None:
+        return 0
+    tensors = {t.name: t for t in reader.tensors}
+    attached = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, PackedLinear) or module.bias is not None:
+                continue
+            tensor = _tensor_for(name, model, names, tensors)
+            kind = None if tensor is None else tensor.tensor_type.name.lower()
+            if kind not in KINDS:
+                continue
+            raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8)  # [out, bytes per row]
+            if raw.numel() != module.out_features * module.in_features // 32 * (20 if kind == "q4_1" else 34):
+                continue  # another shape than the layer's
+            blocks = match_rows(from_gguf_rows(kind, raw, module.out_features, module.in_features), module.weight)
+            if blocks is not None:
+                module.use_blocks(blocks)
+                attached += 1
+    return attached

@@ -1,0 +1,123 @@
+"""The GGUF block kernel: it multiplies by exactly the model's weights, layers get blocks only when
+they hold those weights, and greedy decoding through it stays HF `generate`'s."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_llama
+
+from flashspec_core.backends import blockq, gguf_weights
+from flashspec_core.backends.blockq import BlockWeight, block_linear, from_gguf_rows
+from flashspec_core.cpu_linear import BLOCKS, PackedLinear, use_packed_linear
+from flashspec_core.models import default_gguf_path
+
+pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler for the block kernel")
+
+
+def random_blocks(kind: str, out: int, inp: int, seed: int = 0) -> BlockWeight:
+    """Blocks of random GGUF bytes (fp16 scales of realistic size)."""
+    gen = torch.Generator().manual_seed(seed)
+    nb = inp // 32
+    if kind == "q4_1":
+        d = (torch.rand(out, nb, generator=gen) * 0.02).half()
+        m = (-torch.rand(out, nb, generator=gen) * 0.1).half()
+        nibbles = torch.randint(0, 256, (out, nb, 16), generator=gen, dtype=torch.uint8)
+        raw = torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nibbles], dim=-1)
+    else:
+        d = (torch.rand(out, nb, generator=gen) * 0.02).half()
+        q = torch.randint(-128, 128, (out, nb, 32), generator=gen, dtype=torch.int8).view(torch.uint8)
+        raw = torch.cat([d[..., None].view(torch.uint8), q], dim=-1)
+    return from_gguf_rows(kind, raw.reshape(out, -1), out, inp)
+
+
+@pytest.mark.parametrize("kind", blockq.KINDS)
+@pytest.mark.parametrize(("out", "inp"), [(1, 32), (5, 64), (67, 96), (256, 576)])
+def test_the_kernel_is_the_fp32_product_with_the_dequantised_weight(kind, out, inp):
+    blocks = random_blocks(kind, out, inp, seed=out)
+    weight = blocks.dequantize()  # [out, in]
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17):
+        x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
+        exact = x.double() @ weight.double().T
+        scale = x.double().abs() @ weight.double().abs().T  # what fp32 rounding of the sum is relative to
+        err = (block_linear(x, blocks).double() - exact).abs()
+        assert bool((err <= 1e-6 * scale + 1e-30).all()), f"{rows} rows: off by more than fp32 summation"
+    # One-hot inputs read single weights: w * 1 plus exact zeros, so the kernel's weights are the
+    # dequantised ones bit for bit (a swapped nibble, scale or row would show here).
+    assert torch.equal(block_linear(torch.eye(inp), blocks), weight.T)
+
+
+def test_the_blocks_read_from_the_file_are_gguf_py_s_dequantisation():
+    import gguf
+
+    reader = gguf.GGUFReader(str(default_gguf_path()))
+    seen = set()
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name.lower()
+        if kind not in blockq.KINDS or kind in seen:
+            continue
+        seen.add(kind)
+        inp, out = (int(n) for n in tensor.shape)
+        raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8)
+        expected = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        assert torch.equal(from_gguf_rows(kind, raw, out, inp).dequantize(), expected.reshape(out, inp))
+    assert seen == set(blockq.KINDS), "the default file has both block types"
+
+
+def test_rows_are_matched_to_the_weight_and_anything_else_is_refused():
+    blocks = random_blocks("q4_1", 8, 64)
+    weight = blocks.dequantize()
+    order = torch.tensor([3, 0, 1, 2, 7, 6, 5, 4])
+    matched = gguf_weights.match_rows(blocks, weight[order].clone())
+    assert matched is not None and torch.equal(matched.dequantize(), weight[order])
+    edited = weight.clone()
+    edited[2, 5] = torch.nextafter(edited[2, 5], torch.tensor(1.0))  # one ulp off
+    assert gguf_weights.match_rows(blocks, edited) is None
+
+
+def test_a_layer_computes_from_its_blocks_only_while_its_weight_is_unchanged():
+    blocks = random_blocks("q4_1", 16, 64)
+    linear = torch.nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(blocks.dequantize())
+    model = torch.nn.Sequential(linear)
+    choice = use_packed_linear(model)
+    layer = model[0]
+    assert isinstance(layer, PackedLinear)
+    layer.use_blocks(blocks)
+    choice.name = BLOCKS
+    calls = []
+    real = blockq.block_linear
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    import flashspec_core.cpu_linear as cpu_linear
+
+    x = torch.randn(3, 64)
+    try:
+        cpu_linear.block_linear = counting
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), x @ linear.weight.T, rtol=1e-5, atol=1e-5)
+            assert calls == [1]
+            layer.weight.mul_(2)  # edited in place: the blocks no longer hold it
+            torch.testing.assert_close(layer(x), x @ layer.weight.T)
+            assert calls == [1], "an edited weight must not run from stale blocks"
+    finally:
+        cpu_linear.block_linear = real
+
+
+def test_attach_finds_every_layer_of_the_default_model(default_target):
+    from flashspec_core.backends.cpu_static import StaticCachedModel
+
+    runner = StaticCachedModel(default_target.model, pad_token_id=0, gguf=default_target.gguf)
+    layers = [m for m in default_target.model.modules() if isinstance(m, PackedLinear)]
+    assert runner.block_layers == len(layers) == 7 * default_target.model.config.num_hidden_layers + 1
+    assert BLOCKS in runner.kernels()
+    assert {m.blocks().kind for m in layers} == {"q4_1", "q8_0"}  # layers, and the tied head
+
+
+def test_a_model_that_is_not_the_file_gets_no_blocks():
+    model = tiny_llama(vocab=49152, hidden=576, layers=1, seed=0)
+    use_packed_linear(model)
+    assert gguf_weights.attach(model, default_gguf_path()) == 0
