@@ -108,7 +108,7 @@ def main() -> None:
         runners["llama.cpp"] = baseline_runner(LlamaCppGreedy(target.gguf, encoder.eos_ids))
         runners["llama.cpp prompt lookup"] = baseline_runner(LlamaCppGreedy(target.gguf, encoder.eos_ids,
                                                                             prompt_lookup=10))
-    warm_keys = set()
+    warm_keys, routers = set(), {}
     for backend in backends:
         pool_names = None if args.fixed == "all" else args.fixed
         for arm in fixed_arms(pool_names, default_drafts(target), gammas):
@@ -119,6 +119,7 @@ def main() -> None:
         for label in ("router (cold)", "router (warm)"):
             engine = SpecEngine(target, default_drafts(target), router="thompson", gammas=gammas, backend=backend)
             runners[f"{backend} {label}"] = engine_runner(engine, not args.no_hints)
+            routers[f"{backend} {label}"] = engine.router
         warm_keys.add(f"{backend} router (warm)")
 
     results, failed = {}, {}
@@ -128,7 +129,8 @@ def main() -> None:
         except Exception as exc:  # a baseline that breaks (llama-cpp-python's prompt lookup does on
             failed[key] = repr(exc)  # long prompts) is reported, and the others still run
             print(f"{key}: FAILED ({exc!r}); left out of the table", flush=True)
-    report(results, failed, steps, backends, Path(args.out), args)
+    views = {key: router.summary() for key, router in routers.items() if key in results}
+    report(results, failed, steps, backends, Path(args.out), args, views)
 
 
 def measure(key, run, steps, ids, warmup, warm_ids, warm: bool) -> list[dict]:
@@ -146,7 +148,16 @@ def measure(key, run, steps, ids, warmup, warm_ids, warm: bool) -> list[dict]:
     return rows
 
 
-def report(results, failed, steps, backends, out: Path, args) -> None:
+def print_router_views(views: dict) -> None:
+    """What each router learned: per domain, the arms it ran (pulls, measured tokens/s)."""
+    for key, summary in views.items():
+        print(f"\n{key}: arms run per domain (pulls x measured tokens/s a step), warm-up steps included")
+        for domain, arms in sorted(summary.items()):
+            ran = sorted(((v["pulls"], a, v["mean_goodput"]) for a, v in arms.items() if v["pulls"]), reverse=True)
+            print(f"  {domain:<6}" + ", ".join(f"{a} {n}x{g:.1f}" for n, a, g in ran))
+
+
+def report(results, failed, steps, backends, out: Path, args, views: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     domains = sorted({s.domain for s in steps})
     plain_of = {"hf": "HF generate", "llama.cpp": "llama.cpp"}
@@ -176,10 +187,12 @@ def report(results, failed, steps, backends, out: Path, args) -> None:
               + f"{vs_lcpp:>8.2f}x{same:>4}/{len(rows)}")
     for key, why in failed.items():
         print(f"{key:<34}FAILED: {why[:100]}")
+    print_router_views(views)
     (out / "results.json").write_text(json.dumps({
         "machine": machine_line(), "args": vars(args), "table": table, "failed": failed,
         "router_arms": {k: [{"domain": r["domain"], "resolved": r["resolved"], "arms": r["arms"]} for r in v]
-                        for k, v in results.items() if "router" in k}}, indent=1))
+                        for k, v in results.items() if "router" in k},
+        "router_views": views}, indent=1))
     plot(table, domains, out / "workload.png", f"{args.workload} workload — {machine_line()}")
 
 
