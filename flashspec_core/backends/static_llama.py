@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashspec_core.cpu_linear import project
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 CAUSAL = "causal"  # `_live_mask`: every row starts empty, SDPA's own causal mask
 
@@ -223,9 +225,7 @@ class StaticLlama(nn.Module):
         `length` what `_live_mask` returns (over the first `length` slots)."""
         attn = layer.self_attn
         bsz, width, _ = h.shape
-        q = attn.q_proj(h).view(bsz, width, -1, self.head_dim)
-        k = attn.k_proj(h).view(bsz, width, -1, self.head_dim)
-        v = attn.v_proj(h).view(bsz, width, -1, self.head_dim)
+        q, k, v = (p.reshape(bsz, width, -1, self.head_dim) for p in project(h, (attn.q_proj, attn.k_proj, attn.v_proj)))
         if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, W, D]
@@ -298,8 +298,17 @@ class StaticLlama(nn.Module):
             return self._layers_fused(x, cos, sin, rows, positions, mask)
         for i, layer in enumerate(self.layers):
             x = x + self._attend(i, layer, layer.input_layernorm(x), cos, sin, rows, positions, mask, length)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return inner.norm(x)
+
+    @staticmethod
+    def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """transformers' Llama MLP, down(act(gate(h)) * up(h)), with gate and up from one block-kernel
+        call where they run from GGUF blocks (`cpu_linear.project`). h: [B, W, hidden]."""
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return mlp(h)
+        gate, up = project(h, (mlp.gate_proj, mlp.up_proj))
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int | None = None) -> torch.Tensor:
         """ids, positions: [B, W] long (positions < max_len). Returns logits [B, keep or W, V]."""

@@ -121,3 +121,28 @@ def test_a_model_that_is_not_the_file_gets_no_blocks():
     model = tiny_llama(vocab=49152, hidden=576, layers=1, seed=0)
     use_packed_linear(model)
     assert gguf_weights.attach(model, default_gguf_path()) == 0
+
+
+def test_stacked_projections_equal_separate_calls_bit_for_bit():
+    from flashspec_core.cpu_linear import project
+
+    parts = [random_blocks("q4_1", out, 64, seed=out) for out in (12, 4, 4)]
+    linears = []
+    for blocks in parts:
+        linear = torch.nn.Linear(64, blocks.out_features, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(blocks.dequantize())
+        linears.append(linear)
+    model = torch.nn.Sequential(*linears)
+    choice = use_packed_linear(model)
+    for layer, blocks in zip(model, parts):
+        layer.use_blocks(blocks)
+    choice.name = BLOCKS
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        separate = [layer(x) for layer in model]
+        stacked = project(x, tuple(model))
+        assert all(torch.equal(a, b) for a, b in zip(stacked, separate))
+        model[1].weight.mul_(2)  # one layer edited: no stale stacked weight, it runs stock
+        again = project(x, tuple(model))
+        torch.testing.assert_close(again[1], x @ model[1].weight.T)
