@@ -136,8 +136,9 @@ def use_packed_linear(model: nn.Module) -> KernelChoice | None:
     return choice if (swaps or existing) else None
 
 
-def project(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> list[torch.Tensor]:
-    """[layer(x) for layer in layers], in one block-kernel call when all of them run from blocks.
+def project(x: torch.Tensor, layers: tuple[nn.Module, ...], stacked: bool = False):
+    """[layer(x) for layer in layers] (`stacked`: concatenated along the last dim), in one block-kernel
+    call when all of them run from GGUF blocks.
 
     Why: a decode step of the default model makes 211 linear calls, and on 2 cores each call of the
     block kernel costs ~10 µs beyond its arithmetic (the OpenMP fork and join, the ctypes call); q,
@@ -145,15 +146,26 @@ def project(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> list[torch.Tensor
     and computed in one call. Each output row is still its own dot product, summed in the same order
     as in a call of its own, so the results are identical. x: [..., in].
     """
+    weight = _stacked_blocks(layers) if not torch.is_grad_enabled() and x.dtype == torch.float32 else None
+    if weight is None:
+        outs = [layer(x) for layer in layers]
+        return torch.cat(outs, dim=-1) if stacked else outs
+    out = block_linear(x, weight[1])
+    return out if stacked else list(out.split([b.out_features for b in weight[0]], dim=-1))
+
+
+def _stacked_blocks(layers: tuple[nn.Module, ...]) -> tuple[list[BlockWeight], BlockWeight] | None:
+    """The layers' blocks and one BlockWeight of them stacked (cached on the first layer), or None
+    unless every layer runs from blocks of one kind now (BLOCKS kernel, no bias, unchanged weight)."""
     first = layers[0]
-    if not isinstance(first, PackedLinear) or first.choice.name != BLOCKS or torch.is_grad_enabled():
-        return [layer(x) for layer in layers]
+    if not isinstance(first, PackedLinear) or first.choice.name != BLOCKS:
+        return None
     blocks = [layer.blocks() if isinstance(layer, PackedLinear) and layer.bias is None else None for layer in layers]
-    if any(b is None for b in blocks) or len({b.kind for b in blocks}) != 1 or x.dtype != torch.float32:
-        return [layer(x) for layer in layers]
-    stacked = first.__dict__.get("_stacked")
-    if stacked is None or len(stacked[0]) != len(blocks) or any(a is not b for a, b in zip(stacked[0], blocks)):
+    if any(b is None for b in blocks) or len({b.kind for b in blocks}) != 1:
+        return None
+    cached = first.__dict__.get("_stacked")
+    if cached is None or len(cached[0]) != len(blocks) or any(a is not b for a, b in zip(cached[0], blocks)):
         weight = BlockWeight(blocks[0].kind, torch.cat([b.qs for b in blocks]), torch.cat([b.scales for b in blocks]),
                              sum(b.out_features for b in blocks), blocks[0].in_features)
-        stacked = first.__dict__["_stacked"] = (blocks, weight)
-    return list(block_linear(x, stacked[1]).split([b.out_features for b in blocks], dim=-1))
+        cached = first.__dict__["_stacked"] = (blocks, weight)
+    return cached

@@ -244,9 +244,9 @@ def test_a_request_that_fails_mid_forward_leaves_no_cache_behind(tiny_target, mo
     engine = make_engine(tiny_target, Arm("prompt_lookup", 4))
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     expected = engine.generate(prompt, max_new_tokens=10).token_ids
-    # The last layer's MLP: every runner calls it (transformers' forward, the static cache's), after
-    # the attention has written this forward's keys and values.
-    mlp = tiny_target.model.model.layers[-1].mlp
+    # The last layer's MLP output projection: every runner calls it (transformers' forward, the
+    # static cache's), after the attention has written this forward's keys and values.
+    mlp = tiny_target.model.model.layers[-1].mlp.down_proj
     real_forward = mlp.forward
     calls = {"n": 0}
 

@@ -54,6 +54,19 @@ def _eps(norm: nn.Module) -> float:
     return getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
 
 
+# transformers' RMSNorm classes of SUPPORTED models: weight * (x * rsqrt(mean(x^2) + eps)) in fp32.
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """norm(x) for x [..., hidden]: `F.rms_norm`'s one kernel for transformers' RMSNorm classes in
+    fp32 (their forward is six; the results are the same bit for bit, tests/backends checks), else
+    the module itself."""
+    if type(norm).__name__ in _RMS_NORMS and x.dtype == torch.float32 == norm.weight.dtype:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, _eps(norm))
+    return norm(x)
+
+
 def supports(model: nn.Module) -> bool:
     """Whether `model` has the Llama-family layout this forward drives (else: transformers' own)."""
     config = getattr(model, "config", None)
@@ -222,16 +235,17 @@ class StaticLlama(nn.Module):
     def _attend(self, i: int, layer: nn.Module, h: torch.Tensor, cos, sin, rows, positions, mask,
                 length: int | None = None) -> torch.Tensor:
         """One attention block. h: [B, W, hidden]; positions, rows: [B, W]; mask: [B, 1, W, S], or with
-        `length` what `_live_mask` returns (over the first `length` slots)."""
+        `length` what `_live_mask` returns (over the first `length` slots).
+
+        q, k and v come from one stacked product where the layers run from GGUF blocks (else three,
+        concatenated), and q and k are rotated together (`_rope_and_cache`): element for element
+        what transformers computes, in fewer kernels.
+        """
         attn = layer.self_attn
         bsz, width, _ = h.shape
-        q, k, v = (p.reshape(bsz, width, -1, self.head_dim) for p in project(h, (attn.q_proj, attn.k_proj, attn.v_proj)))
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, W, D]
-        # Row b's new keys go to its own positions: cache[b, :, positions[b, w]] = k[b, :, w].
-        self.keys[i][rows, :, positions] = k.transpose(1, 2).to(self.dtype)
-        self.values[i][rows, :, positions] = v.to(self.dtype)
+        qkv = project(h, (attn.q_proj, attn.k_proj, attn.v_proj), stacked=True)  # [B, W, (H + 2 H_kv) * D]
+        q = self._rope_and_cache(i, attn, qkv, cos, sin, rows, positions)  # [B, H_kv, G*W, D]
+        q = q.reshape(bsz, self.n_heads, width, self.head_dim)  # [B, H, W, D] (the packing is a reshape)
         if length is None:
             out = F.scaled_dot_product_attention(q, self.keys[i][:bsz], self.values[i][:bsz], attn_mask=mask,
                                                  scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
@@ -297,9 +311,9 @@ class StaticLlama(nn.Module):
             mask = mask.repeat(1, 1, self.n_heads // self.n_kv, 1)  # [B, 1, G*W, S], row g*W + w
             return self._layers_fused(x, cos, sin, rows, positions, mask)
         for i, layer in enumerate(self.layers):
-            x = x + self._attend(i, layer, layer.input_layernorm(x), cos, sin, rows, positions, mask, length)
-            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
-        return inner.norm(x)
+            x = x + self._attend(i, layer, rms_norm(layer.input_layernorm, x), cos, sin, rows, positions, mask, length)
+            x = x + self._mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+        return rms_norm(inner.norm, x)
 
     @staticmethod
     def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:

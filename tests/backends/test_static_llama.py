@@ -128,3 +128,19 @@ def test_unsupported_models_are_refused_with_the_reason():
 def test_graphs_need_a_cuda_model():
     with pytest.raises(ValueError, match="CUDA"):
         GraphedModel(MODELS["llama"](), pad_token_id=0, graphs=True)
+
+
+def test_rms_norm_in_one_kernel_equals_transformers_norms_bit_for_bit():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from flashspec_core.backends.static_llama import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    for cls in (LlamaRMSNorm, Qwen3RMSNorm):
+        norm = cls(576, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.normal_(generator=gen)
+        for width in (1, 5, 300):
+            x = torch.randn(2, width, 576, generator=gen) * 3
+            assert torch.equal(rms_norm(norm, x), norm(x)), f"{cls.__name__} at width {width}"
