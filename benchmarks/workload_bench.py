@@ -8,8 +8,9 @@ Configurations: HF `generate`; HF prompt lookup; llama-cpp-python plain greedy d
 same GGUF file (what CPU users run) and its own prompt-lookup speculation; then this engine on
 each `--backends` target (transformers: "hf", llama.cpp: "llama.cpp") with each fixed arm, and
 with the Thompson router once fresh ("cold") and once after untimed warm-up on the `--warmup`
-steps that precede the measured ones ("warm"). Every configuration runs the same steps; times are
-whole calls (prefill included). Greedy everywhere, so every engine configuration must produce
+steps that precede the measured ones ("warm"). Every configuration runs the same steps, each step
+on every configuration in turn (the VM's speed drifts over minutes); times are whole calls
+(prefill included). Greedy everywhere, so every engine configuration must produce
 exactly the tokens of the plain decoder of its backend (HF's or llama.cpp's): the table says how
 many steps matched. Tool and RAG steps get the domain hint an adapter passes, unless --no-hints.
 
@@ -122,30 +123,44 @@ def main() -> None:
             routers[f"{backend} {label}"] = engine.router
         warm_keys.add(f"{backend} router (warm)")
 
-    results, failed = {}, {}
-    for key, run in runners.items():
-        try:
-            results[key] = measure(key, run, steps, ids, warmup, warm_ids, key in warm_keys)
-        except Exception as exc:  # a baseline that breaks (llama-cpp-python's prompt lookup does on
-            failed[key] = repr(exc)  # long prompts) is reported, and the others still run
-            print(f"{key}: FAILED ({exc!r}); left out of the table", flush=True)
+    results, failed = measure(runners, steps, ids, warmup, warm_ids, warm_keys)
     views = {key: router.summary() for key, router in routers.items() if key in results}
     report(results, failed, steps, backends, Path(args.out), args, views)
 
 
-def measure(key, run, steps, ids, warmup, warm_ids, warm: bool) -> list[dict]:
-    """Warm up one configuration, then time it on every step; one row per step."""
-    if warm:
-        for s, i in tqdm(list(zip(warmup, warm_ids)), desc=f"warm-up {key}"):
-            run(i, s.max_new_tokens, s.domain)
-    run(ids[0], 4, steps[0].domain)  # first-call costs (allocations, kernels) stay out of the timing
-    rows = []
-    for s, i in tqdm(list(zip(steps, ids)), desc=key):
-        tokens, seconds, stats = run(i, s.max_new_tokens, s.domain)
-        rows.append({"domain": s.domain, "tokens": tokens, "seconds": seconds,
-                     "arms": stats.arms if stats else None, "resolved": stats.domain if stats else None,
-                     "prompt_tokens": len(i)})
-    return rows
+def measure(runners: dict, steps, ids, warmup, warm_ids, warm_keys: set) -> tuple[dict, dict]:
+    """Warm up every configuration, then time step 1 on each in turn, then step 2, and so on.
+
+    Why in turn: on these shared VMs the same forward costs 20-40% more or less from one minute to
+    the next, and a configuration timed over its own five minutes met another machine than the one
+    before it. Interleaved, a load change hits every configuration alike. Each keeps its own state
+    (caches, router statistics) across its steps, as when run alone.
+    Returns (rows per configuration, one per step; why each failed configuration failed).
+    """
+    results, failed, live = {}, {}, {}
+    for key, run in runners.items():
+        try:
+            if key in warm_keys:
+                for s, i in tqdm(list(zip(warmup, warm_ids)), desc=f"warm-up {key}"):
+                    run(i, s.max_new_tokens, s.domain)
+            run(ids[0], 4, steps[0].domain)  # first-call costs (allocations, kernels) stay out of the timing
+            live[key], results[key] = run, []
+        except Exception as exc:  # a baseline that breaks (llama-cpp-python's prompt lookup does on
+            failed[key] = repr(exc)  # long prompts) is reported, and the others still run
+            print(f"{key}: FAILED ({exc!r}); left out of the table", flush=True)
+    for s, i in tqdm(list(zip(steps, ids)), desc="steps, every configuration in turn"):
+        for key, run in list(live.items()):
+            try:
+                tokens, seconds, stats = run(i, s.max_new_tokens, s.domain)
+            except Exception as exc:
+                failed[key] = repr(exc)
+                del live[key], results[key]
+                print(f"{key}: FAILED ({exc!r}); left out of the table", flush=True)
+                continue
+            results[key].append({"domain": s.domain, "tokens": tokens, "seconds": seconds,
+                                 "arms": stats.arms if stats else None, "resolved": stats.domain if stats else None,
+                                 "prompt_tokens": len(i)})
+    return results, failed
 
 
 def print_router_views(views: dict) -> None:
