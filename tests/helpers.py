@@ -328,3 +328,21 @@ def greedy_references(model, prompts, max_new: int) -> list[tuple[list[int], lis
             top2 = torch.stack([s[0].float().topk(2).values for s in out.logits])
             refs.append((out.sequences[0, len(ids):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
     return refs
+
+
+def random_blocks(kind: str, out: int, inp: int, seed: int = 0):
+    """A `blockq.BlockWeight` [out, inp] of random GGUF bytes (fp16 scales of realistic size)."""
+    from flashspec_core.backends.blockq import from_gguf_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    nb = inp // 32
+    if kind == "q4_1":
+        d = (torch.rand(out, nb, generator=gen) * 0.02).half()
+        m = (-torch.rand(out, nb, generator=gen) * 0.1).half()
+        nibbles = torch.randint(0, 256, (out, nb, 16), generator=gen, dtype=torch.uint8)
+        raw = torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nibbles], dim=-1)
+    else:
+        d = (torch.rand(out, nb, generator=gen) * 0.02).half()
+        q = torch.randint(-128, 128, (out, nb, 32), generator=gen, dtype=torch.int8).view(torch.uint8)
+        raw = torch.cat([d[..., None].view(torch.uint8), q], dim=-1)
+    return from_gguf_rows(kind, raw.reshape(out, -1), out, inp)

@@ -87,18 +87,31 @@ def _compiler() -> str | None:
     return shutil.which(cc.split()[0])
 
 
-def _build(target: Path) -> None:
-    """Compile blockq.c into `target` (written to a temporary file and renamed: never half-built)."""
+def build(target: Path, flags: tuple[str, ...] = ("-march=native",)) -> None:
+    """Compile blockq.c into `target` (written to a temporary file and renamed: never half-built).
+    `flags` pick the instruction set: this machine's by default; tests build the AVX2 and plain-C
+    paths too, which the machines they run on would otherwise never exercise."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".blockq-", suffix=".so")
     os.close(fd)
-    cmd = [_compiler() or "cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
+    cmd = [_compiler() or "cc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built kernel library with its functions' signatures set."""
+    lib = ctypes.CDLL(str(path))
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    for fn in (lib.q4_1_mm, lib.q8_0_mm):
+        fn.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, i32]
+        fn.restype = None
+    lib.blockq_lanes.restype = i32
+    return lib
 
 
 @lru_cache(maxsize=1)
@@ -112,27 +125,23 @@ def library() -> ctypes.CDLL | None:
     path = cache_root() / "kernels" / f"blockq-{key}.so"
     try:
         if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
+            build(path)
+        return load(path)
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
         warnings.warn(f"the GGUF block kernel could not be built ({detail}); the fp32 kernels run instead")
         return None
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    for fn in (lib.q4_1_mm, lib.q8_0_mm):
-        fn.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, i32]
-        fn.restype = None
-    lib.blockq_lanes.restype = i32
-    return lib
 
 
 def available() -> bool:
     return library() is not None
 
 
-def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] fp32 -> [..., out]: x @ W.T (+ bias) from W's blocks, on torch's thread count."""
-    lib = library()
+def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None,
+                 lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [..., in] fp32 -> [..., out]: x @ W.T (+ bias) from W's blocks, on torch's thread count.
+    `lib`: another build of the kernel (`build`, `load`) than this machine's."""
+    lib = lib or library()
     if lib is None:
         raise RuntimeError("the GGUF block kernel is not available on this machine (no C compiler)")
     if x.dtype != torch.float32 or x.shape[-1] != weight.in_features:

@@ -4,30 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import random_blocks, tiny_llama
 
 from flashspec_core.backends import blockq, gguf_weights
-from flashspec_core.backends.blockq import BlockWeight, block_linear, from_gguf_rows
+from flashspec_core.backends.blockq import block_linear, from_gguf_rows
 from flashspec_core.cpu_linear import BLOCKS, PackedLinear, use_packed_linear
 from flashspec_core.models import default_gguf_path
 
 pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler for the block kernel")
-
-
-def random_blocks(kind: str, out: int, inp: int, seed: int = 0) -> BlockWeight:
-    """Blocks of random GGUF bytes (fp16 scales of realistic size)."""
-    gen = torch.Generator().manual_seed(seed)
-    nb = inp // 32
-    if kind == "q4_1":
-        d = (torch.rand(out, nb, generator=gen) * 0.02).half()
-        m = (-torch.rand(out, nb, generator=gen) * 0.1).half()
-        nibbles = torch.randint(0, 256, (out, nb, 16), generator=gen, dtype=torch.uint8)
-        raw = torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nibbles], dim=-1)
-    else:
-        d = (torch.rand(out, nb, generator=gen) * 0.02).half()
-        q = torch.randint(-128, 128, (out, nb, 32), generator=gen, dtype=torch.int8).view(torch.uint8)
-        raw = torch.cat([d[..., None].view(torch.uint8), q], dim=-1)
-    return from_gguf_rows(kind, raw.reshape(out, -1), out, inp)
 
 
 @pytest.mark.parametrize("kind", blockq.KINDS)
@@ -146,3 +130,27 @@ def test_stacked_projections_equal_separate_calls_bit_for_bit():
         model[1].weight.mul_(2)  # one layer edited: no stale stacked weight, it runs stock
         again = project(x, tuple(model))
         torch.testing.assert_close(again[1], x @ model[1].weight.T)
+
+
+@pytest.mark.parametrize("flags", [("-mavx2", "-mfma", "-mno-avx512f"), ("-mno-avx2", "-mno-avx512f")],
+                         ids=["avx2", "plain-c"])
+def test_every_instruction_set_path_computes_the_same_product(tmp_path, flags):
+    """The kernel is built per machine; this one may have AVX-512, the next only AVX2 or neither."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 instruction-set flags")
+    path = tmp_path / "blockq.so"
+    blockq.build(path, flags)
+    lib = blockq.load(path)
+    assert lib.blockq_lanes() == (8 if "-mavx2" in flags else 1)
+    for kind in blockq.KINDS:
+        blocks = random_blocks(kind, 67, 96, seed=3)
+        weight = blocks.dequantize()
+        for rows in (1, 3, 5):
+            x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+            exact = x.double() @ weight.double().T
+            scale = x.double().abs() @ weight.double().abs().T
+            err = (block_linear(x, blocks, lib=lib).double() - exact).abs()
+            assert bool((err <= 1e-6 * scale + 1e-30).all()), f"{kind}, {rows} rows"
+        assert torch.equal(block_linear(torch.eye(96), blocks, lib=lib), weight.T)
