@@ -9,8 +9,9 @@
  * and 1.125 (q8_0) bytes a weight against fp32's 4. A tile of 4 rows x CMAX columns (tokens) keeps
  * every accumulator in a register, so a verify pass of M tokens dequantises each block
  * ceil(M / CMAX) times, not M times. (benchmarks/blockq_kernel.py: all 210 layer matrices of the
- * default model, one token, 2-core Xeon: 10 ms against fp32 F.linear's 22.) Built per machine with -march=native (blockq.py), so the
- * AVX-512 or AVX2 path is the one this CPU runs; a plain C loop elsewhere. */
+ * default model, one token, 2-core Xeon: 10 ms against fp32 F.linear's 22.) Built per machine
+ * with -march=native (blockq.py), so the AVX-512 or AVX2 path is the one this CPU runs; a plain C
+ * loop elsewhere. */
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(__i386__)
