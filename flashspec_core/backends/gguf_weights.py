@@ -24,7 +24,10 @@ def _name_map(reader, model: nn.Module):
     import gguf
 
     field = reader.fields.get("general.architecture")
-    arch_name = field.contents() if field is not None else None
+    if field is None:
+        return None
+    # `contents()` is gguf-py 0.11+; older releases keep the string's bytes in `parts`
+    arch_name = field.contents() if hasattr(field, "contents") else bytes(field.parts[field.data[0]]).decode()
     arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name), None)
     layers = getattr(model.config, "num_hidden_layers", None)
     return None if arch is None or layers is None else gguf.get_tensor_name_map(arch, layers)
