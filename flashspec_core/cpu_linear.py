@@ -161,10 +161,12 @@ def _stacked_blocks(layers: tuple[nn.Module, ...]) -> tuple[list[BlockWeight], B
     if not isinstance(first, PackedLinear) or first.choice.name != BLOCKS:
         return None
     blocks = [layer.blocks() if isinstance(layer, PackedLinear) and layer.bias is None else None for layer in layers]
-    if any(b is None for b in blocks) or len({b.kind for b in blocks}) != 1:
+    if any(b is None for b in blocks):
         return None
     cached = first.__dict__.get("_stacked")
     if cached is None or len(cached[0]) != len(blocks) or any(a is not b for a, b in zip(cached[0], blocks)):
+        if len({b.kind for b in blocks}) != 1:
+            return None
         weight = BlockWeight(blocks[0].kind, torch.cat([b.qs for b in blocks]), torch.cat([b.scales for b in blocks]),
                              sum(b.out_features for b in blocks), blocks[0].in_features)
         cached = first.__dict__["_stacked"] = (blocks, weight)

@@ -132,64 +132,66 @@ INLINE void q8_tile(const int R, const int C, const int8_t *q, const float *s, i
     case 3: TILE(R, CMAX >= 3 ? 3 : 1, __VA_ARGS__); break; default: TILE(R, CMAX, __VA_ARGS__); } } while (0)
 #endif
 
-void q4_1_mm(const float *x, int M, int K, const uint8_t *qs, const float *dm, float *y, int N, int threads) {
+enum { Q4_1, Q8_0 };
+
+#ifdef SCALAR
+/* One row's blocks against one column of x, weight by weight (builds without AVX2). */
+static float row_dot(int kind, const uint8_t *q, const float *s, int nb, const float *x) {
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++) {
+        if (kind == Q4_1) {
+            const float d = s[2 * b], m = s[2 * b + 1];
+            for (int i = 0; i < 16; i++) {
+                const uint8_t v = q[b * 16 + i];
+                acc += (d * (float)(v & 15) + m) * x[b * 32 + i];
+                acc += (d * (float)(v >> 4) + m) * x[b * 32 + 16 + i];
+            }
+        } else {
+            for (int i = 0; i < 32; i++) acc += s[b] * (float)((const int8_t *)q)[b * 32 + i] * x[b * 32 + i];
+        }
+    }
+    return acc;
+}
+#endif
+
+/* Rows in tiles of 4 (a tail of single rows), split over the threads; columns CMAX at a time. */
+static void block_mm(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y,
+                     int N, int threads) {
     const int nb = K / 32;
+    const size_t row_bytes = kind == Q4_1 ? (size_t)nb * 16 : (size_t)K;
+    const size_t row_scales = kind == Q4_1 ? (size_t)nb * 2 : (size_t)nb;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int n = 0; n < N; n += 4) {
-        const int R = N - n < 4 ? 1 : 4;
-        for (int r0 = 0; r0 < (N - n < 4 ? N - n : 4); r0 += R) {
-            const uint8_t *q = qs + (size_t)(n + r0) * nb * 16;
-            const float *s = dm + (size_t)(n + r0) * nb * 2;
-            for (int j0 = 0; j0 < M;) {
+        const int rows = N - n < 4 ? N - n : 4;
+        const int R = rows == 4 ? 4 : 1;
+        for (int r0 = 0; r0 < rows; r0 += R) {
+            const uint8_t *q = qs + (size_t)(n + r0) * row_bytes;
+            const float *s = scales + (size_t)(n + r0) * row_scales;
+            float *yr = y + n + r0;
 #ifdef SCALAR
-                for (int r = 0; r < R; r++) {
-                    float acc = 0.f;
-                    for (int b = 0; b < nb; b++)
-                        for (int i = 0; i < 16; i++) {
-                            const float d = s[r * nb * 2 + 2 * b], m = s[r * nb * 2 + 2 * b + 1];
-                            const uint8_t v = q[(size_t)r * nb * 16 + b * 16 + i];
-                            acc += (d * (float)(v & 15) + m) * x[(size_t)j0 * K + b * 32 + i];
-                            acc += (d * (float)(v >> 4) + m) * x[(size_t)j0 * K + b * 32 + 16 + i];
-                        }
-                    y[(size_t)j0 * N + n + r0 + r] = acc;
-                }
-                j0 += 1;
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < M; j++)
+                    yr[(size_t)j * N + r] = row_dot(kind, q + r * row_bytes, s + r * row_scales, nb, x + (size_t)j * K);
 #else
-                const int cols = M - j0;
-                const int step = cols >= CMAX ? CMAX : (cols == 3 && CMAX < 3 ? 1 : cols);
-                if (R == 4) DISPATCH(q4_tile, 4, step, q, s, nb, x + (size_t)j0 * K, K, y + (size_t)j0 * N + n + r0, N);
-                else DISPATCH(q4_tile, 1, step, q, s, nb, x + (size_t)j0 * K, K, y + (size_t)j0 * N + n + r0, N);
+            for (int j0 = 0; j0 < M;) {
+                const int step = M - j0 >= CMAX ? CMAX : M - j0;
+                const float *xj = x + (size_t)j0 * K;
+                float *yj = yr + (size_t)j0 * N;
+                if (kind == Q4_1 && R == 4) DISPATCH(q4_tile, 4, step, q, s, nb, xj, K, yj, N);
+                else if (kind == Q4_1) DISPATCH(q4_tile, 1, step, q, s, nb, xj, K, yj, N);
+                else if (R == 4) DISPATCH(q8_tile, 4, step, (const int8_t *)q, s, nb, xj, K, yj, N);
+                else DISPATCH(q8_tile, 1, step, (const int8_t *)q, s, nb, xj, K, yj, N);
                 j0 += step;
-#endif
             }
+#endif
         }
     }
 }
 
+void q4_1_mm(const float *x, int M, int K, const uint8_t *qs, const float *dm, float *y, int N, int threads) {
+    block_mm(Q4_1, x, M, K, qs, dm, y, N, threads);
+}
+
 void q8_0_mm(const float *x, int M, int K, const int8_t *qs, const float *ds, float *y, int N, int threads) {
-    const int nb = K / 32;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = 0; n < N; n += 4) {
-        const int R = N - n < 4 ? 1 : 4;
-        for (int r0 = 0; r0 < (N - n < 4 ? N - n : 4); r0 += R) {
-            const int8_t *q = qs + (size_t)(n + r0) * K;
-            const float *s = ds + (size_t)(n + r0) * nb;
-            for (int j0 = 0; j0 < M;) {
-#ifdef SCALAR
-                for (int r = 0; r < R; r++) {
-                    float acc = 0.f;
-                    for (int k = 0; k < K; k++) acc += s[r * nb + k / 32] * (float)q[(size_t)r * K + k] * x[(size_t)j0 * K + k];
-                    y[(size_t)j0 * N + n + r0 + r] = acc;
-                }
-                j0 += 1;
-#else
-                const int cols = M - j0;
-                const int step = cols >= CMAX ? CMAX : (cols == 3 && CMAX < 3 ? 1 : cols);
-                if (R == 4) DISPATCH(q8_tile, 4, step, q, s, nb, x + (size_t)j0 * K, K, y + (size_t)j0 * N + n + r0, N);
-                else DISPATCH(q8_tile, 1, step, q, s, nb, x + (size_t)j0 * K, K, y + (size_t)j0 * N + n + r0, N);
-                j0 += step;
-#endif
-            }
-        }
-    }
+    block_mm(Q8_0, x, M, K, (const uint8_t *)qs, ds, y, N, threads);
 }

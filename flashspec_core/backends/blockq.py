@@ -35,6 +35,7 @@ from flashspec_core.models import cache_root
 SOURCE = Path(__file__).with_name("blockq.c")
 BLOCK = 32  # weights per block along the input dimension (GGUF's Q4_1 and Q8_0)
 KINDS = ("q4_1", "q8_0")
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # fp16 d, fp16 m, 16 bytes of nibbles; fp16 d, 32 int8
 
 
 @dataclass
@@ -71,8 +72,7 @@ def from_gguf_rows(kind: str, raw: torch.Tensor, out_features: int, in_features:
     if in_features % BLOCK:
         raise ValueError(f"in_features must be a multiple of {BLOCK}; got {in_features}")
     nb = in_features // BLOCK
-    size = 20 if kind == "q4_1" else 34
-    blocks = raw.reshape(out_features, nb, size)
+    blocks = raw.reshape(out_features, nb, BLOCK_BYTES[kind])
     if kind == "q4_1":
         scales = blocks[..., :4].contiguous().view(torch.float16).float()  # [out, nb, 2]: d, m
         qs = blocks[..., 4:].reshape(out_features, nb * 16).contiguous()

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flashspec_core.backends.blockq import KINDS, BlockWeight, from_gguf_rows
+from flashspec_core.backends.blockq import BLOCK, BLOCK_BYTES, KINDS, BlockWeight, from_gguf_rows
 from flashspec_core.cpu_linear import PackedLinear
 
 
@@ -73,8 +73,7 @@ def attach(model: nn.Module, gguf_path: str | Path) -> int:
     """
     import gguf
 
-    done = model.__dict__.get("_gguf_blocks")  # (file, layers attached) by an earlier runner on this model
-    if done is not None and done[0] == str(gguf_path):
+    if model.__dict__.get("_gguf_blocks") == str(gguf_path):  # attached by an earlier runner on this model
         return sum(1 for m in model.modules() if isinstance(m, PackedLinear) and m.blocks() is not None)
     reader = gguf.GGUFReader(str(gguf_path))
     names = _name_map(reader, model)
@@ -91,11 +90,11 @@ def attach(model: nn.Module, gguf_path: str | Path) -> int:
             if kind not in KINDS:
                 continue
             raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8)  # [out, bytes per row]
-            if raw.numel() != module.out_features * module.in_features // 32 * (20 if kind == "q4_1" else 34):
+            if raw.numel() != module.out_features * module.in_features // BLOCK * BLOCK_BYTES[kind]:
                 continue  # another shape than the layer's
             blocks = match_rows(from_gguf_rows(kind, raw, module.out_features, module.in_features), module.weight)
             if blocks is not None:
                 module.use_blocks(blocks)
                 attached += 1
-    model.__dict__["_gguf_blocks"] = (str(gguf_path), attached)
+    model.__dict__["_gguf_blocks"] = str(gguf_path)
     return attached
