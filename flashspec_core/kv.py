@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from flashspec_core.cpu_linear import BLOCKS, PACKED, STOCK, use_packed_linear
+from flashspec_core.cpu_linear import BLOCKS, PACKED, STOCK, PackedLinear, use_packed_linear
 
 
 _TAIL = 64  # positions `_common_prefix` walks one by one before bisecting
@@ -66,11 +66,17 @@ class LinearKernels:
         self._choice = use_packed_linear(model)
         self.plan = None  # a Calibration: width -> kernel
         self.block_layers = 0  # layers computing from GGUF blocks under the BLOCKS kernel
-        if self._choice is not None and gguf is not None:
-            from flashspec_core.backends import blockq, gguf_weights
+        if self._choice is None:
+            return
+        from flashspec_core.backends import blockq
 
-            if blockq.available():
-                self.block_layers = gguf_weights.attach(model, gguf)
+        if gguf is not None and blockq.available():
+            from flashspec_core.backends import gguf_weights
+
+            gguf_weights.attach(model, gguf)
+        # attached now or before (by another runner on this model, or by hand)
+        held = sum(1 for m in model.modules() if isinstance(m, PackedLinear) and m.blocks() is not None)
+        self.block_layers = held if held and blockq.available() else 0
 
     def kernels(self) -> tuple[str, ...]:
         """The linear kernels this model can switch between (calibration.py times them)."""

@@ -16,6 +16,7 @@ import torch
 from helpers import idle_core_threads
 
 from flashspec_workloads.baselines import stock_default_model
+from flashspec_core.backends.native_layers import NATIVE
 from flashspec_core.cpu_linear import BLOCKS
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
@@ -125,10 +126,11 @@ def _draft(kind: str, nf4_draft, prompt_ids, references):
 # The nf4 draft at one γ only: its forward is the slowest here (three γ cost 3.7 of the suite's
 # ~19 minutes), and γ's bookkeeping is the same code the copy drafts cover at every γ.
 # Every kernel the calibration may keep runs these prompts somewhere; the GGUF block kernel
-# (backends/blockq.py) is also forced on every forward, whatever this machine's calibration keeps.
+# (backends/blockq.py) and the native layer stack on its blocks (backends/native_layers.py) are
+# also forced on every forward, whatever this machine's calibration keeps.
 @pytest.mark.parametrize(("kind", "gamma", "kernel"), [("none", 0, None), ("nf4", 4, None)] + [
     (kind, gamma, None) for kind in ("prompt_lookup", "suffix_cache") for gamma in GAMMAS] + [
-    ("none", 0, BLOCKS), ("prompt_lookup", 4, BLOCKS)])
+    ("none", 0, BLOCKS), ("prompt_lookup", 4, BLOCKS), ("none", 0, NATIVE), ("prompt_lookup", 4, NATIVE)])
 def test_greedy_is_token_identical_to_hf_generate(default_target, prompt_ids, references, nf4_draft,
                                                  kind, gamma, kernel, record_property):
     draft = _draft(kind, nf4_draft, prompt_ids, references)

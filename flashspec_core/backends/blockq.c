@@ -14,6 +14,7 @@
  * loop elsewhere. */
 #include <stdint.h>
 #include <string.h>
+#include "blockq.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -132,7 +133,6 @@ INLINE void q8_tile(const int R, const int C, const int8_t *q, const float *s, i
     case 3: TILE(R, CMAX >= 3 ? 3 : 1, __VA_ARGS__); break; default: TILE(R, CMAX, __VA_ARGS__); } } while (0)
 #endif
 
-enum { Q4_1, Q8_0 };
 
 #ifdef SCALAR
 /* One row's blocks against one column of x, weight by weight (builds without AVX2). */
@@ -154,13 +154,14 @@ static float row_dot(int kind, const uint8_t *q, const float *s, int nb, const f
 }
 #endif
 
-/* Rows in tiles of 4 (a tail of single rows), split over the threads; columns CMAX at a time. */
-static void block_mm(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y,
-                     int N, int threads) {
+/* Rows in tiles of 4 (a tail of single rows), split over the threads of the enclosing parallel
+ * region (an orphaned `omp for`, so the layer stack of decode_layers.c runs all its products in one
+ * region; called outside one it runs on the calling thread); columns CMAX at a time. */
+void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y, int N) {
     const int nb = K / 32;
     const size_t row_bytes = kind == Q4_1 ? (size_t)nb * 16 : (size_t)K;
     const size_t row_scales = kind == Q4_1 ? (size_t)nb * 2 : (size_t)nb;
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    #pragma omp for schedule(static)
     for (int n = 0; n < N; n += 4) {
         const int rows = N - n < 4 ? N - n : 4;
         const int R = rows == 4 ? 4 : 1;
@@ -186,6 +187,12 @@ static void block_mm(int kind, const float *x, int M, int K, const uint8_t *qs, 
 #endif
         }
     }
+}
+
+static void block_mm(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y,
+                     int N, int threads) {
+    #pragma omp parallel num_threads(threads)
+    block_rows(kind, x, M, K, qs, scales, y, N);
 }
 
 void q4_1_mm(const float *x, int M, int K, const uint8_t *qs, const float *dm, float *y, int N, int threads) {

@@ -32,7 +32,9 @@ import torch
 
 from flashspec_core.models import cache_root
 
-SOURCE = Path(__file__).with_name("blockq.c")
+# compiled into one library: the block products and the layer stack built on them (decode_layers.c)
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("blockq.c", "decode_layers.c"))
+HEADER = Path(__file__).with_name("blockq.h")
 BLOCK = 32  # weights per block along the input dimension (GGUF's Q4_1 and Q8_0)
 KINDS = ("q4_1", "q8_0")
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # fp16 d, fp16 m, 16 bytes of nibbles; fp16 d, 32 int8
@@ -88,13 +90,16 @@ def _compiler() -> str | None:
 
 
 def build(target: Path, flags: tuple[str, ...] = ("-march=native",)) -> None:
-    """Compile blockq.c into `target` (written to a temporary file and renamed: never half-built).
+    """Compile the kernels into `target` (written to a temporary file and renamed: never half-built).
     `flags` pick the instruction set: this machine's by default; tests build the AVX2 and plain-C
     paths too, which the machines they run on would otherwise never exercise."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".blockq-", suffix=".so")
     os.close(fd)
-    cmd = [_compiler() or "cc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
+    # -ffp-contract=off: no a*b + c that transformers rounds twice becomes one FMA (the products'
+    # FMAs are written out as intrinsics, which the flag leaves alone)
+    cmd = [_compiler() or "cc", "-O3", *flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-o", tmp,
+           *map(str, SOURCES)]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
@@ -111,6 +116,11 @@ def load(path: Path) -> ctypes.CDLL:
         fn.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, i32]
         fn.restype = None
     lib.blockq_lanes.restype = i32
+    lib.decode_layers.argtypes = [ptr] * 4 + [i32] + [ptr] * 7 + [i32]
+    lib.decode_layers.restype = None
+    lib.decode_layers_work.argtypes = [ptr, i32, i32]
+    lib.decode_layers_work.restype = ctypes.c_int64
+    lib.decode_layers_slots.restype = i32
     return lib
 
 
@@ -121,7 +131,8 @@ def library() -> ctypes.CDLL | None:
 
     if _compiler() is None:
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + f"|{cpu_model()}|{cpu_flags()}".encode()).hexdigest()[:16]
+    code = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
+    key = hashlib.sha256(code + f"|{cpu_model()}|{cpu_flags()}".encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"blockq-{key}.so"
     try:
         if not path.exists():

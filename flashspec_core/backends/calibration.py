@@ -122,9 +122,9 @@ def machine_line() -> str:
 
 # Bumped when a runner's kernels change what they cost (2: llama.cpp's one-token passes moved
 # to one thread; 3: "hf" on the CPU runs Llama-family models over a static cache; 4: GGUF
-# targets may compute from the file's blocks), so a cache measured by an older version is
-# measured again.
-RUNNERS_VERSION = "4"
+# targets may compute from the file's blocks; 5: and run their layer stack natively), so a cache
+# measured by an older version is measured again.
+RUNNERS_VERSION = "5"
 
 
 def fingerprint(model_id: str, backend: str) -> str:

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from flashspec_core.backends.cuda_graph import GraphedModel
+from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible
+from flashspec_core.cpu_linear import BLOCKS
 from flashspec_core.kv import LinearKernels
 
 INITIAL_LEN = 512  # slots per row at first; doubled as needed (the GPU runner starts at 2048)
@@ -44,6 +46,22 @@ class StaticCachedModel(LinearKernels, GraphedModel):
             raise ValueError("model: StaticCachedModel runs on the CPU; on CUDA use GraphedModel")
         self._swap_linears(model, gguf)
         super().__init__(model, pad_token_id, max_len=max_len, graphs=False, fuse=False)
+        # every projection runs from blocks: the native layer stack may too
+        self._native = NativeLayers(self.static) if self.block_layers and eligible(self.static) else None
+
+    def kernels(self) -> tuple[str, ...]:
+        """The linear kernels (`LinearKernels.kernels`), and NATIVE where the whole layer stack can
+        run from blocks in `decode_layers.c` (`native_layers.py`)."""
+        return super().kernels() + ((NATIVE,) if self._native is not None else ())
+
+    def use_kernel(self, name: str) -> None:
+        """NATIVE runs the layers natively and everything else (the LM head) from blocks."""
+        if name == NATIVE and self._native is not None:
+            super().use_kernel(BLOCKS)
+            self.static.native = self._native
+            return
+        super().use_kernel(name)
+        self.static.native = None
 
     def reset(self, batch_size: int) -> None:
         """Empty rows; a new row count also starts the cache small again (nothing is kept across

@@ -112,6 +112,7 @@ class StaticLlama(nn.Module):
         self._fused: list[dict[str, torch.Tensor | None]] = [self._fuse(layer) for layer in self.layers] if fuse else []
         self.ops = _fused_ops(self.device) if fuse else None
         self._silu = cfg.hidden_act in ("silu", "swish")  # what fused_ops.silu_mul computes
+        self.native = None  # a NativeLayers the CPU runner sets: hidden() then runs the layers natively
         self.max_len = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -295,6 +296,12 @@ class StaticLlama(nn.Module):
         """
         inner = self.model.model
         bsz, width = ids.shape
+        x = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(x, positions)
+        if self.native is not None and length is not None:
+            out = self.native(x, cos, sin, positions)  # the mask's rule (slots 0..position) is in C
+            if out is not None:
+                return out
         rows = torch.arange(bsz, device=ids.device)[:, None].expand(bsz, width)
         if length is not None:
             if self.fuse:
@@ -303,8 +310,6 @@ class StaticLlama(nn.Module):
         else:
             slots = torch.arange(self.max_len, device=ids.device)
             mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, W, S]
-        x = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(x, positions)
         if self.fuse:
             # Additive, once per forward: given booleans, SDPA converts them in every layer (2 kernels).
             mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))

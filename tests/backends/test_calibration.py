@@ -12,6 +12,7 @@ from helpers import tiny_loaded
 from flashspec_core.backends import calibration
 from flashspec_core.backends.calibration import Calibration, calibrate, machine_line
 from flashspec_core.backends.cpu_static import StaticCachedModel
+from flashspec_core.backends.native_layers import NATIVE
 from flashspec_core.cpu_linear import BLOCKS, PACKED, PackedLinear
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
@@ -94,29 +95,41 @@ def test_an_artificially_slow_packed_kernel_loses_to_stock(flashspec_cache_dir, 
     assert set(cal.best.values()) == {"stock"}
 
 
-@pytest.mark.parametrize("slow", ["fp32", BLOCKS])
-def test_the_gguf_block_kernel_is_kept_only_where_it_is_measured_faster(flashspec_cache_dir, monkeypatch,
+@pytest.mark.parametrize("slow", ["fp32", BLOCKS, NATIVE])
+def test_the_gguf_kernels_are_kept_only_where_they_are_measured_faster(flashspec_cache_dir, monkeypatch,
                                                                        default_target, slow):
+    """slow: "fp32" slows the stock and packed kernels; BLOCKS the block kernel and the native stack
+    (which runs on the same blocks); NATIVE the native stack alone."""
     from flashspec_core.backends import blockq
+    from flashspec_core.backends.native_layers import NativeLayers
 
     if not blockq.available():
         pytest.skip("no C compiler for the block kernel")
     if default_target.model.get_output_embeddings().weight.device.type != "cpu":
         pytest.skip("the default target is on a GPU here; the block kernel is a CPU kernel")
     runner = StaticCachedModel(default_target.model, pad_token_id=0, gguf=default_target.gguf)
-    assert BLOCKS in runner.kernels()
-    real = PackedLinear.forward
+    assert {BLOCKS, NATIVE} <= set(runner.kernels())
+    real, real_native = PackedLinear.forward, NativeLayers.__call__
 
     def slowed(self, x):
         if (self.choice.name == BLOCKS) == (slow == BLOCKS):
             time.sleep(0.0005)  # 211 layers: ~0.1 s a forward
         return real(self, x)
 
+    def slowed_native(self, *args):
+        if slow != "fp32":
+            time.sleep(0.1)
+        return real_native(self, *args)
+
     monkeypatch.setattr(PackedLinear, "forward", slowed)
+    monkeypatch.setattr(NativeLayers, "__call__", slowed_native)
     cal = calibrate(runner, f"default-slow-{slow}", "hf", [1, 3], vocab=default_target.model.config.vocab_size,
                     context=32)
     kept = set(cal.best.values())
-    assert (BLOCKS in kept) == (slow != BLOCKS), cal.table()
+    if slow == NATIVE:
+        assert NATIVE not in kept, cal.table()
+    else:
+        assert bool(kept & {BLOCKS, NATIVE}) == (slow == "fp32"), cal.table()
 
 
 def test_the_engine_calibrates_its_cpu_runner_and_seeds_the_router(flashspec_cache_dir):

@@ -1,0 +1,179 @@
+/* The layer stack of a Llama-family model whose linear layers are GGUF blocks, for a few tokens, in
+ * one call and one OpenMP parallel region.
+ *
+ * Why: with the products read from blocks (blockq.c) a one-token forward of the default model spent
+ * ~10 ms in its 210 products and ~25 ms around them: per layer ~30 torch ops (norms, rotation,
+ * cache writes, SDPA, SiLU, residual adds) at 3-90 us each, plus the Python that calls them and
+ * an OpenMP fork and join per product (2-core Xeon, torch profiler). Here each layer is nine
+ * steps separated by barriers of the one parallel region: norm, q|k|v, rotation and cache write,
+ * attention, o, residual and norm, gate|up, SiLU(gate) * up, down.
+ *
+ * The arithmetic is the model's, in fp32, step for step as transformers writes it: RMSNorm as
+ * weight * (x * (1 / sqrt(mean(x^2) + eps))); the rotation as q * cos + rotate_half(q) * sin from
+ * transformers' own cos and sin (computed by the caller, so every rope scaling is the model's);
+ * attention over the slots 0..position of the token's row (as StaticLlama's mask), softmax with
+ * the max subtracted; SiLU as g / (1 + e^-g). Sums run in another order than torch's (as the
+ * block kernel's do), exp is Cephes' polynomial (within 1 ulp, as torch's own vectorized exp is an
+ * approximation too), and nothing is contracted into an FMA that transformers rounds twice (built
+ * with -ffp-contract=off). tests/backends/test_decode_layers.py compares it with the torch forward;
+ * the greedy tests of the default model with transformers' generate.
+ *
+ * Layout: x, h, out [T, hidden] (T = tokens of every row, row-major); the stacked q|k|v product
+ * [T, (H + 2 H_kv) * D] (q heads, then k, then v); the caches [rows, H_kv, S, D] per layer. */
+#include <math.h>
+#include <omp.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "blockq.h"
+
+/* per-layer slots of the table (int64: addresses, and block kinds) */
+enum { ATTN_NORM, QKV_Q, QKV_S, QKV_KIND, O_Q, O_S, O_KIND, MLP_NORM, GU_Q, GU_S, GU_KIND, DOWN_Q, DOWN_S,
+       DOWN_KIND, K_CACHE, V_CACHE, SLOTS };
+/* dims: layers, hidden, heads, kv heads, head dim, intermediate, slots per row (S) */
+enum { N_LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, MAX_LEN, N_DIMS };
+
+int decode_layers_slots(void) { return SLOTS; }
+
+#define F(p) ((float *)(intptr_t)(p))
+#define U8(p) ((const uint8_t *)(intptr_t)(p))
+
+/* e^x in fp32 (Cephes' expf: Cody-Waite reduction, degree-6 polynomial; within 1 ulp of e^x at
+ * every fp32 x in [-87, 88], checked exhaustively), in a form the compiler vectorizes; 0 below -87
+ * (where e^x is under fp32's normal range). */
+static inline float fexp(float x) {
+    const float xc = fminf(fmaxf(x, -87.0f), 88.0f);
+    const float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
+    return x < -87.0f ? 0.0f : p * two_n.f;
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    float s = 0.0f;
+    #pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* x += delta (when given), then y = RMSNorm(x) with weight w; one token per iteration. */
+static void add_norm(float *x, const float *delta, const float *w, float eps, float *y, int T, int H) {
+    #pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) {
+        float *xr = x + (size_t)t * H, *yr = y + (size_t)t * H;
+        if (delta)
+            for (int i = 0; i < H; i++) xr[i] += delta[(size_t)t * H + i];
+        const float r = 1.0f / sqrtf(dot(xr, xr, H) / (float)H + eps);
+        for (int i = 0; i < H; i++) yr[i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* Rotate the q and k heads of each token in place and write its k and v heads into the cache at
+ * (row, kv head, position). cos, sin: [T, D]. */
+static void rope_and_cache(float *qkv, const int64_t *rows, const int64_t *pos, const float *cos,
+                           const float *sin, int T, int nq, int nkv, int D, int S, float *kc, float *vc) {
+    const int heads = nq + 2 * nkv, half = D / 2;
+    #pragma omp for schedule(static)
+    for (int it = 0; it < T * heads; it++) {
+        const int t = it / heads, h = it % heads;
+        float *v = qkv + (size_t)t * heads * D + (size_t)h * D;
+        if (h < nq + nkv) {
+            const float *c = cos + (size_t)t * D, *s = sin + (size_t)t * D;
+            float rotated[D];
+            for (int i = 0; i < half; i++) rotated[i] = v[i] * c[i] + (-v[i + half]) * s[i];
+            for (int i = half; i < D; i++) rotated[i] = v[i] * c[i] + v[i - half] * s[i];
+            for (int i = 0; i < D; i++) v[i] = rotated[i];
+        }
+        if (h >= nq) {
+            const int kv = h < nq + nkv ? h - nq : h - nq - nkv;
+            float *cache = (h < nq + nkv ? kc : vc) + (((size_t)rows[t] * nkv + kv) * S + (size_t)pos[t]) * D;
+            for (int i = 0; i < D; i++) cache[i] = v[i];
+        }
+    }
+}
+
+/* att[t, h] = softmax(scale * q . K[0..pos]) V over the slots of the token's row and kv head.
+ * scores: [threads, S] scratch. */
+static void attend(const float *qkv, const int64_t *rows, const int64_t *pos, int T, int nq, int nkv, int D,
+                   int S, float scale, const float *kc, const float *vc, float *att, float *scores) {
+    const int heads = nq + 2 * nkv, group = nq / nkv;
+    #pragma omp for schedule(static)
+    for (int it = 0; it < T * nq; it++) {
+        const int t = it / nq, h = it % nq, len = (int)pos[t] + 1;
+        const float *q = qkv + (size_t)t * heads * D + (size_t)h * D;
+        const size_t base = ((size_t)rows[t] * nkv + h / group) * S * D;
+        const float *K = kc + base, *V = vc + base;
+        float *sc = scores + (size_t)omp_get_thread_num() * S;
+        float top = -INFINITY, sum = 0.0f;
+        for (int s = 0; s < len; s++) {
+            sc[s] = dot(q, K + (size_t)s * D, D) * scale;
+            top = sc[s] > top ? sc[s] : top;
+        }
+        #pragma omp simd reduction(+ : sum)
+        for (int s = 0; s < len; s++) {
+            sc[s] = fexp(sc[s] - top);
+            sum += sc[s];
+        }
+        float *o = att + (size_t)t * nq * D + (size_t)h * D;
+        for (int i = 0; i < D; i++) o[i] = 0.0f;
+        for (int s = 0; s < len; s++) {
+            const float p = sc[s], *v = V + (size_t)s * D;
+            #pragma omp simd
+            for (int i = 0; i < D; i++) o[i] += p * v[i];
+        }
+        const float inv = 1.0f / sum;
+        for (int i = 0; i < D; i++) o[i] *= inv;
+    }
+}
+
+static void silu_row(const float *restrict g, const float *restrict u, float *restrict a, int n) {
+    #pragma omp simd
+    for (int i = 0; i < n; i++) a[i] = g[i] / (1.0f + fexp(-g[i])) * u[i];
+}
+
+/* act[t] = SiLU(gate[t]) * up[t], gu: [T, 2I] (gate | up). */
+static void silu_mul(const float *gu, float *act, int T, int I) {
+    #pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) silu_row(gu + (size_t)t * 2 * I, gu + (size_t)t * 2 * I + I, act + (size_t)t * I, I);
+}
+
+/* floats of scratch `decode_layers` needs for T tokens on `threads` threads */
+int64_t decode_layers_work(const int64_t *dims, int T, int threads) {
+    const int64_t H = dims[HIDDEN], nq = dims[HEADS], nkv = dims[KV_HEADS], D = dims[HEAD_DIM], I = dims[INTER];
+    return T * (2 * H + (nq + 2 * nkv) * D + nq * D + 3 * I) + threads * dims[MAX_LEN];
+}
+
+/* Every layer and the final norm for T tokens: x [T, hidden] holds the embeddings on entry and the
+ * residual stream on exit; out [T, hidden] gets the final norm's output. rows, pos: [T] (the cache
+ * row and position of each token); cos, sin: [T, D]; fdims: eps, attention scale. */
+void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, float *x, int T,
+                   const int64_t *rows, const int64_t *pos, const float *cos, const float *sin,
+                   const float *final_norm, float *out, float *work, int threads) {
+    const int H = (int)dims[HIDDEN], nq = (int)dims[HEADS], nkv = (int)dims[KV_HEADS], D = (int)dims[HEAD_DIM];
+    const int I = (int)dims[INTER], S = (int)dims[MAX_LEN], QKV = (nq + 2 * nkv) * D;
+    const float eps = fdims[0], scale = fdims[1];
+    float *h = work, *qkv = h + (size_t)T * H, *att = qkv + (size_t)T * QKV, *gu = att + (size_t)T * nq * D;
+    float *act = gu + (size_t)T * 2 * I, *delta = act + (size_t)T * I, *scores = delta + (size_t)T * H;
+    #pragma omp parallel num_threads(threads)
+    {
+        for (int l = 0; l < (int)dims[N_LAYERS]; l++) {
+            const int64_t *e = tab + (size_t)l * SLOTS;
+            add_norm(x, l ? delta : NULL, F(e[ATTN_NORM]), eps, h, T, H);
+            block_rows((int)e[QKV_KIND], h, T, H, U8(e[QKV_Q]), F(e[QKV_S]), qkv, QKV);
+            rope_and_cache(qkv, rows, pos, cos, sin, T, nq, nkv, D, S, F(e[K_CACHE]), F(e[V_CACHE]));
+            attend(qkv, rows, pos, T, nq, nkv, D, S, scale, F(e[K_CACHE]), F(e[V_CACHE]), att, scores);
+            block_rows((int)e[O_KIND], att, T, nq * D, U8(e[O_Q]), F(e[O_S]), delta, H);
+            add_norm(x, delta, F(e[MLP_NORM]), eps, h, T, H);
+            block_rows((int)e[GU_KIND], h, T, H, U8(e[GU_Q]), F(e[GU_S]), gu, 2 * I);
+            silu_mul(gu, act, T, I);
+            block_rows((int)e[DOWN_KIND], act, T, I, U8(e[DOWN_Q]), F(e[DOWN_S]), delta, H);
+        }
+        add_norm(x, dims[N_LAYERS] ? delta : NULL, final_norm, eps, out, T, H);
+    }
+}

@@ -1,0 +1,149 @@
+"""A `StaticLlama`'s layer stack in one native call, where every layer runs from GGUF blocks.
+
+Why: with its products read from blocks (`blockq.py`) a one-token forward of the default model
+on a 2-core Xeon spent ~10 ms in the 210 products and ~25 ms in the ~30 torch ops per layer
+around them and the Python calling them. `decode_layers.c` runs the whole stack (norms, q|k|v,
+rotation and cache writes, attention over the live slots, o, gate|up, SiLU, down, residual adds)
+in one OpenMP region over the same blocks and the same cache tensors, in fp32, step for step as
+transformers computes it (its docstring says where the rounding may differ). The embedding, the
+rotary cos and sin (transformers' own, whatever the rope scaling) and the LM head stay in torch.
+
+Which widths it runs is the calibration's measurement (`StaticCachedModel` offers it as the kernel
+NATIVE), like any other kernel. It takes Llama-family models whose seven projections per layer are
+all blocks without biases and whose MLP is SiLU-gated, with no per-head q/k norms (Qwen3) or
+attention biases (Qwen2); the others keep the torch forward.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from flashspec_core.backends import blockq
+from flashspec_core.backends.blockq import KINDS, BlockWeight
+from flashspec_core.backends.static_llama import _RMS_NORMS
+from flashspec_core.cpu_linear import PackedLinear, _stacked_blocks
+
+NATIVE = "gguf-native"
+
+
+def _projections(layer: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
+            (mlp.down_proj,))
+
+
+def eligible(static) -> bool:
+    """Whether `static`'s (a StaticLlama) model can run in `decode_layers.c` now: fp32 on the CPU,
+    SiLU-gated MLP, transformers' RMSNorms, no q/k norms, and every projection of every layer a
+    PackedLinear with blocks, of one kind within q|k|v and within gate|up."""
+    model = static.model
+    if static.fuse or static.dtype != torch.float32 or static.device.type != "cpu" or blockq.library() is None:
+        return False
+    if getattr(model.config, "hidden_act", None) not in ("silu", "swish"):
+        return False
+    norms = [model.model.norm] + [n for layer in static.layers for n in (layer.input_layernorm,
+                                                                        layer.post_attention_layernorm)]
+    if any(type(n).__name__ not in _RMS_NORMS for n in norms):
+        return False
+    for layer in static.layers:
+        if hasattr(layer.self_attn, "q_norm") or not hasattr(layer.mlp, "gate_proj"):
+            return False
+        for group in _projections(layer):
+            if not all(isinstance(p, PackedLinear) and p.bias is None and p.blocks() is not None for p in group):
+                return False
+            if len({p.blocks().kind for p in group}) > 1:  # q|k|v, gate|up: one product of one kind
+                return False
+    return True
+
+
+class NativeLayers:
+    """Runs `static`'s (a StaticLlama) layers through `decode_layers.c`; `__call__` is the layer part of
+    `StaticLlama.hidden`. Call only while the model's kernel choice is BLOCKS (the stacked q|k|v
+    and gate|up blocks are the ones `cpu_linear.project` builds and caches under it)."""
+
+    def __init__(self, static, lib: ctypes.CDLL | None = None):
+        self.static = static
+        cfg = static.model.config
+        self.lib = lib or blockq.library()  # another build (`blockq.build`, `blockq.load`) in tests
+        self.dims = torch.tensor([len(static.layers), cfg.hidden_size, static.n_heads, static.n_kv, static.head_dim,
+                                  cfg.intermediate_size, 0], dtype=torch.int64)
+        norm = static.layers[0].input_layernorm
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        self.fdims = torch.tensor([eps, static.scaling], dtype=torch.float32)
+        self._table: torch.Tensor | None = None  # [layers, SLOTS] int64
+        self._held: tuple = ()  # what the table points into: kept alive, and compared to tell it stale
+
+    def _weights(self) -> list[BlockWeight] | None:
+        """Per layer: stacked q|k|v, o, stacked gate|up, down; None when a projection no longer runs
+        from its blocks (its weight was replaced or edited)."""
+        out = []
+        for layer in self.static.layers:
+            for group in _projections(layer):
+                if len(group) > 1:  # one stacked product: blocks of one kind
+                    stacked = _stacked_blocks(group)
+                    weight = stacked[1] if stacked else None
+                else:
+                    weight = group[0].blocks()
+                if weight is None:
+                    return None
+                out.append(weight)
+        return out
+
+    def _current_table(self) -> torch.Tensor | None:
+        """The table of addresses, rebuilt when the cache was reallocated or a layer's blocks changed;
+        None when a projection no longer runs from blocks."""
+        static = self.static
+        weights = self._weights()
+        if weights is None:
+            return None
+        held = (*weights, *static.keys, *static.values)
+        if self._table is not None and len(held) == len(self._held) and all(a is b for a, b in zip(held, self._held)):
+            return self._table
+        rows = []
+        for i, layer in enumerate(static.layers):
+            row = [layer.input_layernorm.weight.data_ptr()]
+            for j, w in enumerate(weights[4 * i:4 * i + 4]):
+                if j == 2:
+                    row.append(layer.post_attention_layernorm.weight.data_ptr())
+                row += [w.qs.data_ptr(), w.scales.data_ptr(), KINDS.index(w.kind)]
+            row += [static.keys[i].data_ptr(), static.values[i].data_ptr()]
+            rows.append(row)
+        table = torch.tensor(rows, dtype=torch.int64)
+        if table.shape[1] != self.lib.decode_layers_slots():
+            raise RuntimeError("decode_layers.c's table layout and native_layers.py's disagree")
+        self._table, self._held = table, held
+        return table
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor | None:
+        """x: [B, W, hidden] embeddings; cos, sin: [B, W, D]; positions: [B, W] long (row b of the
+        cache takes row b's tokens). Writes K/V at those positions; returns the final norm's output
+        [B, W, hidden], or None (having done nothing) when a projection's weight no longer is its
+        blocks': the caller runs the torch forward, whose layers then run stock."""
+        static = self.static
+        bsz, width, hidden = x.shape
+        if static.keys[0].shape[0] < bsz:
+            raise ValueError(f"x: {bsz} rows fed, the cache holds {static.keys[0].shape[0]}")
+        if positions.device.type != "cpu" or int(positions.min()) < 0 or int(positions.max()) >= static.max_len:
+            raise ValueError(f"positions: must lie in [0, {static.max_len}) on the CPU")
+        table = self._current_table()
+        if table is None:
+            return None
+        self.dims[-1] = static.max_len
+        tokens = bsz * width
+        x = x.reshape(tokens, hidden).contiguous().clone()  # [T, hidden], the residual stream in place
+        rows = torch.arange(bsz).repeat_interleave(width)  # [T]
+        pos = positions.reshape(tokens).contiguous()  # [T]
+        cos = cos.reshape(tokens, -1).contiguous()  # [T, D]
+        sin = sin.reshape(tokens, -1).contiguous()
+        out = torch.empty_like(x)  # [T, hidden]
+        threads = torch.get_num_threads()
+        work = torch.empty(self.lib.decode_layers_work(self.dims.data_ptr(), tokens, threads))
+        norm = static.model.model.norm.weight
+        ptrs = [t.data_ptr() for t in (table, self.dims, self.fdims, x)]
+        self.lib.decode_layers(*ptrs, tokens, rows.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                               norm.data_ptr(), out.data_ptr(), work.data_ptr(), threads)
+        return out.view(bsz, width, hidden)
+

@@ -1,0 +1,145 @@
+"""The native layer stack (backends/decode_layers.c through native_layers.py) against transformers.
+
+Models here are tiny Llamas whose seven projections per layer are random GGUF blocks (their fp32
+weights set to the blocks' values, as loading a GGUF file does), with random norm weights and
+grouped query heads. After any walk of prompts, rollbacks, growth and batch rows, the logits of
+the NATIVE kernel equal a fresh transformers forward of each row's sequence within fp32 rounding,
+on one thread and two (the OpenMP partition), and on every instruction-set build.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import random_blocks, tiny_family
+
+from flashspec_core.backends import blockq
+from flashspec_core.backends.cpu_static import StaticCachedModel
+from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible
+from flashspec_core.cpu_linear import BLOCKS, PackedLinear, use_packed_linear
+
+pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler for the block kernel")
+
+VOCAB = 24
+
+
+def blocked_llama(kinds=("q4_1", "q8_0"), family: str = "llama"):
+    """tiny_family(family) with every projection of every layer computing from random blocks: q, k,
+    v, gate and up of kinds[0], o and down of kinds[-1] (as GGUF files mix them); the LM head stays fp32."""
+    model = tiny_family(family, VOCAB)
+    use_packed_linear(model)
+    with torch.no_grad():
+        for i, (name, module) in enumerate(model.named_modules()):
+            if isinstance(module, PackedLinear) and name != "lm_head":
+                kind = kinds[-1] if name.endswith(("o_proj", "down_proj")) else kinds[0]
+                blocks = random_blocks(kind, module.out_features, module.in_features, seed=i)
+                module.weight.copy_(blocks.dequantize())
+                module.use_blocks(blocks)
+    return model
+
+
+@torch.no_grad()
+def _fresh(model, seq, keep):
+    return model(input_ids=torch.tensor([seq])).logits[0, -keep:]
+
+
+def _walk(runner, model, rows: int, seed: int, steps: int = 20) -> None:
+    """Random forwards (new prompts, rollbacks, growth, inactive rows), each checked row by row."""
+    rng = random.Random(seed)
+    runner.reset(rows)
+    seqs = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 30))] for _ in range(rows)]
+    for _ in range(steps):
+        keep = rng.choice([1, 2, 5, 9])
+        seqs = [s[:max(1, len(s) - rng.randint(0, 4))] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 9))]
+                for s in seqs]
+        seqs = [s + [1] * max(0, keep - len(s)) for s in seqs]
+        active = [b == 0 or rng.random() < 0.7 for b in range(rows)]
+        out = runner.forward_to(seqs, active, keep_logits=keep)
+        for b, s in enumerate(seqs):
+            if active[b]:
+                torch.testing.assert_close(out[b], _fresh(model, s, keep), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("rows", "threads"), [(1, 1), (1, 2), (3, 2)])
+def test_native_logits_match_a_fresh_transformers_forward(rows, threads):
+    model = blocked_llama()
+    runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
+    assert NATIVE in runner.kernels()
+    runner.use_kernel(NATIVE)
+    calls = []
+    native = runner.static.native
+    runner.static.native = lambda *args: calls.append(1) or native(*args)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _walk(runner, model, rows, seed=rows + threads)
+    finally:
+        torch.set_num_threads(before)
+    assert calls, "the native stack never ran"
+    assert runner.static.max_len > 48, "the walk should have grown the cache past its first size"
+
+
+def test_native_and_torch_forwards_agree_on_the_cache_they_leave():
+    """Keys and values written by the native stack are those the torch forward writes."""
+    model = blocked_llama(kinds=("q4_1",))
+    a, b = StaticCachedModel(model, pad_token_id=0), StaticCachedModel(model, pad_token_id=0)
+    a.use_kernel(BLOCKS)
+    b.use_kernel(NATIVE)
+    seq = list(range(1, 20))
+    for runner in (a, b):
+        runner.reset(1)
+        runner.forward_to([seq], keep_logits=1)
+        runner.forward_to([seq + [3, 4, 5]], keep_logits=3)
+    for ka, kb in zip(a.static.keys + a.static.values, b.static.keys + b.static.values):
+        torch.testing.assert_close(ka[:, :, :22], kb[:, :, :22], atol=1e-5, rtol=1e-5)
+
+
+def test_an_edited_projection_sends_the_forward_back_to_torch():
+    model = blocked_llama()
+    runner = StaticCachedModel(model, pad_token_id=0)
+    runner.use_kernel(NATIVE)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(2)  # the blocks no longer hold it
+    assert runner.static.native(torch.zeros(1, 1, 32), torch.ones(1, 1, 8), torch.zeros(1, 1, 8),
+                                torch.zeros(1, 1, dtype=torch.long)) is None
+    _walk(runner, model, rows=1, seed=7, steps=4)  # the torch forward, with the edited weight
+
+
+def test_positions_outside_the_cache_are_refused():
+    model = blocked_llama()
+    runner = StaticCachedModel(model, pad_token_id=0, max_len=16)
+    with pytest.raises(ValueError, match="positions"):
+        runner._native(torch.zeros(1, 1, 32), torch.ones(1, 1, 8), torch.zeros(1, 1, 8),
+                       torch.tensor([[16]]))
+
+
+def test_only_models_the_native_stack_computes_are_eligible():
+    assert eligible(StaticCachedModel(blocked_llama(), pad_token_id=0).static)
+    assert not eligible(StaticCachedModel(tiny_family("llama", VOCAB), pad_token_id=0).static)  # no blocks
+    partly = blocked_llama()
+    with torch.no_grad():
+        partly.model.layers[0].self_attn.o_proj.weight.add_(1e-3)
+    runner = StaticCachedModel(partly, pad_token_id=0)
+    assert NATIVE not in runner.kernels()
+    assert BLOCKS in runner.kernels()  # the other projections still run from their blocks
+    mixed = blocked_llama()
+    k_proj = mixed.model.layers[1].self_attn.k_proj
+    blocks = random_blocks("q8_0", k_proj.out_features, k_proj.in_features)
+    with torch.no_grad():
+        k_proj.weight.copy_(blocks.dequantize())
+    k_proj.use_blocks(blocks)  # q, k and v no longer one product of one kind
+    assert not eligible(StaticCachedModel(mixed, pad_token_id=0).static)
+    qwen3 = tiny_family("qwen3", VOCAB)  # per-head q/k norms: not in decode_layers.c
+    assert not eligible(StaticCachedModel(qwen3, pad_token_id=0).static)
+
+
+@pytest.mark.parametrize("flags", [("-mavx2", "-mfma"), ("-mno-avx2",)])
+def test_every_instruction_set_build_runs_the_same_layers(tmp_path, flags):
+    path = tmp_path / "blockq.so"
+    blockq.build(path, flags)
+    model = blocked_llama()
+    runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
+    runner._native = NativeLayers(runner.static, lib=blockq.load(path))
+    runner.use_kernel(NATIVE)
+    _walk(runner, model, rows=2, seed=11, steps=8)
