@@ -102,7 +102,20 @@ class SpecEngine:
         runner.plan = cal
         if hasattr(self.router, "set_forward_costs"):
             self.router.set_forward_costs(cal.forward_seconds())
+        if hasattr(self.router, "set_expected_goodput"):
+            self._seed_router(cal.forward_seconds())
         return cal
+
+    def _seed_router(self, forward_seconds: dict[int, float]) -> None:
+        """The router's prior for each model-draft arm: the draft's measured acceptance priced at
+        this machine's costs (routing/priors.py). A draft is timed here (~0.1 s) only if it has one."""
+        from flashspec_core.routing.priors import draft_token_seconds, expected_goodput
+
+        measured = {name: d for name, d in self.drafts.items() if getattr(d, "accepted_lengths", None)}
+        costs = {name: draft_token_seconds(d, self._vocab) for name, d in measured.items()}
+        accepted = {name: d.accepted_lengths for name, d in measured.items()}
+        arms = [a for a in self.arms if a in getattr(self.router, "arms", ())]  # a router built for fewer arms
+        self.router.set_expected_goodput(expected_goodput(arms, accepted, costs, forward_seconds))
 
     @classmethod
     def from_default(cls) -> "SpecEngine":

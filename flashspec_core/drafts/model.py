@@ -26,6 +26,9 @@ class ModelDraft:
 
     deterministic = False
     head_ids: torch.Tensor | None = None  # [K] sorted token ids the logits columns stand for; None = all
+    # γ -> draft tokens accepted per step, measured off-line (a trained draft's card); {}: unknown.
+    # The router's prior for an arm it has not run yet (routing/priors.py).
+    accepted_lengths: dict[int, float] = {}
 
     def __init__(self, model: PreTrainedModel, name: str = "model", pad_token_id: int = 0):
         self.name = name

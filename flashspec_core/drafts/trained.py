@@ -9,6 +9,7 @@ costs one row gather per request and lets the draft copy what the trained subset
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -26,9 +27,10 @@ class TrainedDraft(ModelDraft):
     """Autoregressive draft from a distilled network, with its own KV cache."""
 
     def __init__(self, network: DraftNetwork, name: str, pad_token_id: int = 0, prompt_vocab: bool = True,
-                 domain: str = "all"):
+                 domain: str = "all", accepted_lengths: dict[int, float] | None = None):
         super().__init__(network.lm, name=name, pad_token_id=pad_token_id)
         self.domain = domain
+        self.accepted_lengths = dict(accepted_lengths or {})
         self.network = network
         self.prompt_vocab = prompt_vocab
         self.vocab_size = network.target_vocab
@@ -44,7 +46,7 @@ class TrainedDraft(ModelDraft):
         """Load weights written by `distill`; ValueError if they were trained for another target."""
         network, meta = load_draft(path, target)
         return cls(network, name or meta.get("name") or Path(path).stem, pad_token_id, prompt_vocab,
-                   meta.get("domain", "all"))
+                   meta.get("domain", "all"), card_accepted_lengths(Path(path).with_suffix(".md")))
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
         """Set the head for this request: the trained subset plus the prompts' tokens, except on
@@ -57,6 +59,18 @@ class TrainedDraft(ModelDraft):
         if not torch.equal(head, net.head_ids):
             net.set_head(head)
         super().begin(prompts)
+
+
+def card_accepted_lengths(card: Path) -> dict[int, float]:
+    """γ -> draft tokens accepted per step on the held-back prompts of all domains, from the JSON
+    block `distill` writes into a draft's card; {} when there is no card or it has no such block."""
+    try:
+        text = card.read_text()
+        block = text.split("```json", 1)[1].split("```", 1)[0]
+        evaluation = json.loads(block)["evaluation"]["all"]
+    except (OSError, IndexError, KeyError, TypeError, ValueError):
+        return {}
+    return {int(k.split("@")[1]): float(v) for k, v in evaluation.items() if k.startswith("accept_len@")}
 
 
 def shipped_drafts(target: LoadedModel, folder: str | Path = WEIGHTS_DIR) -> list[TrainedDraft]:

@@ -310,6 +310,19 @@ class ThompsonSampling(Bandit):
         self.posterior = posterior
         self.prior_sd = float(prior_sd)
         self.prior_mean = float(prior_mean)
+        # arm -> its own Normal-Gamma prior mean (`set_prior_mean`): configuration, not learned
+        # state, so export_state leaves it out and whoever rebuilds the bandit sets it again
+        self.arm_prior_means: dict[int, float] = {}
+
+    def set_prior_mean(self, arm: int, mean: float) -> None:
+        """What arm `arm` is presumed to earn before its rewards say (instead of `prior_mean`): an
+        expectation measured elsewhere, such as a draft's acceptance measured off-line priced at
+        this machine's forward costs. Worth one observation, as `prior_mean` is (the Normal-Gamma
+        posterior's; the Beta one, for 0/1 rewards, has no prior mean)."""
+        self._check_arm(arm)
+        if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0.0 <= mean <= 1.0:
+            raise ValueError(f"mean must be a number in [0, 1], got {mean!r}")
+        self.arm_prior_means[arm] = float(mean)
 
     def _params(self) -> dict[str, Any]:
         return {**super()._params(), "posterior": self.posterior, "prior_sd": self.prior_sd,
@@ -329,10 +342,11 @@ class ThompsonSampling(Bandit):
                 else rng.betavariate(1.0 + s, 1.0 + max(0.0, c - s))
                 for i, (s, c) in enumerate(zip(self.sums, self.counts))
             ]
-        mu0, k0, a0 = self.prior_mean, self._KAPPA0, self._ALPHA0
+        k0, a0 = self._KAPPA0, self._ALPHA0
         b0 = a0 * self.prior_sd ** 2
         draws = []
         for i, (s, q, c) in enumerate(zip(self.sums, self.sumsqs, self.counts)):
+            mu0 = self.arm_prior_means.get(i, self.prior_mean)
             kn = k0 + c
             mun = (k0 * mu0 + s) / kn
             if i in observed:

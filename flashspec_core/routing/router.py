@@ -132,6 +132,7 @@ class BanditRouter:
         self._free_names = frozenset(free_drafts)
         self._domains: dict[str, DomainState] = {}
         self._calibrated: dict[int, float] = {}  # shared by every DomainState (set_forward_costs)
+        self._expected: dict[int, float] = {}  # arm -> prior mean reward (set_expected_goodput)
         self._lock = threading.Lock()
         self._store_failed = False
         self._unsaved: dict[str, tuple[int, dict[str, ArmDelta], float | None]] = {}  # see _persist
@@ -148,8 +149,10 @@ class BanditRouter:
             # it, not so much that every γ of every draft is pulled many times to disprove it
             # (0.1 and 0.5 when reward 1 was 4 tokens).
             unit = 1.0 / self._tokens_at_one
-            return ThompsonSampling(len(self.arms), prior_sd=0.4 * unit, prior_mean=min(1.0, 2.0 * unit),
-                                    discount=self.discount, seed=seed, observed=self._observed)
+            bandit = ThompsonSampling(len(self.arms), prior_sd=0.4 * unit, prior_mean=min(1.0, 2.0 * unit),
+                                      discount=self.discount, seed=seed, observed=self._observed)
+            self._seed_expected(bandit)
+            return bandit
         # UCB1's bonus is sized for rewards spread over [0, 1]; these spread over about two plain
         # steps' worth of tokens, so the bonus shrinks with them: exploration 2 * (2 units)**2
         # (0.5 when reward 1 was 4 tokens, as Thompson's prior above).
@@ -241,6 +244,34 @@ class BanditRouter:
         with self._lock:
             self._calibrated.clear()
             self._calibrated.update(seconds)
+
+    def set_expected_goodput(self, goodput: Mapping[Arm, float]) -> None:
+        """Tokens/s each arm is expected to reach before it has run: the prior mean of its reward
+        in every domain (Thompson sampling only; arms not given keep the optimistic default).
+
+        Why: an untried model draft is presumed twice as productive as plain decoding, so every γ
+        of every model draft is run a few times in every domain to disprove it. Where the target's
+        forward is cheap next to drafting (a 2-layer draft's token cost a fifth of the default
+        target's step on a 2-core CPU once the target's layers ran natively) those pulls were the
+        router's main loss. `routing/priors.py` prices a draft's measured acceptance at this
+        machine's measured costs. Needs the calibrated one-token cost (set_forward_costs) first.
+        """
+        with self._lock:
+            plain = self._calibrated.get(1)
+            if not plain or not self.algorithm.startswith("thompson"):
+                return
+            self._expected = {}
+            for arm, tokens_per_second in goodput.items():
+                if arm not in self._index or not tokens_per_second >= 0:
+                    raise ValueError(f"goodput: {arm!r} is not an arm, or {tokens_per_second!r} is not >= 0 tokens/s")
+                self._expected[self._index[arm]] = min(1.0, tokens_per_second * plain / self._tokens_at_one)
+            for state in self._domains.values():
+                self._seed_expected(state.bandit)
+
+    def _seed_expected(self, bandit: Bandit) -> None:
+        for i, mean in self._expected.items():
+            if i not in bandit.observed:
+                bandit.set_prior_mean(i, mean)
 
     def select(self, domain: str) -> Arm:
         """The arm for the next step of a request in `domain` (from past steps only)."""

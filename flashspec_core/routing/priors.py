@@ -1,0 +1,52 @@
+"""What a model-draft arm is expected to earn before the router has run it: its prior, from measurements.
+
+A step of draft d at γ emits 1 + accepted(γ) tokens on average and costs γ draft tokens plus one
+target forward over γ + 1 tokens. accepted(γ) is the draft's acceptance measured off-line (a
+trained draft's card, `ModelDraft.accepted_lengths`); the costs are this machine's: the target's
+forward per width from the calibration, the draft's token from timing it here (`draft_token_seconds`).
+Neither is the workload's own (a card's prompts are not the user's), so the router takes the
+result as one observation's worth of prior (`BanditRouter.set_expected_goodput`), which its own
+steps overrule; an arm with no measured acceptance keeps the router's optimistic default.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Mapping, Sequence
+
+import torch
+
+from flashspec_core.sampling import SamplingParams
+from flashspec_core.types import Arm
+
+_GREEDY = SamplingParams()
+
+
+def draft_token_seconds(draft, vocab: int, context: int = 64, gamma: int = 4, reps: int = 3) -> float:
+    """Seconds one drafted token costs `draft` (a ModelDraft) here: the median over `reps` proposals
+    of `gamma` tokens after a random `context`, catch-up (its prefill) excluded."""
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    draft.begin([ctx])
+    draft.propose([ctx], 1, _GREEDY)  # the prefill of the context, not timed
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        proposal = draft.propose([ctx], gamma, _GREEDY)
+        samples.append((time.perf_counter() - start - proposal.catchup_seconds) / gamma)
+    draft.end([ctx], [[]])
+    return statistics.median(samples)
+
+
+def expected_goodput(arms: Sequence[Arm], accepted: Mapping[str, Mapping[int, float]],
+                     token_seconds: Mapping[str, float], forward_seconds: Mapping[int, float]) -> dict[Arm, float]:
+    """Arm -> expected tokens/s, for the arms whose draft has a measured acceptance at their γ, a
+    measured token cost, and a calibrated forward at width γ + 1."""
+    out = {}
+    for arm in arms:
+        tokens = accepted.get(arm.draft, {}).get(arm.gamma)
+        cost = token_seconds.get(arm.draft)
+        forward = forward_seconds.get(arm.gamma + 1)
+        if tokens is not None and cost is not None and forward:
+            out[arm] = (1.0 + tokens) / (arm.gamma * cost + forward)
+    return out
