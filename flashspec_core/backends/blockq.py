@@ -116,7 +116,7 @@ def load(path: Path) -> ctypes.CDLL:
         fn.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, i32]
         fn.restype = None
     lib.blockq_lanes.restype = i32
-    lib.decode_layers.argtypes = [ptr] * 4 + [i32] + [ptr] * 7 + [i32]
+    lib.decode_layers.argtypes = [ptr] * 4 + [i32] + [ptr] * 6 + [i32]
     lib.decode_layers.restype = None
     lib.decode_layers_work.argtypes = [ptr, i32, i32]
     lib.decode_layers_work.restype = ctypes.c_int64

@@ -29,8 +29,9 @@
 /* per-layer slots of the table (int64: addresses, and block kinds) */
 enum { ATTN_NORM, QKV_Q, QKV_S, QKV_KIND, O_Q, O_S, O_KIND, MLP_NORM, GU_Q, GU_S, GU_KIND, DOWN_Q, DOWN_S,
        DOWN_KIND, K_CACHE, V_CACHE, SLOTS };
-/* dims: layers, hidden, heads, kv heads, head dim, intermediate, slots per row (S) */
-enum { N_LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, MAX_LEN, N_DIMS };
+/* dims: layers, hidden, heads, kv heads, head dim, intermediate, slots per row (S), tokens per row
+ * (W: the T tokens are B rows of W), slots per attention chunk (CH) */
+enum { N_LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, MAX_LEN, WIDTH, CHUNK, N_DIMS };
 
 int decode_layers_slots(void) { return SLOTS; }
 
@@ -75,9 +76,9 @@ static void add_norm(float *x, const float *delta, const float *w, float eps, fl
 }
 
 /* Rotate the q and k heads of each token in place and write its k and v heads into the cache at
- * (row, kv head, position). cos, sin: [T, D]. */
-static void rope_and_cache(float *qkv, const int64_t *rows, const int64_t *pos, const float *cos,
-                           const float *sin, int T, int nq, int nkv, int D, int S, float *kc, float *vc) {
+ * (row, kv head, position), token t being row t / W's. cos, sin: [T, D]. */
+static void rope_and_cache(float *qkv, const int64_t *pos, const float *cos, const float *sin, int T, int W,
+                           int nq, int nkv, int D, int S, float *kc, float *vc) {
     const int heads = nq + 2 * nkv, half = D / 2;
     #pragma omp for schedule(static)
     for (int it = 0; it < T * heads; it++) {
@@ -92,40 +93,87 @@ static void rope_and_cache(float *qkv, const int64_t *rows, const int64_t *pos, 
         }
         if (h >= nq) {
             const int kv = h < nq + nkv ? h - nq : h - nq - nkv;
-            float *cache = (h < nq + nkv ? kc : vc) + (((size_t)rows[t] * nkv + kv) * S + (size_t)pos[t]) * D;
+            float *cache = (h < nq + nkv ? kc : vc) + (((size_t)(t / W) * nkv + kv) * S + (size_t)pos[t]) * D;
             for (int i = 0; i < D; i++) cache[i] = v[i];
         }
     }
 }
 
-/* att[t, h] = softmax(scale * q . K[0..pos]) V over the slots of the token's row and kv head.
- * scores: [threads, S] scratch. */
-static void attend(const float *qkv, const int64_t *rows, const int64_t *pos, int T, int nq, int nkv, int D,
-                   int S, float scale, const float *kc, const float *vc, float *att, float *scores) {
-    const int heads = nq + 2 * nkv, group = nq / nkv;
+/* att[t, h] = softmax(scale * q . K[0..pos]) V over the slots 0..pos of the token's row (pos: its
+ * position) and its kv head, in two passes (flash-decoding). Pass 1 takes a chunk of CH slots of
+ * one row and kv head at a time and streams its keys and values once for every query of that row
+ * and head group (W tokens x G heads), keeping per query the chunk's max score m, sum l of
+ * e^(score - m) and sum of e^(score - m) v; pass 2 merges each query's chunks. Why: with one
+ * query head per item, every head of a group read the group's keys and values again, and after a
+ * 3.5k-token prompt a decode step read ~0.5 GB of cache (58 ms a token); and chunks spread a
+ * single token's attention over every thread. part: [T, H, chunks, D + 2] (m, l, then the sum of
+ * e^(score - m) v); scores: [threads, W * G * CH]. */
+static void attend(const float *qkv, const int64_t *pos, int T, int W, int nq, int nkv, int D, int S, int CH,
+                   float scale, const float *kc, const float *vc, float *att, float *part, float *scores) {
+    const int heads = nq + 2 * nkv, group = nq / nkv, queries = W * group;
+    const size_t stride = (size_t)D + 2;
+    int len = 0;
+    for (int t = 0; t < T; t++) len = (int)pos[t] + 1 > len ? (int)pos[t] + 1 : len;
+    const int chunks = (len + CH - 1) / CH;
     #pragma omp for schedule(static)
-    for (int it = 0; it < T * nq; it++) {
-        const int t = it / nq, h = it % nq, len = (int)pos[t] + 1;
-        const float *q = qkv + (size_t)t * heads * D + (size_t)h * D;
-        const size_t base = ((size_t)rows[t] * nkv + h / group) * S * D;
+    for (int it = 0; it < T / W * nkv * chunks; it++) {
+        const int b = it / (nkv * chunks), g = it / chunks % nkv, c = it % chunks;
+        const int s0 = c * CH, n = (s0 + CH < len ? s0 + CH : len) - s0;
+        const size_t base = ((size_t)b * nkv + g) * S * D;
         const float *K = kc + base, *V = vc + base;
-        float *sc = scores + (size_t)omp_get_thread_num() * S;
+        float *sc = scores + (size_t)omp_get_thread_num() * queries * CH;
+        for (int s = 0; s < n; s++) {
+            const float *k = K + (size_t)(s0 + s) * D;
+            for (int j = 0; j < queries; j++) {
+                const int t = b * W + j / group, h = g * group + j % group;
+                sc[j * CH + s] = s0 + s <= pos[t] ? dot(qkv + (size_t)t * heads * D + (size_t)h * D, k, D) * scale
+                                                  : -INFINITY;
+            }
+        }
+        for (int j = 0; j < queries; j++) {
+            const int t = b * W + j / group, h = g * group + j % group;
+            float *out = part + (((size_t)t * nq + h) * chunks + c) * stride, *e = sc + j * CH;
+            float top = -INFINITY, sum = 0.0f;
+            for (int s = 0; s < n; s++) top = e[s] > top ? e[s] : top;
+            if (top == -INFINITY) {  /* the chunk starts past this query's position */
+                out[0] = top;
+                for (int s = 0; s < n; s++) e[s] = 0.0f;
+                continue;
+            }
+            #pragma omp simd reduction(+ : sum)
+            for (int s = 0; s < n; s++) {
+                e[s] = fexp(e[s] - top);
+                sum += e[s];
+            }
+            out[0] = top;
+            out[1] = sum;
+            for (int i = 0; i < D; i++) out[2 + i] = 0.0f;
+        }
+        for (int s = 0; s < n; s++) {
+            const float *v = V + (size_t)(s0 + s) * D;
+            for (int j = 0; j < queries; j++) {
+                const float p = sc[j * CH + s];
+                if (p == 0.0f) continue;  /* masked, or e^(score - m) under fp32's range */
+                const int t = b * W + j / group, h = g * group + j % group;
+                float *o = part + (((size_t)t * nq + h) * chunks + c) * stride + 2;
+                #pragma omp simd
+                for (int i = 0; i < D; i++) o[i] += p * v[i];
+            }
+        }
+    }
+    #pragma omp for schedule(static)
+    for (int it = 0; it < T * nq; it++) {  /* it = t * H + h: att's layout too */
+        const float *p = part + (size_t)it * chunks * stride;
         float top = -INFINITY, sum = 0.0f;
-        for (int s = 0; s < len; s++) {
-            sc[s] = dot(q, K + (size_t)s * D, D) * scale;
-            top = sc[s] > top ? sc[s] : top;
-        }
-        #pragma omp simd reduction(+ : sum)
-        for (int s = 0; s < len; s++) {
-            sc[s] = fexp(sc[s] - top);
-            sum += sc[s];
-        }
-        float *o = att + (size_t)t * nq * D + (size_t)h * D;
+        for (int c = 0; c < chunks; c++) top = p[c * stride] > top ? p[c * stride] : top;
+        float *o = att + (size_t)it * D;
         for (int i = 0; i < D; i++) o[i] = 0.0f;
-        for (int s = 0; s < len; s++) {
-            const float p = sc[s], *v = V + (size_t)s * D;
-            #pragma omp simd
-            for (int i = 0; i < D; i++) o[i] += p * v[i];
+        for (int c = 0; c < chunks; c++) {
+            const float *q = p + c * stride;
+            if (q[0] == -INFINITY) continue;
+            const float w = fexp(q[0] - top);
+            sum += w * q[1];
+            for (int i = 0; i < D; i++) o[i] += w * q[2 + i];
         }
         const float inv = 1.0f / sum;
         for (int i = 0; i < D; i++) o[i] *= inv;
@@ -146,28 +194,33 @@ static void silu_mul(const float *gu, float *act, int T, int I) {
 /* floats of scratch `decode_layers` needs for T tokens on `threads` threads */
 int64_t decode_layers_work(const int64_t *dims, int T, int threads) {
     const int64_t H = dims[HIDDEN], nq = dims[HEADS], nkv = dims[KV_HEADS], D = dims[HEAD_DIM], I = dims[INTER];
-    return T * (2 * H + (nq + 2 * nkv) * D + nq * D + 3 * I) + threads * dims[MAX_LEN];
+    const int64_t CH = dims[CHUNK], chunks = (dims[MAX_LEN] + CH - 1) / CH;
+    return T * (2 * H + (nq + 2 * nkv) * D + nq * D + 3 * I) + T * nq * chunks * (D + 2) +
+           threads * dims[WIDTH] * (nq / nkv) * CH;
 }
 
 /* Every layer and the final norm for T tokens: x [T, hidden] holds the embeddings on entry and the
- * residual stream on exit; out [T, hidden] gets the final norm's output. rows, pos: [T] (the cache
- * row and position of each token); cos, sin: [T, D]; fdims: eps, attention scale. */
+ * residual stream on exit; out [T, hidden] gets the final norm's output. The tokens are B rows of
+ * W (dims): row b's are tokens b*W .. b*W + W - 1, written to and attending over cache row b.
+ * pos: [T] (each token's position); cos, sin: [T, D]; fdims: eps, attention scale. */
 void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, float *x, int T,
-                   const int64_t *rows, const int64_t *pos, const float *cos, const float *sin,
-                   const float *final_norm, float *out, float *work, int threads) {
+                   const int64_t *pos, const float *cos, const float *sin, const float *final_norm, float *out,
+                   float *work, int threads) {
     const int H = (int)dims[HIDDEN], nq = (int)dims[HEADS], nkv = (int)dims[KV_HEADS], D = (int)dims[HEAD_DIM];
-    const int I = (int)dims[INTER], S = (int)dims[MAX_LEN], QKV = (nq + 2 * nkv) * D;
+    const int I = (int)dims[INTER], S = (int)dims[MAX_LEN], W = (int)dims[WIDTH], CH = (int)dims[CHUNK];
+    const int QKV = (nq + 2 * nkv) * D, CHUNKS = (S + CH - 1) / CH;
     const float eps = fdims[0], scale = fdims[1];
     float *h = work, *qkv = h + (size_t)T * H, *att = qkv + (size_t)T * QKV, *gu = att + (size_t)T * nq * D;
-    float *act = gu + (size_t)T * 2 * I, *delta = act + (size_t)T * I, *scores = delta + (size_t)T * H;
+    float *act = gu + (size_t)T * 2 * I, *delta = act + (size_t)T * I, *part = delta + (size_t)T * H;
+    float *scores = part + (size_t)T * nq * CHUNKS * (D + 2);
     #pragma omp parallel num_threads(threads)
     {
         for (int l = 0; l < (int)dims[N_LAYERS]; l++) {
             const int64_t *e = tab + (size_t)l * SLOTS;
             add_norm(x, l ? delta : NULL, F(e[ATTN_NORM]), eps, h, T, H);
             block_rows((int)e[QKV_KIND], h, T, H, U8(e[QKV_Q]), F(e[QKV_S]), qkv, QKV);
-            rope_and_cache(qkv, rows, pos, cos, sin, T, nq, nkv, D, S, F(e[K_CACHE]), F(e[V_CACHE]));
-            attend(qkv, rows, pos, T, nq, nkv, D, S, scale, F(e[K_CACHE]), F(e[V_CACHE]), att, scores);
+            rope_and_cache(qkv, pos, cos, sin, T, W, nq, nkv, D, S, F(e[K_CACHE]), F(e[V_CACHE]));
+            attend(qkv, pos, T, W, nq, nkv, D, S, CH, scale, F(e[K_CACHE]), F(e[V_CACHE]), att, part, scores);
             block_rows((int)e[O_KIND], att, T, nq * D, U8(e[O_Q]), F(e[O_S]), delta, H);
             add_norm(x, delta, F(e[MLP_NORM]), eps, h, T, H);
             block_rows((int)e[GU_KIND], h, T, H, U8(e[GU_Q]), F(e[GU_S]), gu, 2 * I);

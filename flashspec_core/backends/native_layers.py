@@ -26,6 +26,7 @@ from flashspec_core.backends.static_llama import _RMS_NORMS
 from flashspec_core.cpu_linear import PackedLinear, _stacked_blocks
 
 NATIVE = "gguf-native"
+CHUNK = 128  # cache slots per attention work item: 32 KB of keys and values per kv head
 
 
 def _projections(layer: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
@@ -63,12 +64,16 @@ class NativeLayers:
     `StaticLlama.hidden`. Call only while the model's kernel choice is BLOCKS (the stacked q|k|v
     and gate|up blocks are the ones `cpu_linear.project` builds and caches under it)."""
 
-    def __init__(self, static, lib: ctypes.CDLL | None = None):
+    def __init__(self, static, lib: ctypes.CDLL | None = None, chunk: int = CHUNK):
+        """chunk: cache slots per attention work item (see decode_layers.c's `attend`); tests make it
+        small so that short contexts span several chunks."""
         self.static = static
         cfg = static.model.config
         self.lib = lib or blockq.library()  # another build (`blockq.build`, `blockq.load`) in tests
+        # layers, hidden, heads, kv heads, head dim, intermediate, then per call slots per row and
+        # tokens per row, and the chunk (decode_layers.c's dims)
         self.dims = torch.tensor([len(static.layers), cfg.hidden_size, static.n_heads, static.n_kv, static.head_dim,
-                                  cfg.intermediate_size, 0], dtype=torch.int64)
+                                  cfg.intermediate_size, 0, 0, chunk], dtype=torch.int64)
         norm = static.layers[0].input_layernorm
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
         self.fdims = torch.tensor([eps, static.scaling], dtype=torch.float32)
@@ -131,10 +136,9 @@ class NativeLayers:
         table = self._current_table()
         if table is None:
             return None
-        self.dims[-1] = static.max_len
+        self.dims[6], self.dims[7] = static.max_len, width
         tokens = bsz * width
         x = x.reshape(tokens, hidden).contiguous().clone()  # [T, hidden], the residual stream in place
-        rows = torch.arange(bsz).repeat_interleave(width)  # [T]
         pos = positions.reshape(tokens).contiguous()  # [T]
         cos = cos.reshape(tokens, -1).contiguous()  # [T, D]
         sin = sin.reshape(tokens, -1).contiguous()
@@ -143,7 +147,7 @@ class NativeLayers:
         work = torch.empty(self.lib.decode_layers_work(self.dims.data_ptr(), tokens, threads))
         norm = static.model.model.norm.weight
         ptrs = [t.data_ptr() for t in (table, self.dims, self.fdims, x)]
-        self.lib.decode_layers(*ptrs, tokens, rows.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                               norm.data_ptr(), out.data_ptr(), work.data_ptr(), threads)
+        self.lib.decode_layers(*ptrs, tokens, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), norm.data_ptr(),
+                               out.data_ptr(), work.data_ptr(), threads)
         return out.view(bsz, width, hidden)
 

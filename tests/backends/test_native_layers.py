@@ -61,11 +61,14 @@ def _walk(runner, model, rows: int, seed: int, steps: int = 20) -> None:
                 torch.testing.assert_close(out[b], _fresh(model, s, keep), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("rows", "threads"), [(1, 1), (1, 2), (3, 2)])
-def test_native_logits_match_a_fresh_transformers_forward(rows, threads):
+@pytest.mark.parametrize(("rows", "threads", "chunk"), [(1, 1, 128), (1, 2, 5), (3, 2, 8)])
+def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk):
+    """chunk: cache slots per attention work item; small ones split every context into chunks
+    whose partial softmaxes are merged (decode_layers.c's `attend`)."""
     model = blocked_llama()
     runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
     assert NATIVE in runner.kernels()
+    runner._native = NativeLayers(runner.static, chunk=chunk)
     runner.use_kernel(NATIVE)
     calls = []
     native = runner.static.native
@@ -140,6 +143,6 @@ def test_every_instruction_set_build_runs_the_same_layers(tmp_path, flags):
     blockq.build(path, flags)
     model = blocked_llama()
     runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
-    runner._native = NativeLayers(runner.static, lib=blockq.load(path))
+    runner._native = NativeLayers(runner.static, lib=blockq.load(path), chunk=8)
     runner.use_kernel(NATIVE)
     _walk(runner, model, rows=2, seed=11, steps=8)
