@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from helpers import random_blocks, tiny_family
+from helpers import random_blocks, tiny_family, tiny_llama
 
 from flashspec_core.backends import blockq
 from flashspec_core.backends.cpu_static import StaticCachedModel
@@ -24,10 +24,19 @@ pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler fo
 VOCAB = 24
 
 
-def blocked_llama(kinds=("q4_1", "q8_0"), family: str = "llama"):
+def blocked_llama(kinds=("q4_1", "q8_0"), family: str = "llama", hidden: int = 32):
     """tiny_family(family) with every projection of every layer computing from random blocks: q, k,
-    v, gate and up of kinds[0], o and down of kinds[-1] (as GGUF files mix them); the LM head stays fp32."""
+    v, gate and up of kinds[0], o and down of kinds[-1] (as GGUF files mix them); the LM head stays
+    fp32. hidden=64: head dim 16 (2 query heads per kv head), where 4+ tokens a pass take
+    decode_layers.c's 16-queries-at-a-time attention."""
     model = tiny_family(family, VOCAB)
+    if hidden != 32:
+        model = tiny_llama(VOCAB, seed=3, layers=2, hidden=hidden, max_positions=1024)
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if name.endswith("norm"):
+                    module.weight.copy_(1 + 0.5 * torch.randn(module.weight.shape, generator=gen))
     use_packed_linear(model)
     with torch.no_grad():
         for i, (name, module) in enumerate(model.named_modules()):
@@ -61,11 +70,13 @@ def _walk(runner, model, rows: int, seed: int, steps: int = 20) -> None:
                 torch.testing.assert_close(out[b], _fresh(model, s, keep), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("rows", "threads", "chunk"), [(1, 1, 128), (1, 2, 5), (3, 2, 8)])
-def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk):
+@pytest.mark.parametrize(("rows", "threads", "chunk", "hidden"),
+                         [(1, 1, 128, 32), (1, 2, 5, 32), (3, 2, 8, 32), (1, 2, 7, 64), (2, 1, 128, 64)])
+def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk, hidden):
     """chunk: cache slots per attention work item; small ones split every context into chunks
-    whose partial softmaxes are merged (decode_layers.c's `attend`)."""
-    model = blocked_llama()
+    whose partial softmaxes are merged (decode_layers.c's `attend`). hidden 64: head dim 16, so
+    passes of 4+ tokens take the 16-queries-at-a-time attention."""
+    model = blocked_llama(hidden=hidden)
     runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
     assert NATIVE in runner.kernels()
     runner._native = NativeLayers(runner.static, chunk=chunk)
@@ -141,7 +152,7 @@ def test_only_models_the_native_stack_computes_are_eligible():
 def test_every_instruction_set_build_runs_the_same_layers(tmp_path, flags):
     path = tmp_path / "blockq.so"
     blockq.build(path, flags)
-    model = blocked_llama()
+    model = blocked_llama(hidden=64)
     runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
     runner._native = NativeLayers(runner.static, lib=blockq.load(path), chunk=8)
     runner.use_kernel(NATIVE)
