@@ -102,85 +102,125 @@ static void rope_and_cache(float *qkv, const int64_t *pos, const float *cos, con
     }
 }
 
-/* Queries of one (row, kv head) item: query j is token b*W + j / G's head g*G + j % G. */
+/* The queries of one work item (a row's tokens x a kv head's query heads; query j is token
+ * b*W + j / G's head g*G + j % G) and where their chunk results go. */
 typedef struct {
     const float *qkv;
     const int64_t *pos;
-    int b, g, W, group, heads, D, queries;
-} Queries;
+    float *part;  /* [T, H, chunks, D + 2]: m, l, then the sum of e^(score - m) v */
+    int b, g, W, group, heads, nq, D, queries, chunks, c;
+} Item;
 
-static inline const float *query(const Queries *q, int j) {
+static inline const float *query(const Item *q, int j) {
     const int t = q->b * q->W + j / q->group, h = q->g * q->group + j % q->group;
     return q->qkv + ((size_t)t * q->heads + h) * q->D;
 }
 
-static inline int64_t query_pos(const Queries *q, int j) { return q->pos[q->b * q->W + j / q->group]; }
+static inline int64_t query_pos(const Item *q, int j) { return q->pos[q->b * q->W + j / q->group]; }
 
-#define QB 16 /* queries per block where many queries share a chunk */
+static inline float *result(const Item *q, int j) {
+    const int t = q->b * q->W + j / q->group, h = q->g * q->group + j % q->group;
+    return q->part + (((size_t)t * q->nq + h) * q->chunks + q->c) * (q->D + 2);
+}
 
-/* sc[j * CH + s] = q_j . K[s] for 16 queries (qt: [D][16], zero-padded): each key is read once
- * for the 16, with the queries across the vector lanes (no horizontal sum per dot product). */
-static void scores16(const float *qt, const float *K, int n, int D, float *sc, int CH) {
+/* A chunk's n keys K and values V (from slot s0) for a few queries, one at a time: dot products,
+ * then softmax terms, then the weighted values. sc: [queries, CH] scratch. */
+static void chunk_each(const Item *q, const float *K, const float *V, int s0, int n, int CH, float scale,
+                       float *sc) {
+    const int D = q->D;
+    for (int s = 0; s < n; s++)
+        for (int j = 0; j < q->queries; j++)
+            sc[j * CH + s] = s0 + s <= query_pos(q, j) ? dot(query(q, j), K + (size_t)s * D, D) * scale : -INFINITY;
+    for (int j = 0; j < q->queries; j++) {
+        float *out = result(q, j), *e = sc + j * CH, top = -INFINITY, sum = 0.0f;
+        for (int s = 0; s < n; s++) top = e[s] > top ? e[s] : top;
+        out[0] = top;
+        if (top == -INFINITY) {  /* the chunk starts past this query's position */
+            for (int s = 0; s < n; s++) e[s] = 0.0f;
+            continue;
+        }
+        #pragma omp simd reduction(+ : sum)
+        for (int s = 0; s < n; s++) {
+            e[s] = fexp(e[s] - top);
+            sum += e[s];
+        }
+        out[1] = sum;
+        for (int i = 0; i < D; i++) out[2 + i] = 0.0f;
+    }
+    for (int s = 0; s < n; s++)
+        for (int j = 0; j < q->queries; j++) {
+            const float p = sc[j * CH + s], *v = V + (size_t)s * D;
+            if (p == 0.0f) continue;  /* masked, or e^(score - m) under fp32's range */
+            float *o = result(q, j) + 2;
+            #pragma omp simd
+            for (int i = 0; i < D; i++) o[i] += p * v[i];
+        }
+}
+
+#define QB 16 /* queries per block where many share a chunk */
+
+/* The same for queries j0 .. j0 + 15 at once, across the vector lanes: each key and value is read
+ * once for the 16, no dot product needs a horizontal sum, and the softmax runs on all 16 at once.
+ * D a multiple of 16. qt: [D, 16] scratch; e: [CH, 16] scratch (slot-major, so a slot's 16
+ * scores are one vector). */
+static void chunk_block16(const Item *q, int j0, const float *K, const float *V, int s0, int n, float scale,
+                          float *qt, float *e) {
+    const int D = q->D;
+    float lim[QB], top[QB], sum[QB];
+    for (int j = 0; j < QB; j++) {
+        const int live = j0 + j < q->queries;
+        lim[j] = live ? (float)(query_pos(q, j0 + j) - s0) : -1.0f;  /* slot s counts while s <= lim */
+        for (int d = 0; d < D; d++) qt[d * QB + j] = live ? query(q, j0 + j)[d] : 0.0f;
+        top[j] = -INFINITY;
+        sum[j] = 0.0f;
+    }
     for (int s = 0; s < n; s++) {
         const float *k = K + (size_t)s * D;
+        float *es = e + (size_t)s * QB;
 #if defined(__AVX512F__)
         __m512 acc = _mm512_setzero_ps();
         for (int d = 0; d < D; d++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + d * QB), _mm512_set1_ps(k[d]), acc);
-        float out[QB];
-        _mm512_storeu_ps(out, acc);
+        _mm512_storeu_ps(es, acc);
 #else
-        float out[QB] = {0};
+        for (int j = 0; j < QB; j++) es[j] = 0.0f;
         for (int d = 0; d < D; d++)
-            for (int j = 0; j < QB; j++) out[j] = fmaf(qt[d * QB + j], k[d], out[j]);
+            for (int j = 0; j < QB; j++) es[j] = fmaf(qt[d * QB + j], k[d], es[j]);
 #endif
-        for (int j = 0; j < QB; j++) sc[j * CH + s] = out[j];
+        #pragma omp simd
+        for (int j = 0; j < QB; j++) {
+            es[j] = (float)s <= lim[j] ? es[j] * scale : -INFINITY;
+            top[j] = es[j] > top[j] ? es[j] : top[j];
+        }
     }
-}
-
-/* o[j * D + i] = sum_s p[j * CH + s] V[s][i] for 16 queries, 16 columns of V at a time (the 16 x 16
- * sums stay in registers); D a multiple of 16. */
-static void values16(const float *p, const float *V, int n, int D, float *o, int CH) {
+    for (int s = 0; s < n; s++) {
+        float *es = e + (size_t)s * QB;
+        #pragma omp simd
+        for (int j = 0; j < QB; j++) {
+            es[j] = top[j] == -INFINITY ? 0.0f : fexp(es[j] - top[j]);
+            sum[j] += es[j];
+        }
+    }
     for (int d0 = 0; d0 < D; d0 += 16) {
 #if defined(__AVX512F__)
         __m512 acc[QB];
         for (int j = 0; j < QB; j++) acc[j] = _mm512_setzero_ps();
         for (int s = 0; s < n; s++) {
             const __m512 v = _mm512_loadu_ps(V + (size_t)s * D + d0);
-            for (int j = 0; j < QB; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * CH + s]), v, acc[j]);
+            for (int j = 0; j < QB; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(e[s * QB + j]), v, acc[j]);
         }
-        for (int j = 0; j < QB; j++) _mm512_storeu_ps(o + j * D + d0, acc[j]);
+        for (int j = 0; j < QB && j0 + j < q->queries; j++) _mm512_storeu_ps(result(q, j0 + j) + 2 + d0, acc[j]);
 #else
-        for (int j = 0; j < QB; j++)
-            for (int i = 0; i < 16; i++) o[j * D + d0 + i] = 0.0f;
-        for (int s = 0; s < n; s++)
-            for (int j = 0; j < QB; j++)
-                for (int i = 0; i < 16; i++)
-                    o[j * D + d0 + i] = fmaf(p[j * CH + s], V[(size_t)s * D + d0 + i], o[j * D + d0 + i]);
+        for (int j = 0; j < QB && j0 + j < q->queries; j++) {
+            float *o = result(q, j0 + j) + 2 + d0;
+            for (int i = 0; i < 16; i++) o[i] = 0.0f;
+            for (int s = 0; s < n; s++)
+                for (int i = 0; i < 16; i++) o[i] = fmaf(e[s * QB + j], V[(size_t)s * D + d0 + i], o[i]);
+        }
 #endif
     }
-}
-
-/* Scores of every query against the chunk's n keys starting at slot s0 (-inf past a query's
- * position); rows past `queries` (padding of the last block) are 0. */
-static void chunk_scores(const Queries *q, const float *K, int s0, int n, int CH, float scale, int blocked,
-                         float *sc, float *qt) {
-    const int D = q->D;
-    if (blocked) {
-        for (int j0 = 0; j0 < q->queries; j0 += QB) {
-            for (int j = 0; j < QB; j++)
-                for (int d = 0; d < D; d++) qt[d * QB + j] = j0 + j < q->queries ? query(q, j0 + j)[d] : 0.0f;
-            scores16(qt, K + (size_t)s0 * D, n, D, sc + (size_t)j0 * CH, CH);
-        }
-        for (int j = 0; j < q->queries; j++) {
-            const int64_t p = query_pos(q, j);
-            for (int s = 0; s < n; s++) sc[j * CH + s] = s0 + s <= p ? sc[j * CH + s] * scale : -INFINITY;
-        }
-        return;
-    }
-    for (int s = 0; s < n; s++) {
-        const float *k = K + (size_t)(s0 + s) * D;
-        for (int j = 0; j < q->queries; j++)
-            sc[j * CH + s] = s0 + s <= query_pos(q, j) ? dot(query(q, j), k, D) * scale : -INFINITY;
+    for (int j = 0; j < QB && j0 + j < q->queries; j++) {
+        result(q, j0 + j)[0] = top[j];
+        result(q, j0 + j)[1] = sum[j];
     }
 }
 
@@ -192,11 +232,11 @@ static void chunk_scores(const Queries *q, const float *K, int s0, int n, int CH
  * query head per item, every head of a group read the group's keys and values again, and after a
  * 3.5k-token prompt a decode step read ~0.5 GB of cache (58 ms a token); and chunks spread a
  * single token's attention over every thread. With 8 or more queries a chunk (a verify pass) they
- * go 16 at a time across the vector lanes (scores16, values16): per-query dot products made a
- * 5-token pass after 3.5k tokens cost 76 ms, SDPA's 48. part: [T, H, chunks, D + 2] (m, l, then
- * the sum of e^(score - m) v); scores: per thread, `attend_scratch` floats. */
+ * go 16 at a time across the vector lanes (chunk_block16): per-query dot products made a 5-token
+ * pass after 3.5k tokens cost 76 ms against SDPA's 48. part: [T, H, chunks, D + 2]; scores: per
+ * thread, `attend_scratch` floats. */
 static int64_t attend_scratch(int queries, int D, int CH) {
-    return (int64_t)(queries + QB - 1) / QB * QB * CH + 2 * QB * D;
+    return (int64_t)(queries > QB ? queries : QB) * CH + QB * D;
 }
 
 static void attend(const float *qkv, const int64_t *pos, int T, int W, int nq, int nkv, int D, int S, int CH,
@@ -211,53 +251,15 @@ static void attend(const float *qkv, const int64_t *pos, int T, int W, int nq, i
     for (int it = 0; it < T / W * nkv * chunks; it++) {
         const int b = it / (nkv * chunks), g = it / chunks % nkv, c = it % chunks;
         const int s0 = c * CH, n = (s0 + CH < len ? s0 + CH : len) - s0;
-        const size_t base = ((size_t)b * nkv + g) * S * D;
-        const Queries q = {qkv, pos, b, g, W, group, heads, D, queries};
+        const size_t base = ((size_t)b * nkv + g) * S * D + (size_t)s0 * D;
+        const Item q = {qkv, pos, part, b, g, W, group, heads, nq, D, queries, chunks, c};
         float *sc = scores + (size_t)omp_get_thread_num() * attend_scratch(queries, D, CH);
-        float *qt = sc + (size_t)(queries + QB - 1) / QB * QB * CH, *tmp = qt + QB * D;
-        chunk_scores(&q, kc + base, s0, n, CH, scale, blocked, sc, qt);
-        for (int j = 0; j < queries; j++) {
-            const int t = b * W + j / group, h = g * group + j % group;
-            float *out = part + (((size_t)t * nq + h) * chunks + c) * stride, *e = sc + j * CH;
-            float top = -INFINITY, sum = 0.0f;
-            for (int s = 0; s < n; s++) top = e[s] > top ? e[s] : top;
-            if (top == -INFINITY) {  /* the chunk starts past this query's position */
-                out[0] = top;
-                for (int s = 0; s < n; s++) e[s] = 0.0f;
-                continue;
-            }
-            #pragma omp simd reduction(+ : sum)
-            for (int s = 0; s < n; s++) {
-                e[s] = fexp(e[s] - top);
-                sum += e[s];
-            }
-            out[0] = top;
-            out[1] = sum;
-            for (int i = 0; i < D; i++) out[2 + i] = 0.0f;
+        if (!blocked) {
+            chunk_each(&q, kc + base, vc + base, s0, n, CH, scale, sc);
+            continue;
         }
-        const float *V = vc + base + (size_t)s0 * D;
-        for (int j0 = 0; blocked && j0 < queries; j0 += QB) {
-            for (int j = queries; j < j0 + QB; j++)  /* the last block's padding rows weigh nothing */
-                for (int s = 0; s < n; s++) sc[j * CH + s] = 0.0f;
-            values16(sc + (size_t)j0 * CH, V, n, D, tmp, CH);
-            for (int j = j0; j < queries && j < j0 + QB; j++) {
-                const int t = b * W + j / group, h = g * group + j % group;
-                float *o = part + (((size_t)t * nq + h) * chunks + c) * stride;
-                if (o[0] != -INFINITY)
-                    for (int i = 0; i < D; i++) o[2 + i] = tmp[(j - j0) * D + i];
-            }
-        }
-        for (int s = 0; !blocked && s < n; s++) {
-            const float *v = V + (size_t)s * D;
-            for (int j = 0; j < queries; j++) {
-                const float p = sc[j * CH + s];
-                if (p == 0.0f) continue;  /* masked, or e^(score - m) under fp32's range */
-                const int t = b * W + j / group, h = g * group + j % group;
-                float *o = part + (((size_t)t * nq + h) * chunks + c) * stride + 2;
-                #pragma omp simd
-                for (int i = 0; i < D; i++) o[i] += p * v[i];
-            }
-        }
+        for (int j0 = 0; j0 < queries; j0 += QB)
+            chunk_block16(&q, j0, kc + base, vc + base, s0, n, scale, sc + (size_t)QB * CH, sc);
     }
     #pragma omp for schedule(static)
     for (int it = 0; it < T * nq; it++) {  /* it = t * H + h: att's layout too */
