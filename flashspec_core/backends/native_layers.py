@@ -126,13 +126,15 @@ class NativeLayers:
         """x: [B, W, hidden] embeddings; cos, sin: [B, W, D]; positions: [B, W] long (row b of the
         cache takes row b's tokens). Writes K/V at those positions; returns the final norm's output
         [B, W, hidden], or None (having done nothing) when a projection's weight no longer is its
-        blocks': the caller runs the torch forward, whose layers then run stock."""
+        blocks' or the rotation covers part of a head only: the caller runs the torch forward."""
         static = self.static
         bsz, width, hidden = x.shape
         if static.keys[0].shape[0] < bsz:
             raise ValueError(f"x: {bsz} rows fed, the cache holds {static.keys[0].shape[0]}")
         if positions.device.type != "cpu" or int(positions.min()) < 0 or int(positions.max()) >= static.max_len:
             raise ValueError(f"positions: must lie in [0, {static.max_len}) on the CPU")
+        if cos.shape[-1] != static.head_dim:  # a partial rotation: decode_layers.c rotates whole heads
+            return None
         table = self._current_table()
         if table is None:
             return None

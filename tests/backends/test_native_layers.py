@@ -109,10 +109,12 @@ def test_native_and_torch_forwards_agree_on_the_cache_they_leave():
         torch.testing.assert_close(ka[:, :, :22], kb[:, :, :22], atol=1e-5, rtol=1e-5)
 
 
-def test_an_edited_projection_sends_the_forward_back_to_torch():
+def test_an_edited_projection_or_a_partial_rotation_sends_the_forward_back_to_torch():
     model = blocked_llama()
     runner = StaticCachedModel(model, pad_token_id=0)
     runner.use_kernel(NATIVE)
+    half = torch.ones(1, 1, 4)  # a rotation over half of each 8-wide head: not what the C rotates
+    assert runner.static.native(torch.zeros(1, 1, 32), half, half, torch.zeros(1, 1, dtype=torch.long)) is None
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.mul_(2)  # the blocks no longer hold it
     assert runner.static.native(torch.zeros(1, 1, 32), torch.ones(1, 1, 8), torch.zeros(1, 1, 8),
