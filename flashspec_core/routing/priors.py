@@ -19,20 +19,19 @@ import torch
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import Arm
 
-_GREEDY = SamplingParams()
-
 
 def draft_token_seconds(draft, vocab: int, context: int = 64, gamma: int = 4, reps: int = 3) -> float:
     """Seconds one drafted token costs `draft` (a ModelDraft) here: the median over `reps` proposals
     of `gamma` tokens after a random `context`, catch-up (its prefill) excluded."""
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    greedy = SamplingParams()
     draft.begin([ctx])
-    draft.propose([ctx], 1, _GREEDY)  # the prefill of the context, not timed
+    draft.propose([ctx], 1, greedy)  # the prefill of the context, not timed
     samples = []
     for _ in range(reps):
         start = time.perf_counter()
-        proposal = draft.propose([ctx], gamma, _GREEDY)
+        proposal = draft.propose([ctx], gamma, greedy)
         samples.append((time.perf_counter() - start - proposal.catchup_seconds) / gamma)
     draft.end([ctx], [[]])
     return statistics.median(samples)
