@@ -93,15 +93,16 @@ class SpecEngine:
         runner = self._target_runner
         if not hasattr(runner, "kernels") or runner.device.type != "cpu":
             return None
-        from flashspec_core.backends.calibration import calibrate, model_id
+        from flashspec_core.backends.calibration import CONTEXT, LONGER, PREFILL_WIDTH, calibrate, model_id
 
         widths = [1] + [g + 1 for g in gammas]
-        context = min(256, self.context_window // 2)
+        context = min(CONTEXT, self.context_window // 2)
+        longer = max(0, min(LONGER, self.context_window - context - PREFILL_WIDTH - 1))
         cal = calibrate(runner, model_id(self.target_model), self.backend, widths, vocab_size(self.target_model),
-                        context=context)
+                        context=context, longer=longer)
         runner.plan = cal
         if hasattr(self.router, "set_forward_costs"):
-            self.router.set_forward_costs(cal.forward_seconds())
+            self.router.set_forward_costs(cal.forward_seconds(), cal.slopes, cal.context)
         if hasattr(self.router, "set_expected_goodput"):
             self._seed_router(cal.forward_seconds())
         return cal
@@ -378,6 +379,7 @@ class SpecEngine:
                 drafts, draft_probs = cut_to_lengths(drafts, draft_probs, lengths)
                 g = len(drafts[0])
                 t1 = time.perf_counter()
+                prefilled = first is not None
                 n_acc, out = self._forward_and_verify(
                     target, seqs, seen, outputs, drafts, draft_probs, active, sampling, constraint, gen, first,
                     while_waiting=learn)
@@ -407,6 +409,7 @@ class SpecEngine:
                     catchup_seconds=catchup,
                     warmup_seconds=getattr(target, "warmup_seconds", 0.0) - warmed,
                     draft_lengths=lengths,
+                    prefilled=prefilled,
                 )
                 unlearned.append(record)
                 if not overlap:

@@ -69,6 +69,9 @@ class StepRecord:
     # The draft lengths this step's runner verifies as proposed, others being cut to the longest
     # of them that fits (a sampled step on CUDA graphs, proposals.cut_to_lengths); () when any.
     draft_lengths: tuple[int, ...] = ()
+    # The request's first step: its first token was scored by the prefill's own forward, so its
+    # pass fed only the drafted tokens (none for plain decoding) instead of drafted + 1.
+    prefilled: bool = False
 
     @property
     def seconds(self) -> float:

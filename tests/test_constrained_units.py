@@ -127,7 +127,11 @@ def test_router_scores_the_forced_draft_after_the_fact(tiny_target, grammar):
     propose = draft.propose
     draft.propose = lambda contexts, *args: calls.append((list(contexts[0]), propose(contexts, *args))) or calls[-1][1]
     result = engine.generate(PROMPT, max_new_tokens=12, json_schema=grammar)
-    assert len(calls) == result.stats.steps > 3
+    # Asked at the starts of grammar@4's own steps along the output (copy_scoring.py): every
+    # context a prefix of the request's tokens, none asked twice.
+    full = PROMPT + result.token_ids
+    assert len(calls) > 3 and all(full[:len(c)] == c for c, _ in calls)
+    assert sorted(len(c) for c, _ in calls) == [len(c) for c, _ in calls] == sorted({len(c) for c, _ in calls})
     assert any(p.tokens[0] for _, p in calls), "the grammar forced something along the way"
     for context, proposal in calls:
         fresh = Constraint(grammar, [PROMPT])

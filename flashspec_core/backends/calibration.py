@@ -31,6 +31,9 @@ from flashspec_core.models import cache_root
 CALIBRATION_FILE = "calibration.json"
 PREFILL_WIDTH = 128  # the prefill chunk timed alongside the decode widths
 CONTEXT = 256  # tokens already in the cache when a width is timed (a short agent prompt)
+# The kept kernel of each decode width is timed again this many tokens further on (a retrieved
+# context's length), for the router's price of a pass by context (routing/forward_costs.py).
+LONGER = 1024
 # ISA features that change which kernel wins; the fingerprint names those the CPU has.
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
           "amx_bf16", "amx_int8", "asimd", "sve")
@@ -56,9 +59,13 @@ class Calibration:
     seconds: dict[str, dict[int, float]]  # kernel -> width -> median seconds of one forward
     measured_at: str = ""
     best: dict[int, str] = field(default_factory=dict)  # width -> kernel
+    context: int = CONTEXT  # tokens cached when `seconds` were timed
+    # Decode width -> extra seconds per cached token of its kept kernel (timed LONGER tokens on).
+    slopes: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.seconds = {k: {int(w): float(s) for w, s in v.items()} for k, v in self.seconds.items()}
+        self.slopes = {int(w): float(s) for w, s in self.slopes.items()}
         widths = sorted({w for v in self.seconds.values() for w in v})
         self.best = {w: min(self.seconds, key=lambda k: self.seconds[k].get(w, float("inf"))) for w in widths}
 
@@ -86,6 +93,9 @@ class Calibration:
         for name, row in self.seconds.items():
             lines.append(f"{name:<12}" + "".join(f"{row.get(w, float('nan')) * 1e3:>{col}.1f}" for w in widths))
         lines.append(f"{'kept':<12}" + "".join(f"{self.best[w]:>{col}}" for w in widths))
+        if self.slopes:
+            lines.append(f"{'µs/ctx tok':<12}" + "".join(
+                f"{self.slopes[w] * 1e6:>{col}.2f}" if w in self.slopes else f"{'':>{col}}" for w in widths))
         return "\n".join(lines)
 
 
@@ -122,9 +132,10 @@ def machine_line() -> str:
 
 # Bumped when a runner's kernels change what they cost (2: llama.cpp's one-token passes moved
 # to one thread; 3: "hf" on the CPU runs Llama-family models over a static cache; 4: GGUF
-# targets may compute from the file's blocks; 5: and run their layer stack natively), so a cache
+# targets may compute from the file's blocks; 5: and run their layer stack natively; 6: the
+# decode widths' cost per cached token is measured too), so a cache
 # measured by an older version is measured again.
-RUNNERS_VERSION = "5"
+RUNNERS_VERSION = "6"
 
 
 def fingerprint(model_id: str, backend: str) -> str:
@@ -170,8 +181,10 @@ def _write(cal: Calibration) -> None:
 
 
 def measure(runner: Calibratable, widths: Sequence[int], key: str, vocab: int, reps: int = 3,
-            context: int = CONTEXT) -> Calibration:
+            context: int = CONTEXT, longer: int = LONGER) -> Calibration:
     """Time each kernel of `runner` at each width after `context` cached tokens; median of `reps`.
+    Then each decode width's kept kernel after `context + longer` tokens: its cost per cached
+    token (0 `longer` skips it).
 
     The context is fed once; each timed forward feeds `width` new tokens after it (the runner
     rolls back to the shared context by itself). Kernels are interleaved per repetition, so a
@@ -191,14 +204,37 @@ def measure(runner: Calibratable, widths: Sequence[int], key: str, vocab: int, r
                 runner.forward_to([prefix + extra], keep_logits=width)
                 if rep:
                     samples[kernel][width].append(time.perf_counter() - start)
-    runner.reset(1)
     seconds = {k: {w: statistics.median(v) for w, v in rows.items()} for k, rows in samples.items()}
-    return Calibration(key, cpu_model(), torch.get_num_threads(), seconds,
-                       measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+    cal = Calibration(key, cpu_model(), torch.get_num_threads(), seconds, context=context,
+                      measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+    if longer > 0:
+        cal.slopes = _slopes(runner, cal, prefix, longer, vocab, gen, reps)
+    runner.reset(1)
+    return cal
+
+
+def _slopes(runner: Calibratable, cal: Calibration, prefix: list[int], longer: int, vocab: int,
+            gen: torch.Generator, reps: int) -> dict[int, float]:
+    """Decode width -> extra seconds per cached token of its kept kernel, from timings `longer`
+    tokens past `cal.context` (never below 0: a line through two noisy points)."""
+    decode = [w for w in sorted(cal.best) if w < PREFILL_WIDTH]
+    prefix = prefix + torch.randint(0, vocab, (longer,), generator=gen).tolist()
+    runner.reset(1)
+    runner.forward_to([prefix], keep_logits=1)
+    samples: dict[int, list[float]] = {w: [] for w in decode}
+    for rep in range(reps + 1):
+        for width in decode:
+            extra = torch.randint(0, vocab, (width,), generator=gen).tolist()
+            runner.use_kernel(cal.best[width])
+            start = time.perf_counter()
+            runner.forward_to([prefix + extra], keep_logits=width)
+            if rep:
+                samples[width].append(time.perf_counter() - start)
+    return {w: max(0.0, (statistics.median(v) - cal.seconds[cal.best[w]][w]) / longer) for w, v in samples.items()}
 
 
 def calibrate(runner: Calibratable, model_key: str, backend: str, widths: Sequence[int], vocab: int,
-              force: bool = False, context: int = CONTEXT) -> Calibration:
+              force: bool = False, context: int = CONTEXT, longer: int = LONGER) -> Calibration:
     """The cached calibration for this machine, model and backend, measured first if missing.
 
     `widths` are the decode widths (1 and γ+1); the prefill chunk is added. A cached entry that
@@ -214,6 +250,6 @@ def calibrate(runner: Calibratable, model_key: str, backend: str, widths: Sequen
                 return cal
         except (TypeError, ValueError):
             pass
-    cal = measure(runner, widths, key, vocab, context=context)
+    cal = measure(runner, widths, key, vocab, context=context, longer=longer)
     _write(cal)
     return cal

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from flashspec_core.routing.bandits import Bandit
+from flashspec_core.routing.forward_costs import ForwardCosts
 
 VERIFY_SAMPLES = 63  # latest verify passes kept per size; their median prices the size
 
@@ -40,23 +41,31 @@ class DomainState:
     tallies: list[ArmTally]
     steps: int = 0
     stored_scale: float | None = None  # the store's scale, until this process measures its own
-    # Tokens fed by a single-row verify pass -> its latest seconds: the verify cost of a γ never run.
+    # Tokens fed by a single-row verify pass -> its latest measured seconds over the calibrated
+    # seconds at its width and context (over 1 without a calibration): what this domain's passes
+    # cost next to the calibration, measured while the router runs (load, cache, kernel).
     verify: dict[int, deque[float]] = field(default_factory=dict)
     medians: dict[int, float] = field(default_factory=dict)  # tokens -> median of `verify[tokens]`
-    # Tokens -> seconds of one target forward as calibrated on this machine (one dict shared by
-    # all domains): what a pass costs until this domain has measured its own.
-    calibrated: dict[int, float] = field(default_factory=dict)
+    # One forward's seconds by width and context as calibrated on this machine (one object shared
+    # by all domains): what a pass costs until this domain has measured its own.
+    costs: ForwardCosts = field(default_factory=ForwardCosts)
 
-    def add_pass(self, tokens: int, seconds: float) -> None:
-        """Record a single-row verify pass over `tokens` tokens."""
+    def _model(self, tokens: int, context: int | None) -> float:
+        return self.costs(tokens, context) or 1.0
+
+    def add_pass(self, tokens: int, seconds: float, context: int | None = None) -> None:
+        """Record a single-row verify pass over `tokens` tokens after `context` cached ones."""
         kept = self.verify.setdefault(tokens, deque(maxlen=VERIFY_SAMPLES))
-        kept.append(seconds)
+        kept.append(seconds / self._model(tokens, context))
         self.medians[tokens] = statistics.median(kept)
 
-    def verify_seconds(self, tokens: int) -> float | None:
-        """What a single-row verify pass over `tokens` tokens costs: the median of its latest
-        passes, at most that of any larger size measured; else the calibrated forward cost at that
-        width; None when neither is known.
+    def verify_seconds(self, tokens: int, context: int | None = None) -> float | None:
+        """What a single-row verify pass over `tokens` tokens after `context` cached tokens costs
+        (None: at the calibration's context): the calibrated cost there times the median ratio of
+        this size's latest passes to theirs, at most that of any larger size measured; an
+        unmeasured size takes the median ratio over the sizes measured (1 before any). Without a
+        calibration: the median seconds of this size's latest passes, at most a larger size's;
+        None when neither is known.
 
         This price is charged to every copy-draft proposal of that size scored after the fact,
         and only sizes the router runs are measured again, so one slow pass must not set it: a
@@ -65,21 +74,22 @@ class DomainState:
         for the rest of a run. Hence the median, and the bound: a pass over fewer tokens does not
         cost more than one over more.
         """
+        larger = [m * self._model(n, context) for n, m in self.medians.items() if n > tokens]
         median = self.medians.get(tokens)
         if median is None:
-            return self.calibrated.get(tokens)
-        return min([median] + [m for n, m in self.medians.items() if n > tokens])
+            if not self.costs:
+                return None
+            ratio = statistics.median(self.medians.values()) if self.medians else 1.0
+            median = ratio
+        return min([median * self._model(tokens, context)] + larger)
 
-    def verify_estimate(self, tokens: int) -> float | None:
-        """`verify_seconds(tokens)`, else that of the nearest size measured in this domain, else
-        of the nearest calibrated width (the larger on a tie); None when nothing is known. A pass
-        costs about the same for a few more or fewer tokens, and an arm whose cost this
-        misjudges gets picked and measured."""
-        known = self.verify_seconds(tokens)
-        if known is not None:
+    def verify_estimate(self, tokens: int, context: int | None = None) -> float | None:
+        """`verify_seconds(tokens, context)`, else (no calibration) that of the nearest size
+        measured in this domain, the larger on a tie; None when nothing is known. A pass costs
+        about the same for a few more or fewer tokens, and an arm whose cost this misjudges gets
+        picked and measured."""
+        known = self.verify_seconds(tokens, context)
+        if known is not None or not self.verify:
             return known
-        sizes = self.verify or self.calibrated
-        if not sizes:
-            return None
-        nearest = min(sizes, key=lambda n: (abs(n - tokens), -n))
-        return self.verify_seconds(nearest)
+        nearest = min(self.verify, key=lambda n: (abs(n - tokens), -n))
+        return self.verify_seconds(nearest, context)

@@ -41,6 +41,7 @@ from flashspec_core.drafts.base import DraftSource
 from flashspec_core.routing.bandits import UCB1, ThompsonSampling, Bandit
 from flashspec_core.routing.copy_scoring import CopyScorer
 from flashspec_core.routing.domain_state import ArmTally, DomainState
+from flashspec_core.routing.forward_costs import ForwardCosts
 from flashspec_core.routing.store import ArmDelta, DomainStats, RouterStore
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord, check_record
 
@@ -131,7 +132,7 @@ class BanditRouter:
         self._copies = CopyScorer(self.arms, free_drafts)
         self._free_names = frozenset(free_drafts)
         self._domains: dict[str, DomainState] = {}
-        self._calibrated: dict[int, float] = {}  # shared by every DomainState (set_forward_costs)
+        self._costs = ForwardCosts()  # shared by every DomainState (set_forward_costs)
         self._expected: dict[int, float] = {}  # arm -> prior mean reward (set_expected_goodput)
         self._lock = threading.Lock()
         self._store_failed = False
@@ -170,7 +171,7 @@ class BanditRouter:
         for domain, stats in store.load().items():
             state = self._domains[domain] = DomainState(
                 self._new_bandit(domain), [ArmTally() for _ in self.arms], stats.steps, stats.scale,
-                calibrated=self._calibrated,
+                costs=self._costs,
             )
             self._add_evidence(state, stats, self._cap())
             state.bandit.steps = min(max(state.bandit.steps, float(stats.steps)), self._cap())
@@ -233,17 +234,16 @@ class BanditRouter:
                 n[i], s[i], q[i] = n[i] * shrink, s[i] * shrink, q[i] * shrink
         if any(n):
             bandit.add_prior(n, s, q)
-        state = self._domains[domain] = DomainState(bandit, [ArmTally() for _ in range(k)], calibrated=self._calibrated)
+        state = self._domains[domain] = DomainState(bandit, [ArmTally() for _ in range(k)], costs=self._costs)
         return state
 
-    def set_forward_costs(self, seconds: Mapping[int, float]) -> None:
-        """Seconds of one target forward by width, as calibrated on this machine: every domain's
-        cost model starts from these until it has measured its own passes."""
-        if any(not isinstance(w, int) or w < 1 or not t > 0 for w, t in seconds.items()):
-            raise ValueError(f"seconds must map widths >= 1 to positive seconds; got {dict(seconds)!r}")
+    def set_forward_costs(self, seconds: Mapping[int, float], slopes: Mapping[int, float] | None = None,
+                          context: int = 0) -> None:
+        """Seconds of one target forward by width after `context` cached tokens, and how many more
+        per cached token (`slopes`), as calibrated on this machine: every domain prices its passes
+        from these, scaled by what its own passes measure (forward_costs.py, domain_state.py)."""
         with self._lock:
-            self._calibrated.clear()
-            self._calibrated.update(seconds)
+            self._costs.set(seconds, slopes, context)
 
     def set_expected_goodput(self, goodput: Mapping[Arm, float]) -> None:
         """Tokens/s each arm is expected to reach before it has run: the prior mean of its reward
@@ -257,7 +257,7 @@ class BanditRouter:
         machine's measured costs. Needs the calibrated one-token cost (set_forward_costs) first.
         """
         with self._lock:
-            plain = self._calibrated.get(1)
+            plain = self._costs.at_width(1)
             if not plain or not self.algorithm.startswith("thompson"):
                 return
             self._expected = {}
@@ -280,12 +280,14 @@ class BanditRouter:
         with self._lock:
             return self.arms[self._domain(domain).bandit.select()]
 
-    def _free_seconds(self, domain: DomainState, i: int, proposed: int, draft_seconds: float, fallback: float) -> float:
-        """What a step of free arm i proposing `proposed` tokens would have cost: its measured
-        drafting time plus this domain's mean single-row verify pass over `proposed` + 1 tokens
-        (or the nearest size measured). Before any pass in this domain: arm i's mean step time in
-        this domain, else in all domains, else `fallback` (the step's own time)."""
-        verify = domain.verify_estimate(proposed + 1)
+    def _free_seconds(self, domain: DomainState, i: int, proposed: int, context: int, draft_seconds: float,
+                      fallback: float) -> float:
+        """What a step of free arm i proposing `proposed` tokens after `context` would have cost:
+        its measured drafting time plus this domain's price of a single-row verify pass over
+        `proposed` + 1 tokens there. Before any price (no calibration, no pass in this domain):
+        arm i's mean step time in this domain, else in all domains, else `fallback` (the step's
+        own time)."""
+        verify = domain.verify_estimate(proposed + 1, context)
         if verify is not None:
             return draft_seconds + verify
         t = domain.tallies[i]
@@ -304,7 +306,7 @@ class BanditRouter:
         out = []
         for i, arm in enumerate(self.arms):
             if arm.draft == record.arm.draft and arm.gamma < drafted:
-                verify = state.verify_estimate(arm.gamma + 1)
+                verify = state.verify_estimate(arm.gamma + 1, record.context_len)
                 if verify is None:
                     verify = record.steady_verify_seconds  # unmeasured: the longer pass's time
                 seconds = (record.draft_seconds - record.catchup_seconds) * arm.gamma / drafted + verify
@@ -317,27 +319,30 @@ class BanditRouter:
         check_record(record, self._index)
         with self._lock:
             state = self._domain(record.domain)
-            if record.rows == 1:
-                state.add_pass(record.drafted + 1, record.steady_verify_seconds)
+            fed = record.drafted + (0 if record.prefilled else 1)  # a prefilled first token fed nothing
+            if record.rows == 1 and fed:
+                state.add_pass(fed, record.steady_verify_seconds, record.context_len)
             free: dict[str, list[tuple[int, int, float]]] = {}
             for c in self._copies.step(record):
-                seconds = self._free_seconds(self._domain(c.domain), c.arm, c.proposed, c.draft_seconds, c.step_seconds)
+                seconds = self._free_seconds(self._domain(c.domain), c.arm, c.proposed, c.context, c.draft_seconds,
+                                             c.step_seconds)
                 free.setdefault(c.domain, []).append((c.arm, c.emitted, seconds))
             free.setdefault(record.domain, []).extend(self._shorter_gamma(state, record))
-            plain = self._plain_seconds(state)
+            plain = self._plain_seconds(state, record.context_len)
             if record.arm.gamma and plain is not None:  # plain decoding: a token per row per one-token pass
                 free[record.domain].append((self._plain, record.rows, plain))
             for domain in sorted(set(free) | {record.domain}, key=lambda d: d != record.domain):
                 self._learn(domain, record if domain == record.domain else None, free.get(domain, []))
 
-    def _plain_seconds(self, state: DomainState) -> float | None:
-        """What a one-token pass costs in this domain: measured here (or calibrated), else the mean
-        of the other domains' measurements (a pass costs about the same whatever the domain), else
-        None. Plain decoding is never explored, so a domain must not wait for its own."""
-        own = state.verify_seconds(1)
+    def _plain_seconds(self, state: DomainState, context: int | None = None) -> float | None:
+        """What a one-token pass after `context` costs in this domain: measured here (or
+        calibrated), else the mean of the other domains' prices (a pass costs about the same
+        whatever the domain), else None. Plain decoding is never explored, so a domain must not
+        wait for its own."""
+        own = state.verify_seconds(1, context)
         if own is not None:
             return own
-        others = [t for d in self._domains.values() if (t := d.verify_seconds(1)) is not None]
+        others = [t for d in self._domains.values() if (t := d.verify_seconds(1, context)) is not None]
         return sum(others) / len(others) if others else None
 
     def _scale(self, state: DomainState) -> float | None:

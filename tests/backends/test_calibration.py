@@ -138,9 +138,32 @@ def test_the_engine_calibrates_its_cpu_runner_and_seeds_the_router(flashspec_cac
     cal = engine.calibration
     assert isinstance(cal, Calibration) and {1, 3, 5} <= set(cal.best)
     assert engine._target_runner.plan is cal
-    assert engine.router._calibrated == cal.forward_seconds()
+    costs = engine.router._costs
+    assert {w: costs.at_width(w) for w in cal.best} == cal.forward_seconds() and costs.context == cal.context
+    for w, slope in cal.slopes.items():
+        assert costs(w, cal.context + 100) == pytest.approx(cal.forward_seconds()[w] + 100 * slope)
     off = SpecEngine(loaded, [PromptLookupDraft()], router="thompson", backend="hf", calibrate=False)
-    assert off.calibration is None and off.router._calibrated == {}
+    assert off.calibration is None and not off.router._costs
+
+
+class ContextRunner(SleepyRunner):
+    """One kernel whose forward costs 4 µs per cached token at width 1 and 12 µs at width 3."""
+
+    def kernels(self):
+        return ("only",)
+
+    def forward_to(self, sequences, active=None, keep_logits=1):
+        self.calls += 1
+        time.sleep(0.0005 + (4e-6 if keep_logits == 1 else 12e-6) * (len(sequences[0]) - keep_logits))
+        return torch.zeros(len(sequences), keep_logits, 8)
+
+
+def test_each_decode_widths_cost_per_cached_token_is_measured(flashspec_cache_dir):
+    cal = calibrate(ContextRunner(), "context-1", "fake", [1, 3], vocab=8, context=64, longer=512)
+    assert cal.context == 64 and set(cal.slopes) == {1, 3}, "the prefill chunk is not timed twice"
+    assert cal.slopes[1] == pytest.approx(4e-6, rel=0.3) and cal.slopes[3] == pytest.approx(12e-6, rel=0.3)
+    assert "µs/ctx tok" in cal.table()
+    assert calibrate(ContextRunner(), "context-2", "fake", [1, 3], vocab=8, longer=0).slopes == {}
 
 
 def test_machine_line_names_the_cpu_and_threads():

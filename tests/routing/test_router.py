@@ -160,8 +160,10 @@ def test_full_information_uses_each_arms_own_step_time_and_skips_the_arm_that_ra
     router.update(record("code", MODEL, emitted=2, seconds=0.2, context_len=10,
                          sequence=script[:10] + [-1, -2]))
     s = router.summary()["code"]
-    assert s["ngram@4"]["scored"] == 1
-    # ngram@4 would have emitted 1 token in a 5-token verify pass (0.016 and 0.16 s measured),
+    # Along its own path ngram@4 takes a step per verified token (each proposal mismatches at
+    # once): two steps over the model step's two tokens.
+    assert s["ngram@4"]["scored"] == 2
+    # Each would have emitted 1 token in a 5-token verify pass (0.016 and 0.16 s measured),
     # averaged with its own measured step (0.02 s): 1 / 0.054 s, above the model's 2 / 0.2 s.
     assert s["ngram@4"]["mean_reward"] > s["model@4"]["mean_reward"]
 
@@ -305,10 +307,17 @@ def test_full_information_waits_for_the_tokens_that_score_a_proposal():
     # It would have emitted 5 tokens, the most a step can, in a pass priced as the only size
     # measured (the plain steps' 0.04 s) plus microseconds of proposing: reward 1 less a hair.
     assert s["mean_reward"] == pytest.approx(1.0, rel=1e-2) and s["mean_reward"] < 1.0
-    # A new request (another token list) scores the three proposals left of the old one as they
-    # stand, and its own at once: its first verified token already contradicts it.
+    # Its own next step would start after those 5 tokens (context 14): the plain steps at
+    # contexts 10-12 lie inside the copy it would have made in one step, and score nothing more.
+    assert [len(ctx) for ctx, _ in draft.calls] == [9]
+    seq.extend(script[13:16])
+    router.update(live(15))  # verified up to 16: the step from 14 has seen 2 of its 4 tokens
+    assert [len(ctx) for ctx, _ in draft.calls] == [9, 14]
+    assert router.summary()["rag"]["ngram@4"]["scored"] == 1
+    # A new request (another token list) scores the step left waiting as it stands, and its own
+    # at once: its first verified token already contradicts it.
     router.update(record("rag", NONE, 1, 0.05, context_len=3, sequence=[1, 2, 3, 4]))
-    assert router.summary()["rag"]["ngram@4"]["scored"] == 1 + 3 + 1
+    assert router.summary()["rag"]["ngram@4"]["scored"] == 1 + 1 + 1
 
 
 def test_a_model_draft_step_also_scores_the_same_draft_at_smaller_gamma():
@@ -403,7 +412,7 @@ def test_on_flat_pass_costs_the_longest_copy_wins_every_step():
         arm = router.select("rag")
         picks.append(arm)
         ctx = len(seq)
-        seq = script[:ctx + arm.gamma + 1]
+        seq.extend(script[ctx:ctx + arm.gamma + 1])  # the request's live list, as the engine extends it
         router.update(StepRecord(domain="rag", arm=arm, drafted=arm.gamma, accepted=arm.gamma,
                                  emitted=arm.gamma + 1, draft_seconds=1e-5, verify_seconds=0.002,
                                  context_len=ctx, sequence=seq))
@@ -428,10 +437,12 @@ def test_copy_drafts_are_scored_cut_as_the_step_would_have_cut_them():
                                               draft_lengths=lengths))  # the live list, as the engine passes it
             seq.append(script[len(seq)])
         seq.extend(script[len(seq):40])  # later steps of the request verify the rest
-        router.update(dataclasses.replace(record("rag", NONE, 1, 0.05, context_len=39), sequence=seq))
+        router.update(dataclasses.replace(record("rag", NONE, 1, 0.05, context_len=39), sequence=seq,
+                                          draft_lengths=lengths))
         scored[lengths] = router.summary()["rag"]["ngram@3"]
     # Uncut: 3 proposed, 3 matched, 4 emitted; cut to 2: 3 emitted. Both priced at the one-token
     # pass (the only size measured), so the rewards stand 4 : 3.
-    assert scored[()]["scored"] == scored[(0, 2, 4)]["scored"] >= 1
+    # Cut, its own path takes shorter strides over the same tokens: more steps scored.
+    assert scored[(0, 2, 4)]["scored"] > scored[()]["scored"] >= 1
     ratio = scored[()]["mean_reward"] / scored[(0, 2, 4)]["mean_reward"]
     assert ratio == pytest.approx(4 / 3, rel=0.05)

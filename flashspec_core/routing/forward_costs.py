@@ -1,0 +1,73 @@
+"""What one target forward costs on this machine, by width and by context: the router's yardstick.
+
+The router prices steps it did not run (a copy draft scored after the fact, a smaller γ of a model
+draft) at what a verify pass of their width costs. A pass costs more the longer the cached
+context: its attention reads every cached key and value once per pass, and more so for a wider
+pass. Priced at the calibration's 256-token context, a 3-token pass cost 12.5 ms on the dev
+machine where the RAG steps' 1.3k-token contexts made it 25.7 ms, so prompt lookup, never run
+there, was scored 2.8x plain decoding and ran at 1.4x. The calibration therefore times every
+decode width at two contexts (backends/calibration.py); this is the line through them.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Mapping
+
+# A pass never costs less than this share of its calibrated cost, however short its context: a
+# line through two noisy points must not price a short context at nothing.
+FLOOR = 0.25
+
+
+def _interpolate(width: int, widths: list[int], values: list[float]) -> float:
+    """Piecewise-linear in width between calibrated widths, flat past either end."""
+    i = bisect.bisect_left(widths, width)
+    if i < len(widths) and widths[i] == width:
+        return values[i]
+    if i == 0:
+        return values[0]
+    if i == len(widths):
+        return values[-1]
+    w0, w1 = widths[i - 1], widths[i]
+    return values[i - 1] + (values[i] - values[i - 1]) * (width - w0) / (w1 - w0)
+
+
+class ForwardCosts:
+    """Seconds of one forward: `seconds[w]` after `context` cached tokens, plus `slopes[w]` per
+    cached token more. Empty (falsy, every price None) until `set` is called; one instance is
+    shared by every domain of a router, so a new calibration reaches all of them."""
+
+    def __init__(self) -> None:
+        self._widths: list[int] = []
+        self._seconds: list[float] = []
+        self._slopes: list[float] = []
+        self.context = 0
+
+    def set(self, seconds: Mapping[int, float], slopes: Mapping[int, float] | None = None, context: int = 0) -> None:
+        """seconds: width -> seconds at `context` cached tokens; slopes: width -> extra seconds per
+        cached token (missing: 0, a cost that does not depend on the context)."""
+        slopes = dict(slopes or {})
+        if any(not isinstance(w, int) or w < 1 or not t > 0 for w, t in seconds.items()):
+            raise ValueError(f"seconds must map widths >= 1 to positive seconds; got {dict(seconds)!r}")
+        if any(w not in seconds or not s >= 0 for w, s in slopes.items()):
+            raise ValueError(f"slopes must map calibrated widths to seconds per token >= 0; got {slopes!r}")
+        if not isinstance(context, int) or context < 0:
+            raise ValueError(f"context must be an int >= 0 (cached tokens when timed); got {context!r}")
+        self._widths = sorted(seconds)
+        self._seconds = [float(seconds[w]) for w in self._widths]
+        self._slopes = [float(slopes.get(w, 0.0)) for w in self._widths]
+        self.context = context
+
+    def __bool__(self) -> bool:
+        return bool(self._widths)
+
+    def at_width(self, width: int) -> float | None:
+        """Seconds at the calibration's own context (None before `set`)."""
+        return _interpolate(width, self._widths, self._seconds) if self._widths else None
+
+    def __call__(self, width: int, context: int | None = None) -> float | None:
+        """Seconds of a `width`-token pass after `context` cached tokens (None: the calibration's)."""
+        base = self.at_width(width)
+        if base is None or context is None or context <= 0:
+            return base
+        slope = _interpolate(width, self._widths, self._slopes)
+        return max(FLOOR * base, base + slope * (context - self.context))
