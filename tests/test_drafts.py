@@ -7,6 +7,7 @@ was rolled back to a verified prefix.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import one_thread
 from hypothesis import given, settings
@@ -170,8 +171,18 @@ def test_model_draft_q_is_the_distribution_each_token_was_drawn_from(tiny_draft_
         _check_model_draft(tiny_draft_model, *case)
 
 
-def _check_model_draft(tiny_draft_model, contexts, gamma, steps, sampling, seed):
-    draft = ModelDraft(tiny_draft_model, name="tiny", pad_token_id=15)
+@settings(max_examples=15, deadline=None)
+@given(model_draft_calls(), st.integers(2, 6))
+def test_a_windowed_model_draft_q_is_the_distribution_over_its_window(tiny_draft_model, case, max_context):
+    """With `max_context` the draft reads a window of each row's latest tokens: q must be a fresh
+    forward's distribution over exactly that window (a window the cache disagrees with would
+    break this), and the window never spans more than twice `max_context` tokens."""
+    with one_thread():
+        _check_model_draft(tiny_draft_model, *case, max_context=max_context)
+
+
+def _check_model_draft(tiny_draft_model, contexts, gamma, steps, sampling, seed, max_context=None):
+    draft = ModelDraft(tiny_draft_model, name="tiny", pad_token_id=15, max_context=max_context)
     draft.begin(contexts)
     gen = torch.Generator().manual_seed(seed)
     for keep, corrections in [(None, None)] + steps:
@@ -182,6 +193,9 @@ def _check_model_draft(tiny_draft_model, contexts, gamma, steps, sampling, seed)
         assert q.shape == (len(contexts), gamma, 16) and [len(t) for t in tokens] == [gamma] * len(contexts)
         assert (q >= 0).all() and torch.allclose(q.sum(-1), torch.ones(q.shape[:2]), atol=1e-5)
         for b, ctx in enumerate(contexts):
+            if max_context is not None:
+                ctx = ctx[draft.starts[b]:]
+                assert 1 <= len(ctx) <= 2 * max_context
             with torch.no_grad():  # one fresh forward: logits after ctx, ctx + t0, ..., ctx + t0..t(γ-2)
                 logits = tiny_draft_model(input_ids=torch.tensor([ctx + tokens[b][:-1]])).logits[0, len(ctx) - 1:]
             expected = probs_from_logits(logits, sampling)  # [γ, V]
@@ -193,7 +207,8 @@ def _check_model_draft(tiny_draft_model, contexts, gamma, steps, sampling, seed)
 
 def test_model_draft_times_catching_up_apart_from_drafting(tiny_draft_model):
     """Feeding context the draft has not seen (the prompt; steps other drafts took) is reported
-    as catch-up, which the router does not charge to the arm; a step after its own is not."""
+    as catch-up (the price of trying the draft, which the router charges to its arm); a step
+    after its own is not."""
     draft = ModelDraft(tiny_draft_model, name="tiny", pad_token_id=15)
     context = [1, 2, 3, 4, 5, 6, 7, 8]
     draft.begin([context])
@@ -205,3 +220,26 @@ def test_model_draft_times_catching_up_apart_from_drafting(tiny_draft_model):
     # Another arm ran for a few steps: five tokens the draft never saw.
     context = context + [10, 11, 12, 13, 14]
     assert draft.propose([context], 3, SamplingParams()).catchup_seconds > 0
+
+
+def test_a_windowed_model_draft_reads_only_its_window(tiny_draft_model):
+    draft = ModelDraft(tiny_draft_model, name="tiny", pad_token_id=15, max_context=8)
+    context = list(range(1, 15)) * 3  # 42 tokens
+    draft.begin([context])
+    draft.propose([context], 2, SamplingParams())
+    assert draft.starts == [34]
+    assert draft._runner.prefix_len(0, context[34:]) == 8 and draft._runner.prefix_len(0, context) == 0
+    grown = context + [3] * 7  # 15 tokens past the start: still inside twice the window
+    draft.propose([grown], 2, SamplingParams())
+    assert draft.starts == [34]
+    longer = grown + [4] * 2  # 17 past it: the window moves to the latest 8
+    draft.propose([longer], 2, SamplingParams())
+    assert draft.starts == [len(longer) - 8]
+    draft.begin([context])
+    assert draft.starts == []  # a new request starts again
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_a_bad_max_context_names_the_argument(tiny_draft_model, bad):
+    with pytest.raises(ValueError, match="max_context"):
+        ModelDraft(tiny_draft_model, name="tiny", pad_token_id=15, max_context=bad)

@@ -23,12 +23,19 @@ from flashspec_core.models import LoadedModel
 WEIGHTS_DIR = Path(__file__).with_name("weights")
 
 
+# A distilled draft reads at most this many of a row's latest tokens (ModelDraft.max_context): its
+# training rows were at most 384 prompt + 160 answer tokens (docs/distill.md), so it has never
+# seen more, and reading a 1.3k-token retrieval prompt cost each try of it 0.1-0.3 s on a CPU.
+TRAINED_CONTEXT = 512
+
+
 class TrainedDraft(ModelDraft):
     """Autoregressive draft from a distilled network, with its own KV cache."""
 
     def __init__(self, network: DraftNetwork, name: str, pad_token_id: int = 0, prompt_vocab: bool = True,
-                 domain: str = "all", accepted_lengths: dict[int, float] | None = None):
-        super().__init__(network.lm, name=name, pad_token_id=pad_token_id)
+                 domain: str = "all", accepted_lengths: dict[int, float] | None = None,
+                 max_context: int | None = TRAINED_CONTEXT):
+        super().__init__(network.lm, name=name, pad_token_id=pad_token_id, max_context=max_context)
         self.domain = domain
         self.accepted_lengths = dict(accepted_lengths or {})
         self.network = network
