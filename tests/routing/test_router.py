@@ -448,3 +448,19 @@ def test_copy_drafts_are_scored_cut_as_the_step_would_have_cut_them():
     assert scored[(0, 2, 4)]["scored"] > scored[()]["scored"] >= 1
     ratio = scored[()]["mean_reward"] / scored[(0, 2, 4)]["mean_reward"]
     assert ratio == pytest.approx(4 / 3, rel=0.05)
+
+
+def test_a_prefilled_first_step_rewards_no_arm():
+    """A request's first token comes from the prefill's forward: with plain decoding that step
+    costs no pass at all (0.5 ms here). Counted, it earned plain decoding reward 1 and started its
+    mean step time near zero, inflating its score for the rest of the domain's steps."""
+    router = BanditRouter([NGRAM])
+    router.update(StepRecord(domain="chat", arm=NONE, drafted=0, accepted=0, emitted=1, draft_seconds=0.0,
+                             verify_seconds=0.0005, prefilled=True))
+    assert "none" not in {a for a, v in router.summary().get("chat", {}).items() if v["pulls"]}
+    for _ in range(4):
+        router.update(StepRecord(domain="chat", arm=NONE, drafted=0, accepted=0, emitted=1, draft_seconds=0.0,
+                                 verify_seconds=0.04))
+    s = router.summary()["chat"]["none"]
+    assert s["pulls"] == 4 and s["mean_reward"] == pytest.approx((1 / 0.04) / (5 / 0.04))
+    assert router.verify_costs()["chat"] == {1: (pytest.approx(0.04), 4)}  # and it priced no pass
