@@ -89,8 +89,13 @@ class Bandit:
             raise ValueError(f"arm must be an int in [0, {self.n_arms}), got {arm!r}")
         return arm
 
-    def select(self) -> int:
+    def select(self, exclude: frozenset[int] = frozenset()) -> int:
+        """The arm to play next, never one of `exclude` (unless every arm is)."""
         raise NotImplementedError
+
+    def _allowed(self, exclude: frozenset[int]) -> list[int]:
+        allowed = [i for i in range(self.n_arms) if i not in exclude]
+        return allowed or list(range(self.n_arms))
 
     def update(self, arm: int, reward: float) -> None:
         """One round in which `arm` was played and earned `reward` in [0, 1]."""
@@ -248,15 +253,17 @@ class UCB1(Bandit):
     def _params(self) -> dict[str, Any]:
         return {**super()._params(), "exploration": self.exploration}
 
-    def select(self) -> int:
+    def select(self, exclude: frozenset[int] = frozenset()) -> int:
         # An arm whose evidence has (almost) faded away counts as unplayed and is tried first
         # (observed arms too: one that was never scored may need a pull before it can be).
-        for i, c in enumerate(self.counts):
-            if c < 1e-9:
+        allowed = self._allowed(exclude)
+        for i in allowed:
+            if self.counts[i] < 1e-9:
                 return i
         log_t = math.log(max(self.steps, 1.0))
-        best, best_score = 0, -math.inf
-        for i, (s, c) in enumerate(zip(self.sums, self.counts)):
+        best, best_score = allowed[0], -math.inf
+        for i in allowed:
+            s, c = self.sums[i], self.counts[i]
             bonus = 0.0 if i in self.observed else math.sqrt(self.exploration * log_t / c)
             score = s / c + bonus
             if score > best_score:
@@ -359,9 +366,9 @@ class ThompsonSampling(Bandit):
             draws.append(rng.gauss(mun, 1.0 / math.sqrt(kn * max(tau, 1e-300))))
         return draws
 
-    def select(self) -> int:
+    def select(self, exclude: frozenset[int] = frozenset()) -> int:
         draws = self.sample_means()
-        return max(range(self.n_arms), key=draws.__getitem__)
+        return max(self._allowed(exclude), key=draws.__getitem__)
 
 
 _BANDITS: dict[str, type[Bandit]] = {UCB1.algorithm: UCB1, ThompsonSampling.algorithm: ThompsonSampling}

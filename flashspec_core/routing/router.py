@@ -134,6 +134,7 @@ class BanditRouter:
         self._domains: dict[str, DomainState] = {}
         self._costs = ForwardCosts()  # shared by every DomainState (set_forward_costs)
         self._expected: dict[int, float] = {}  # arm -> prior mean reward (set_expected_goodput)
+        self._retired: frozenset[int] = frozenset()  # arms not offered (set_expected_goodput)
         self._lock = threading.Lock()
         self._store_failed = False
         self._unsaved: dict[str, tuple[int, dict[str, ArmDelta], float | None]] = {}  # see _persist
@@ -255,6 +256,14 @@ class BanditRouter:
         target's step on a 2-core CPU once the target's layers ran natively) those pulls were the
         router's main loss. `routing/priors.py` prices a draft's measured acceptance at this
         machine's measured costs. Needs the calibrated one-token cost (set_forward_costs) first.
+
+        An arm expected below plain decoding's goodput is not offered at all. Its draft's accepted
+        lengths were measured on prompts like those it was trained on, its best case, so where
+        even they do not pay on this machine the arm is not expected to win anywhere, and each try
+        costs a prefill of the request: on a 2-core Xeon the Thompson posterior of six such arms
+        (two trained drafts at γ 2, 4, 8, priced 0.47-1.03x plain decoding from their cards, run
+        at 0.1-0.7x) had one of them beat the best arm on about every other step until each had a
+        few bad steps, 22 of a new domain's first 32 steps.
         """
         with self._lock:
             plain = self._costs.at_width(1)
@@ -265,6 +274,7 @@ class BanditRouter:
                 if arm not in self._index or not tokens_per_second >= 0:
                     raise ValueError(f"goodput: {arm!r} is not an arm, or {tokens_per_second!r} is not >= 0 tokens/s")
                 self._expected[self._index[arm]] = min(1.0, tokens_per_second * plain / self._tokens_at_one)
+            self._retired = frozenset(self._index[a] for a, tps in goodput.items() if tps * plain < 1.0)
             for state in self._domains.values():
                 self._seed_expected(state.bandit)
 
@@ -278,7 +288,7 @@ class BanditRouter:
         if not isinstance(domain, str) or not domain:
             raise ValueError(f"domain must be a non-empty str (see resolve_domain), got {domain!r}")
         with self._lock:
-            return self.arms[self._domain(domain).bandit.select()]
+            return self.arms[self._domain(domain).bandit.select(self._retired)]
 
     def _free_seconds(self, domain: DomainState, i: int, proposed: int, context: int, draft_seconds: float,
                       fallback: float) -> float:

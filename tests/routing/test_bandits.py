@@ -290,3 +290,13 @@ def test_an_untried_arm_is_tried_until_its_rewards_fall_below_the_prior_mean():
         pulls[mean] = bandit.counts[1]
         assert bandit_from_state(bandit.export_state()).prior_mean == mean
     assert 0 < pulls[0.2] < pulls[0.5]
+
+
+@pytest.mark.parametrize("cls", [UCB1, ThompsonSampling])
+def test_select_never_returns_an_excluded_arm_unless_every_arm_is(cls):
+    bandit = cls(4, seed=0)
+    for _ in range(30):
+        bandit.update(1, 1.0)  # arm 1 is by far the best
+    picks = {bandit.select(frozenset({1, 3})) for _ in range(200)}
+    assert picks <= {0, 2} and picks
+    assert bandit.select(frozenset(range(4))) in range(4)

@@ -51,7 +51,22 @@ def test_model_drafts_presumed_slow_are_rarely_explored_where_they_do_not_pay():
                                                   world={"slow": {NONE: (1.0, 0.04), **{a: (1.5, 0.09) for a in arms}}}))
         return total
 
-    assert model_pulls(expected=True) * 2 <= model_pulls(expected=False)
+    assert model_pulls(expected=False) >= 8
+    assert model_pulls(expected=True) == 0  # expected below plain decoding: not offered at all
+
+
+def test_only_arms_expected_below_plain_decoding_are_retired():
+    """Plain decoding: 25 tok/s (0.04 s a pass). model@2 is expected at 30 (offered), model@4 at
+    20 (not offered, in every domain, new ones too); a copy draft is never retired."""
+    arms = [Arm("model", 2), Arm("model", 4)]
+    router = BanditRouter(arms, "thompson", seed=0)
+    router.set_forward_costs({1: 0.04, 3: 0.06, 5: 0.08})
+    router.set_expected_goodput({Arm("model", 2): 30.0, Arm("model", 4): 20.0})
+    # Both model arms would in fact be the fastest (3 tokens in 0.06 s): only model@2 gets to show it.
+    world = {d: {NONE: (1.0, 0.04), Arm("model", 2): (3.0, 0.06), Arm("model", 4): (3.0, 0.06)}
+             for d in ("chat", "code", "tool")}
+    picks = [a for d in world for a in drive(router, d, 60, random.Random(1), world=world)]
+    assert Arm("model", 4) not in picks and picks.count(Arm("model", 2)) > 100
 
 
 def test_expected_goodput_needs_every_measurement_and_is_rejected_for_unknown_arms():
