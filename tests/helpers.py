@@ -33,7 +33,7 @@ from flashspec_core.engine import SpecEngine
 from flashspec_core.models import LoadedModel
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.sampling import SamplingParams
-from flashspec_core.types import Arm
+from flashspec_core.types import Arm, Proposal
 
 ALPHA = 0.01  # significance level of every exactness test
 MIN_EXPECTED = 5.0  # cells expected to see fewer samples are pooled (the chi-square approximation)
@@ -346,3 +346,28 @@ def random_blocks(kind: str, out: int, inp: int, seed: int = 0):
         q = torch.randint(-128, 128, (out, nb, 32), generator=gen, dtype=torch.int8).view(torch.uint8)
         raw = torch.cat([d[..., None].view(torch.uint8), q], dim=-1)
     return from_gguf_rows(kind, raw.reshape(out, -1), out, inp)
+
+
+class CopyDraft:
+    """Deterministic fake draft: proposes `script[len(context):]`, i.e. it knows a fixed text.
+
+    Records every context it was asked about, so tests can check what the router showed it.
+    """
+
+    name = "ngram"
+    deterministic = True
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.calls = []
+
+    def propose(self, contexts, gamma, sampling, generator=None):
+        self.calls.append((list(contexts[0]), gamma))
+        n = len(contexts[0])
+        return Proposal([self.script[n:n + gamma]])
+
+    def begin(self, prompts):
+        pass
+
+    def end(self, prompts, outputs):
+        pass

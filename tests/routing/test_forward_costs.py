@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import pytest
+from helpers import CopyDraft
 
 from flashspec_core.routing import BanditRouter
 from flashspec_core.routing.bandits import ThompsonSampling
 from flashspec_core.routing.domain_state import ArmTally, DomainState
 from flashspec_core.routing.forward_costs import ForwardCosts
-from flashspec_core.types import NO_DRAFT, Arm, Proposal, StepRecord
+from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 
 SECONDS = {1: 0.010, 3: 0.012, 5: 0.016}
 SLOPES = {1: 5e-6, 3: 12e-6, 5: 14e-6}
@@ -60,33 +61,13 @@ def test_without_a_calibration_the_medians_of_raw_seconds_price_each_size():
     assert s.verify_estimate(3, 100) == 0.02  # the nearest size measured
 
 
-class Copy:
-    """Always right: proposes `script[len(context):][:gamma]`."""
-
-    name = "ngram"
-    deterministic = True
-
-    def __init__(self, script):
-        self.script = script
-
-    def propose(self, contexts, gamma, sampling, generator=None):
-        n = len(contexts[0])
-        return Proposal([self.script[n:n + gamma]])
-
-    def begin(self, prompts):
-        pass
-
-    def end(self, prompts, outputs):
-        pass
-
-
 @pytest.mark.parametrize("slopes, expected", [(SLOPES, 0.012 + 12e-6 * 1044), ({}, 0.012)])
 def test_a_copy_draft_is_priced_at_its_own_context(slopes, expected):
     """At 1300 cached tokens a 3-token pass costs 24.5 ms on the line, 12 ms at the calibration's
     context: priced without the slope, a copy draft never run at long contexts looked twice as
     fast as it was (the planted bug is the second case: the reward doubles)."""
     script = list(range(3000))
-    router = BanditRouter([Arm("ngram", 2)], free_drafts={"ngram": Copy(script)})
+    router = BanditRouter([Arm("ngram", 2)], free_drafts={"ngram": CopyDraft(script)})
     router.set_forward_costs(SECONDS, slopes, context=256)
     seq = script[:1300]
     for ctx in range(1300, 1303):  # plain steps, each priced on the line (ratio 1)

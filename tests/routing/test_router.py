@@ -7,38 +7,14 @@ import random
 import warnings
 
 import pytest
+from helpers import CopyDraft
 
 from flashspec_core.routing import BanditRouter, FixedRouter, RouterStore
-from flashspec_core.types import NO_DRAFT, Arm, Proposal, StepRecord
+from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 
 NONE = Arm(NO_DRAFT, 0)
 NGRAM = Arm("ngram", 4)
 MODEL = Arm("model", 4)
-
-
-class CopyDraft:
-    """Deterministic fake draft: proposes `script[len(context):]`, i.e. it knows a fixed text.
-
-    Records every context it was asked about, so tests can check what the router showed it.
-    """
-
-    name = "ngram"
-    deterministic = True
-
-    def __init__(self, script):
-        self.script = list(script)
-        self.calls = []
-
-    def propose(self, contexts, gamma, sampling, generator=None):
-        self.calls.append((list(contexts[0]), gamma))
-        n = len(contexts[0])
-        return Proposal([self.script[n:n + gamma]])
-
-    def begin(self, prompts):
-        pass
-
-    def end(self, prompts, outputs):
-        pass
 
 
 def record(domain, arm, emitted, seconds, context_len=0, sequence=()):
