@@ -18,10 +18,11 @@ Copy drafts and plain decoding are scored on every step (plain decoding: one tok
 the measured one-token pass), so the bandit is told not to explore them (`observed`): they
 compete on their mean reward, and only model drafts are explored.
 
-Deterministic drafts (prompt lookup, suffix cache) are scored after the fact on every step,
-whichever arm ran (full-information updates, copy_scoring.py). Such a step is charged what
-proposing took plus the domain's measured time of a verify pass over as many tokens, so a copy
-draft that found nothing costs what plain decoding does. A model draft's step also scores the
+Deterministic drafts (prompt lookup, suffix cache) are scored after the fact whichever arm ran,
+along the path their own steps would have taken (full-information updates, copy_scoring.py).
+Such a step is charged what proposing took plus the domain's price of a verify pass over as many
+tokens at its own context (domain_state.py, forward_costs.py), so a copy draft that found nothing
+costs what plain decoding does. A model draft's step also scores the
 same draft at every smaller γ: its first γ' proposals and their
 accept decisions are exactly what a γ' step would have drafted and decided, so the smaller arm
 would have emitted min(accepted, γ') + 1 tokens, in a γ'/γ share of the drafting time plus the
