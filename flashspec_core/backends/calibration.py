@@ -185,52 +185,46 @@ def measure(runner: Calibratable, widths: Sequence[int], key: str, vocab: int, r
     """Time each kernel of `runner` at each width after `context` cached tokens; median of `reps`.
     Then each decode width's kept kernel after `context + longer` tokens: its cost per cached
     token (0 `longer` skips it).
-
-    The context is fed once; each timed forward feeds `width` new tokens after it (the runner
-    rolls back to the shared context by itself). Kernels are interleaved per repetition, so a
-    load change on the machine hits them alike.
     """
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (context,), generator=gen).tolist()
-    samples: dict[str, dict[int, list[float]]] = {k: {w: [] for w in widths} for k in runner.kernels()}
-    runner.reset(1)
-    runner.forward_to([prefix], keep_logits=1)
-    for rep in range(reps + 1):  # the first round warms caches, allocator and oneDNN's primitives
-        for width in widths:
-            extra = torch.randint(0, vocab, (width,), generator=gen).tolist()
-            for kernel in runner.kernels():
-                runner.use_kernel(kernel)
-                start = time.perf_counter()
-                runner.forward_to([prefix + extra], keep_logits=width)
-                if rep:
-                    samples[kernel][width].append(time.perf_counter() - start)
-    seconds = {k: {w: statistics.median(v) for w, v in rows.items()} for k, rows in samples.items()}
+    seconds = _time_forwards(runner, prefix, widths, lambda w: runner.kernels(), vocab, gen, reps)
     cal = Calibration(key, cpu_model(), torch.get_num_threads(), seconds, context=context,
                       measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
     if longer > 0:
-        cal.slopes = _slopes(runner, cal, prefix, longer, vocab, gen, reps)
+        # Decode width -> extra seconds per cached token of its kept kernel (never below 0: a
+        # line through two noisy points).
+        decode = [w for w in sorted(cal.best) if w < PREFILL_WIDTH]
+        prefix += torch.randint(0, vocab, (longer,), generator=gen).tolist()
+        far = _time_forwards(runner, prefix, decode, lambda w: (cal.best[w],), vocab, gen, reps)
+        cal.slopes = {w: max(0.0, (far[cal.best[w]][w] - cal.seconds[cal.best[w]][w]) / longer) for w in decode}
     runner.reset(1)
     return cal
 
 
-def _slopes(runner: Calibratable, cal: Calibration, prefix: list[int], longer: int, vocab: int,
-            gen: torch.Generator, reps: int) -> dict[int, float]:
-    """Decode width -> extra seconds per cached token of its kept kernel, from timings `longer`
-    tokens past `cal.context` (never below 0: a line through two noisy points)."""
-    decode = [w for w in sorted(cal.best) if w < PREFILL_WIDTH]
-    prefix = prefix + torch.randint(0, vocab, (longer,), generator=gen).tolist()
+def _time_forwards(runner: Calibratable, prefix: list[int], widths: Sequence[int], kernels, vocab: int,
+                   gen: torch.Generator, reps: int) -> dict[str, dict[int, float]]:
+    """Kernel -> width -> median seconds of a forward feeding `width` random tokens after `prefix`,
+    for each kernel of `kernels(width)`.
+
+    The prefix is fed once; each timed forward feeds its tokens after it (the runner rolls back to
+    the shared prefix by itself). Kernels are interleaved per repetition, so a load change on the
+    machine hits them alike; the first round is not timed (it warms caches, allocator and
+    oneDNN's primitives).
+    """
+    samples: dict[str, dict[int, list[float]]] = {}
     runner.reset(1)
     runner.forward_to([prefix], keep_logits=1)
-    samples: dict[int, list[float]] = {w: [] for w in decode}
     for rep in range(reps + 1):
-        for width in decode:
+        for width in widths:
             extra = torch.randint(0, vocab, (width,), generator=gen).tolist()
-            runner.use_kernel(cal.best[width])
-            start = time.perf_counter()
-            runner.forward_to([prefix + extra], keep_logits=width)
-            if rep:
-                samples[width].append(time.perf_counter() - start)
-    return {w: max(0.0, (statistics.median(v) - cal.seconds[cal.best[w]][w]) / longer) for w, v in samples.items()}
+            for kernel in kernels(width):
+                runner.use_kernel(kernel)
+                start = time.perf_counter()
+                runner.forward_to([prefix + extra], keep_logits=width)
+                if rep:
+                    samples.setdefault(kernel, {}).setdefault(width, []).append(time.perf_counter() - start)
+    return {k: {w: statistics.median(v) for w, v in rows.items()} for k, rows in samples.items()}
 
 
 def calibrate(runner: Calibratable, model_key: str, backend: str, widths: Sequence[int], vocab: int,

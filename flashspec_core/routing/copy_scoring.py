@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from flashspec_core.drafts.base import DraftSource
+from flashspec_core.kv import _common_prefix
 from flashspec_core.proposals import cut_length
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import Arm, StepRecord
@@ -96,35 +97,21 @@ class CopyScorer:
         """Score each arm's steps while their tokens are verified; `final`: the request is over,
         so the step left waiting is scored against what was verified, and no new one is proposed
         (the suffix cache has been shown the request's output by then)."""
-        seq = track.sequence
-        end = len(seq)
-        out = []
+        seq, end, out = track.sequence, len(track.sequence), []
         for draft, arms in self._drafts:
-            longest: dict[int, tuple[list[int], float]] = {}  # position -> (largest-γ proposal, seconds)
-            top = max(g for _, g in arms)
+            asked: dict[int, tuple[list[int], float]] = {}  # position -> (largest-γ proposal, seconds)
             for i, gamma in arms:
-                while track.cursor[i] < end:
+                while track.cursor[i] < end and (i in track.waiting or not final):
                     pos = track.cursor[i]
                     if i not in track.waiting:
-                        if final:  # no new proposals: the drafts may have learned the request's output
-                            break
-                        if pos not in longest:
-                            start = time.perf_counter()
-                            tokens = draft.propose([list(seq[:pos])], top, _GREEDY).tokens[0]
-                            longest[pos] = ([int(t) for t in tokens], time.perf_counter() - start)
-                        tokens, seconds = longest[pos]
+                        tokens, seconds = self._ask(draft, arms, seq, pos, asked)
                         head = tokens[:gamma]  # cut as the step's runner would have cut it
                         track.waiting[i] = (head[:cut_length(len(head), track.lengths)], seconds)
                     proposal, seconds = track.waiting[i]
                     verified = seq[pos:pos + len(proposal)]
-                    matched = 0
-                    for p, v in zip(proposal, verified):
-                        if p != v:
-                            break
-                        matched += 1
-                    decided = matched < len(verified) or len(verified) == len(proposal)
-                    if not (decided or final):
-                        break
+                    matched = _common_prefix(proposal, verified)
+                    if not (final or matched < len(verified) or len(verified) == len(proposal)):
+                        break  # undecided: later steps of the request will verify more
                     emitted = matched + 1
                     if final:  # the request's last step: it never emits past the request's end
                         emitted = min(emitted, end - pos)
@@ -133,3 +120,17 @@ class CopyScorer:
                     del track.waiting[i]
                     track.cursor[i] = pos + matched + 1
         return out
+
+    @staticmethod
+    def _ask(draft: DraftSource, arms: list[tuple[int, int]], seq: Sequence[int], pos: int,
+             asked: dict[int, tuple[list[int], float]]) -> tuple[list[int], float]:
+        """The draft's proposal at its largest γ from `seq[:pos]` and what it took: one call per
+        position serves every γ (a deterministic draft's shorter proposal is the head of its longer)."""
+        if pos not in asked:
+            context = seq[:pos]
+            if not isinstance(context, list):
+                context = list(context)
+            start = time.perf_counter()
+            tokens = draft.propose([context], max(g for _, g in arms), _GREEDY).tokens[0]
+            asked[pos] = ([int(t) for t in tokens], time.perf_counter() - start)
+        return asked[pos]

@@ -79,8 +79,7 @@ class DomainState:
         if median is None:
             if not self.costs:
                 return None
-            ratio = statistics.median(self.medians.values()) if self.medians else 1.0
-            median = ratio
+            median = statistics.median(self.medians.values()) if self.medians else 1.0
         return min([median * self._model(tokens, context)] + larger)
 
     def verify_estimate(self, tokens: int, context: int | None = None) -> float | None:

@@ -10,25 +10,13 @@ decode width at two contexts (backends/calibration.py); this is the line through
 """
 from __future__ import annotations
 
-import bisect
 from typing import Mapping
+
+import numpy as np
 
 # A pass never costs less than this share of its calibrated cost, however short its context: a
 # line through two noisy points must not price a short context at nothing.
 FLOOR = 0.25
-
-
-def _interpolate(width: int, widths: list[int], values: list[float]) -> float:
-    """Piecewise-linear in width between calibrated widths, flat past either end."""
-    i = bisect.bisect_left(widths, width)
-    if i < len(widths) and widths[i] == width:
-        return values[i]
-    if i == 0:
-        return values[0]
-    if i == len(widths):
-        return values[-1]
-    w0, w1 = widths[i - 1], widths[i]
-    return values[i - 1] + (values[i] - values[i - 1]) * (width - w0) / (w1 - w0)
 
 
 class ForwardCosts:
@@ -62,12 +50,13 @@ class ForwardCosts:
 
     def at_width(self, width: int) -> float | None:
         """Seconds at the calibration's own context (None before `set`)."""
-        return _interpolate(width, self._widths, self._seconds) if self._widths else None
+        # Piecewise-linear in width between calibrated widths, flat past either end.
+        return float(np.interp(width, self._widths, self._seconds)) if self._widths else None
 
     def __call__(self, width: int, context: int | None = None) -> float | None:
         """Seconds of a `width`-token pass after `context` cached tokens (None: the calibration's)."""
         base = self.at_width(width)
         if base is None or context is None or context <= 0:
             return base
-        slope = _interpolate(width, self._widths, self._slopes)
+        slope = float(np.interp(width, self._widths, self._slopes))
         return max(FLOOR * base, base + slope * (context - self.context))
