@@ -74,7 +74,9 @@ def peer_runner(model, eos_ids, temperature: float):
     return run
 
 
-def engine_runner(engine: SpecEngine, breakdown: dict, temperature: float):
+def engine_runner(engine: SpecEngine, breakdown: dict, temperature: float, log: list | None = None):
+    """Runs one request on `engine`; adds its time split to `breakdown` and, if `log` is given, one
+    row per request (domain, arms, prefill, steps, other) to `log`."""
     calls = iter(range(1 << 30))
 
     runner = engine._target_runner
@@ -98,6 +100,11 @@ def engine_runner(engine: SpecEngine, breakdown: dict, temperature: float):
         breakdown["draft"] += sum(r.draft_seconds for r in st.records)
         breakdown["forward+verify"] += sum(r.verify_seconds for r in st.records)
         breakdown["host"] += st.host_seconds
+        if log is not None:
+            log.append({"domain": st.domain, "tokens": len(res.token_ids), "wall_ms": wall * 1e3,
+                        "prefill_ms": st.prefill_seconds * 1e3, "cached_prompt_tokens": st.cached_prompt_tokens,
+                        "prompt_tokens": st.prompt_tokens, "steps_ms": sum(r.seconds for r in st.records) * 1e3,
+                        "host_ms": st.host_seconds * 1e3, "arms": st.arms})
         return res.token_ids
     return run
 
@@ -139,6 +146,7 @@ def main() -> None:
     warm_ids, step_ids = [encode(s) for s in warm], [encode(s) for s in steps]
 
     runners, warmups, breakdowns = {}, {}, {}
+    logs: dict[str, list] = {}  # engine rows: one entry per timed request
     stock = load_model(None, device="cuda", dtype=torch.bfloat16).model
     if "hf_eager" not in skip:
         runners["hf eager"] = hf_runner(stock, tok, temp)
@@ -158,42 +166,46 @@ def main() -> None:
             target, default_drafts(target) + shipped_drafts(target) + extra, router=FixedRouter(arm),
             gammas=sorted(set(gammas) | ({arm.gamma} if arm.gamma else set()))))
         breakdowns[f"engine {arm}"] = defaultdict(float)
-        runners[f"engine {arm}"] = engine_runner(engine, breakdowns[f"engine {arm}"], temp)
+        key = f"engine {arm}"
+        runners[key] = engine_runner(engine, breakdowns[key], temp, logs.setdefault(key, []))
     router_engine, built["engine router"] = timed(lambda: SpecEngine(target, default_drafts(target),
                                                                      router="thompson", gammas=gammas))
     breakdowns["engine router"] = defaultdict(float)
-    runners["engine router"] = engine_runner(router_engine, breakdowns["engine router"], temp)
+    runners["engine router"] = engine_runner(router_engine, breakdowns["engine router"], temp,
+                                             logs.setdefault("engine router", []))
     if args.router_gammas:
         wide = tuple(int(g) for g in args.router_gammas.split(","))
         key = f"engine router γ {','.join(map(str, wide))}"
         engine, built[key] = timed(lambda: SpecEngine(target, default_drafts(target), router="thompson", gammas=wide))
         breakdowns[key] = defaultdict(float)
-        runners[key] = engine_runner(engine, breakdowns[key], temp)
+        runners[key] = engine_runner(engine, breakdowns[key], temp, logs.setdefault(key, []))
     if args.router_with_trained:  # the pool the CPU gets: copy drafts plus the shipped trained drafts
         key = "engine router +trained"
         engine, built[key] = timed(lambda: SpecEngine(target, default_drafts(target) + shipped_drafts(target),
                                                       router="thompson"))
         breakdowns[key] = defaultdict(float)
-        runners[key] = engine_runner(engine, breakdowns[key], temp)
+        runners[key] = engine_runner(engine, breakdowns[key], temp, logs.setdefault(key, []))
 
     results = {}
     for key, run in list(runners.items()):
         try:
-            results[key] = measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args)
+            results[key] = measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args, logs)
             warmups[key] += built.get(key, 0.0)
         except Exception:  # one broken configuration must not cost the others their run
             traceback.print_exc()
             print(f"{key}: FAILED, left out of the table", flush=True)
-    report(results, steps, warmups, breakdowns, Path(args.out), args)
+    report(results, steps, warmups, breakdowns, Path(args.out), args, logs)
     print("\nrouter's steps per arm and domain (warm-up and timed)")
     for domain, arms in router_engine.router_summary().items():
         print(f"  {domain:<6}" + "  ".join(f"{a} {row['pulls']}" for a, row in arms.items() if row["pulls"]))
+        print("        mean reward: " + "  ".join(f"{a} {row['mean_reward']:.3f}" for a, row in arms.items()
+                                                 if row["pulls"] or row["scored"]))
     print("router's verify cost model: median ms of a pass by tokens fed (passes kept)")
     for domain, costs in router_engine.router.verify_costs().items():
         print(f"  {domain:<6}" + "  ".join(f"{size}: {sec * 1e3:.2f} ({n})" for size, (sec, n) in costs.items()))
 
 
-def measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args) -> list[dict]:
+def measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args, logs) -> list[dict]:
     """Warm up one configuration, then time it on every step; returns one row per step."""
     # Compiled baselines specialise on shapes: warm them on the timed prompts themselves (only
     # their compile caches remember it). The engine's graphs depend on widths, not prompts: two
@@ -205,6 +217,7 @@ def measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args) -> l
             run(ids, args.max_new_tokens)
     if key in breakdowns:
         breakdowns[key].clear()
+        logs[key].clear()
     rows = []
     for step, ids in zip(steps, step_ids):
         tokens, seconds = timed(lambda: run(ids, step.max_new_tokens))
@@ -214,7 +227,7 @@ def measure(key, run, warm_ids, step_ids, steps, warmups, breakdowns, args) -> l
     return rows
 
 
-def report(results, steps, warmups, breakdowns, out: Path, args) -> None:
+def report(results, steps, warmups, breakdowns, out: Path, args, logs) -> None:
     out.mkdir(parents=True, exist_ok=True)
     domains = sorted({s.domain for s in steps})
     # "same" counts steps equal to HF eager's tokens (to the first configuration's when it is skipped).
@@ -251,7 +264,18 @@ def report(results, steps, warmups, breakdowns, out: Path, args) -> None:
               f"{b['forward+verify'] / n * 1e3:>11.2f}{b['host'] / n * 1e3:>7.2f}"
               f"{b['prefill'] / max(b['requests'], 1) * 1e3:>20.2f}{b['other'] / max(b['requests'], 1) * 1e3:>18.2f}"
               f"{int(b['captures']):>17} ({b['capture s']:.2f})")
-    (out / "results.json").write_text(json.dumps({"table": table, "breakdown": breakdowns,
+    print("\nper domain, ms per request: prefill / decode steps / other (wall less both and host); steps")
+    for key, log in logs.items():
+        parts = []
+        for d in domains:
+            rows = [r for r in log if r["domain"] == d]
+            if rows:
+                n = len(rows)
+                other = sum(r["wall_ms"] - r["prefill_ms"] - r["steps_ms"] - r["host_ms"] for r in rows) / n
+                parts.append(f"{d} {sum(r['prefill_ms'] for r in rows) / n:.1f}/{sum(r['steps_ms'] for r in rows) / n:.1f}"
+                             f"/{other:.1f}; {sum(len(r['arms']) for r in rows)}")
+        print(f"{key:<30}" + "   ".join(parts))
+    (out / "results.json").write_text(json.dumps({"table": table, "breakdown": breakdowns, "requests": logs,
                                                   "gpu": torch.cuda.get_device_name()}, indent=1))
     plot(table, domains, out / "gpu_bench.png", mode)
 
