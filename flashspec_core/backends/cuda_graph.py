@@ -7,8 +7,9 @@ from a CUDA graph the same forward costs ~3 ms (BENCHMARKS.md, "GPU"). The forwa
 replays, and, in greedy mode, the same graph takes the argmax at every position and counts the
 accepted prefix, so the host reads back one small tensor: [n_accepted, tokens...] per row.
 
-Prefill, a draft's catch-up and any step whose rows feed different widths run the same forward
-eagerly (no graph). Rolling back is moving a row's length: positions past it are never read.
+A prompt (or a draft's catch-up) wider than every decode width replays one more graph, of
+PREFILL_WIDTH, once per piece of that many tokens; a step whose rows feed different widths runs
+the same forward eagerly (no graph). Rolling back is moving a row's length: positions past it are never read.
 The last SCRATCH slots of each row are where graphs are warmed up and captured (that runs the
 forward for real), so no row ever holds a token there. On the CPU the same class runs eagerly:
 the tests exercise its cache logic against transformers without a GPU.
@@ -32,6 +33,11 @@ MAX_SAMPLED_GRAPHS = 32  # past this many, sampled steps of new (width, temperat
 PLACEHOLDER = -1  # a host record's token fed from the device and not read back yet (feed_tokens)
 SCRATCH = 32  # slots at the end of every row kept for warm-up and capture (widths <= SCRATCH)
 INITIAL_LEN = 2048
+# Prompt chunks wider than every decode width replay a graph of this width once per piece. Eagerly,
+# a prompt forward costs ~20 ms on an H200 whatever its length (launches), and ~90 ms the first
+# time its length is met (cuBLAS and attention pick kernels per shape), which is most requests of
+# an agent: each feeds a prompt of a new length past the prefix it reuses.
+PREFILL_WIDTH = 256
 
 
 def graphed_sampling(sampling: SamplingParams, vocab: int) -> bool:
@@ -50,11 +56,14 @@ class _Graph:
     """
 
     def __init__(self, static: StaticLlama, batch: int, width: int, pool,
-                 sampling: SamplingParams | None = None, one_hot: bool = True) -> None:
+                 sampling: SamplingParams | None = None, one_hot: bool = True, start: int | None = None) -> None:
+        """start: the first slot that warm-up and capture write to (no row may hold a token from
+        there to start + width); default the scratch slots."""
         dev = static.device
         self.sampling = sampling
         self.ids = torch.zeros((batch, width), dtype=torch.long, device=dev)
-        self.positions = torch.full((batch, width), static.max_len - SCRATCH, dtype=torch.long, device=dev)
+        start = static.max_len - SCRATCH if start is None else start
+        self.positions = torch.full((batch, width), start, dtype=torch.long, device=dev)
         self.positions += torch.arange(width, device=dev)
         self.drafts = torch.zeros((batch, max(width - 1, 0)), dtype=torch.long, device=dev)
         self.q = None  # [B, W - 1, V] float32: a model draft's q (sampled steps only)
@@ -136,6 +145,7 @@ class GraphedModel:
         # to that step's arm (a 0.2 s capture is a hundred 2 ms steps).
         self.warmup_seconds = 0.0
         self.widths: tuple[int, ...] = ()  # greedy steps are padded up to one of these (see warm)
+        self.prefill_width = 0  # set by warm: wider chunks replay a graph of this width per piece
         self.held: list[list[int]] = [[]]
 
     # ------------------------------------------------------------------ rows and capacity
@@ -223,15 +233,19 @@ class GraphedModel:
         graph = self._graphs.get(key)
         if graph is None:
             start = time.perf_counter()
-            graph = self._graphs[key] = _Graph(self.static, self.static.batch, width, self._pool, sampling, one_hot)
+            # Wider than the scratch slots (the prefill graph): captured past every row's end.
+            slot = None if width <= SCRATCH else max(len(h) for h in self.held)
+            graph = self._graphs[key] = _Graph(self.static, self.static.batch, width, self._pool, sampling, one_hot,
+                                               slot)
             torch.cuda.synchronize(self.device)
             self.captures += 1
             self.warmup_seconds += time.perf_counter() - start
         return graph
 
-    def warm(self, widths: Sequence[int]) -> None:
+    def warm(self, widths: Sequence[int], prefill_width: int = PREFILL_WIDTH) -> None:
         """Capture the graphs of `widths` now (the engine passes 1 and γ + 1 for each γ), and from
-        then on pad every greedy step to the smallest of them that fits.
+        then on pad every greedy step to the smallest of them that fits; and the graph of
+        `prefill_width` (0: none), which then runs every wider chunk piece by piece.
 
         Why pad: a copy draft proposes anywhere from 1 to γ tokens, so unpadded steps would need a
         graph per width, each captured (0.1-0.3 s) in the middle of some request. On a GPU a pass
@@ -247,6 +261,10 @@ class GraphedModel:
             for width in widths:
                 self._graph(width)
             self.widths = tuple(widths)
+            if widths and prefill_width > widths[-1]:
+                self._ensure(max(len(h) for h in self.held) + prefill_width)
+                self._graph(prefill_width)
+                self.prefill_width = prefill_width
 
     def _key(self, width: int, sampling: SamplingParams | None, one_hot: bool) -> tuple:
         """A graph's key: rows, width, and for a sampled step what its verification bakes in."""
@@ -298,6 +316,8 @@ class GraphedModel:
             graph_width = self._graph_width(chunks, active)
             if graph_width is not None:  # every active chunk is `width` long, left-aligned
                 logits = self._replay(chunks, graph_width).logits[:, width - keep_logits:width]
+            elif self._in_pieces(chunks, active, keep_logits):
+                return self._prefill_in_pieces(chunks, keep_logits)
             else:
                 host = self._host_inputs(chunks, width).to(self.device)
                 full = self.static(host[0], host[1])  # [B, width, V]
@@ -307,6 +327,27 @@ class GraphedModel:
             for b, chunk in enumerate(chunks):
                 self.held[b].extend(chunk)
             return logits.clone() if self.use_graphs else logits
+
+    def _in_pieces(self, chunks, active, keep_logits: int) -> bool:
+        """Whether these chunks run as replays of the prefill graph: every active row feeds the
+        same number of tokens, and the last piece holds every position whose logits are asked for."""
+        lengths = {len(c) for c, a in zip(chunks, active) if a}
+        if not self.prefill_width or len(lengths) != 1:
+            return False
+        (c,) = lengths
+        return (c - 1) % self.prefill_width + 1 >= keep_logits
+
+    def _prefill_in_pieces(self, chunks, keep_logits: int) -> torch.Tensor:
+        """Feed the chunks prefill_width tokens at a time, each piece one replay (the last one
+        padded); return [B, keep_logits, V] after the last piece."""
+        width = self.prefill_width
+        for lo in range(0, max(len(c) for c in chunks), width):
+            pieces = [c[lo:lo + width] for c in chunks]
+            graph = self._replay(pieces, width)
+            for b, piece in enumerate(pieces):
+                self.held[b].extend(piece)
+        n = max(len(piece) for piece in pieces)
+        return graph.logits[:, n - keep_logits:n].clone()
 
     @torch.inference_mode()
     def feed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,36 @@ def test_graphs_are_captured_again_after_growth_once_the_old_ones_are_collected(
     assert runner.static.max_len >= len(seq) + 32
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_chunks_wider_than_every_decode_width_replay_the_prefill_graph_piece_by_piece(model, rows):
+    """After warm(), a chunk wider than the decode widths is fed prefill_width tokens a replay,
+    the last piece padded: its logits are a fresh forward's for one piece, several, an exact
+    multiple, after prefix reuse and across cache growth. Where the last piece is shorter than
+    the logits asked for, the chunk runs eagerly, as exactly."""
+    runner = GraphedModel(model, pad_token_id=0, max_len=128)
+    runner.warm([1, 3], prefill_width=8)
+    assert runner.prefill_width == 8 and runner.captures == 3
+    replays = []
+    replay = runner._replay
+    runner._replay = lambda chunks, width, *a, **k: replays.append(width) or replay(chunks, width, *a, **k)
+    rng = random.Random(rows)
+    runner.reset(rows)
+    seqs = [[rng.randrange(VOCAB) for _ in range(2)] for _ in range(rows)]
+    runner.forward_to(seqs)
+    # (tokens each row feeds, logits kept, replays of width 8): one piece, three with a remainder,
+    # an exact multiple, a decode width, eager (a last piece of 1 < 2 kept), growth past 128 slots
+    for c, keep, pieces in ((6, 1, 1), (20, 3, 3), (16, 2, 2), (3, 3, 0), (17, 2, 0), (201, 1, 26)):
+        # The last token rolled back and replaced by another: every row feeds exactly c tokens.
+        seqs = [s[:-1] + [(s[-1] + 1) % VOCAB] + [rng.randrange(VOCAB) for _ in range(c - 1)] for s in seqs]
+        del replays[:]
+        out = runner.forward_to(seqs, keep_logits=keep)
+        assert replays.count(8) == pieces
+        for b in range(rows):
+            torch.testing.assert_close(out[b], _fresh(model, seqs[b], keep), atol=1e-4, rtol=1e-4)
+        assert [len(h) for h in runner.held] == [len(s) for s in seqs]
+    assert runner.static.max_len >= len(seqs[0]) + 32
+
+
 def test_batches_of_changing_size_reuse_their_graphs(model):
     """A server's batches change size from call to call: the cache keeps its largest row count, so
     a row count seen before replays the graphs it captured then, and results stay exact."""
@@ -123,7 +153,7 @@ def test_padded_steps_verify_as_the_reference_and_capture_nothing_new(model):
     runner = GraphedModel(model, pad_token_id=0)
     runner.warm([1, 3, 5, 9])
     captured, warmup = runner.captures, runner.warmup_seconds
-    assert captured == 4 and warmup > 0
+    assert captured == 5 and warmup > 0  # and the prefill graph
     rng = random.Random(4)
     for _ in range(40):
         ctx = [rng.randrange(VOCAB) for _ in range(rng.randint(4, 60))]
@@ -212,9 +242,9 @@ def test_engine_warms_its_widths_at_construction():
     engine = SpecEngine(target, [PromptLookupDraft()], router=FixedRouter(Arm("prompt_lookup", 4)),
                         backend="cuda-graph", gammas=(2, 4))
     runner = engine._target_runner
-    assert runner.widths == (1, 3, 5) and runner.captures == 3
-    res = engine.generate([1, 2, 3, 4, 5, 1, 2, 3], max_new_tokens=30)
-    assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 3
+    assert runner.widths == (1, 3, 5) and runner.prefill_width > 5 and runner.captures == 4
+    res = engine.generate([1, 2, 3, 4, 5, 1, 2, 3] * 40, max_new_tokens=30)  # a prompt of two pieces
+    assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 4
 
 
 def _engine(target: LoadedModel, drafts, arm) -> SpecEngine:
