@@ -59,11 +59,16 @@ def test_q_is_the_shared_sampling_function_on_the_head_and_zero_elsewhere(tiny_t
         assert all(t in HEAD and q[b, i, t] > 0 for i, t in enumerate(row))
 
 
-def test_begin_widens_the_head_with_the_prompts_tokens(tiny_target):
+def test_the_first_proposal_of_a_request_widens_the_head_with_its_prompts_tokens(tiny_target):
+    """begin only notes the prompts' tokens: a request whose router never runs the draft pays
+    nothing for its head; the request's first proposal sets it."""
     draft = make_draft(tiny_target, prompt_vocab=True)
     draft.begin([[1, 4], [9]])
+    assert draft.network.head_ids.tolist() == HEAD
+    draft.propose([[1, 4], [9]], 2, SamplingParams())
     assert draft.network.head_ids.tolist() == sorted(set(HEAD) | {1, 4, 9})
     draft.begin([[0]])
+    draft.propose([[0]], 1, SamplingParams())
     assert draft.network.head_ids.tolist() == HEAD
 
 
