@@ -28,6 +28,7 @@ class ForwardCosts:
         self._widths: list[int] = []
         self._seconds: list[float] = []
         self._slopes: list[float] = []
+        self._line: dict[int, tuple[float, float]] = {}  # width -> (seconds, slope), interpolated once
         self.context = 0
 
     def set(self, seconds: Mapping[int, float], slopes: Mapping[int, float] | None = None, context: int = 0) -> None:
@@ -43,20 +44,31 @@ class ForwardCosts:
         self._widths = sorted(seconds)
         self._seconds = [float(seconds[w]) for w in self._widths]
         self._slopes = [float(slopes.get(w, 0.0)) for w in self._widths]
+        self._line = {}
         self.context = context
 
     def __bool__(self) -> bool:
         return bool(self._widths)
 
+    def _at(self, width: int) -> tuple[float, float]:
+        """(seconds, slope) at `width`: piecewise-linear between calibrated widths, flat past either
+        end. Memoised: the router prices a few hundred passes a step, and numpy's interp on a
+        scalar costs microseconds."""
+        line = self._line.get(width)
+        if line is None:
+            line = self._line[width] = (float(np.interp(width, self._widths, self._seconds)),
+                                        float(np.interp(width, self._widths, self._slopes)))
+        return line
+
     def at_width(self, width: int) -> float | None:
         """Seconds at the calibration's own context (None before `set`)."""
-        # Piecewise-linear in width between calibrated widths, flat past either end.
-        return float(np.interp(width, self._widths, self._seconds)) if self._widths else None
+        return self._at(width)[0] if self._widths else None
 
     def __call__(self, width: int, context: int | None = None) -> float | None:
         """Seconds of a `width`-token pass after `context` cached tokens (None: the calibration's)."""
-        base = self.at_width(width)
-        if base is None or context is None or context <= 0:
+        if not self._widths:
+            return None
+        base, slope = self._at(width)
+        if context is None or context <= 0:
             return base
-        slope = float(np.interp(width, self._widths, self._slopes))
         return max(FLOOR * base, base + slope * (context - self.context))
