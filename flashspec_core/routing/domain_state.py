@@ -8,9 +8,11 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from flashspec_core.routing.bandits import Bandit
 from flashspec_core.routing.forward_costs import ForwardCosts
+from flashspec_core.routing.store import DomainStats
 
 VERIFY_SAMPLES = 63  # latest verify passes kept per size; their median prices the size
 
@@ -49,6 +51,29 @@ class DomainState:
     # One forward's seconds by width and context as calibrated on this machine (one object shared
     # by all domains): what a pass costs until this domain has measured its own.
     costs: ForwardCosts = field(default_factory=ForwardCosts)
+
+    def add_evidence(self, stats: DomainStats, names: Sequence[str], cap: float) -> None:
+        """Add counters learned elsewhere (a store, another replica) to the bandit and the tallies,
+        each arm's shrunk to at most `cap` steps (rewards and step times alike). names: the arms'
+        store keys in bandit order; arms not among them are skipped."""
+        index = {name: i for i, name in enumerate(names)}
+        k = len(names)
+        n, s, q = [0.0] * k, [0.0] * k, [0.0] * k
+        for arm_name, d in stats.arms.items():
+            i = index.get(arm_name)
+            if i is None or d.reward_n <= 0:
+                continue
+            shrink = min(1.0, cap / d.reward_n)
+            n[i], s[i], q[i] = d.reward_n * shrink, d.reward_sum * shrink, d.reward_sumsq * shrink
+            timed = min(float(d.pulls), cap)  # the step-time mean, shrunk alike
+            t = self.tallies[i]
+            t.pulls += d.pulls
+            t.scored += d.scored
+            t.goodput_sum += d.goodput_sum
+            t.seconds_sum += d.seconds_sum
+            t.cost_n += timed
+            t.cost_sum += d.seconds_sum * timed / d.pulls if d.pulls else 0.0
+        self.bandit.add_prior(n, s, q)
 
     def _model(self, tokens: int, context: int | None) -> float:
         return self.costs(tokens, context) or 1.0

@@ -32,9 +32,7 @@ measured time of verifying γ' + 1 tokens. Only finished steps are used, never t
 """
 from __future__ import annotations
 
-import sqlite3
 import threading
-import warnings
 import zlib
 from typing import Any, Mapping, Sequence
 
@@ -44,15 +42,13 @@ from flashspec_core.routing.copy_scoring import CopyScorer
 from flashspec_core.routing.domain_state import ArmTally, DomainState
 from flashspec_core.routing.forward_costs import ForwardCosts
 from flashspec_core.routing.store import ArmDelta, DomainStats, RouterStore
+from flashspec_core.routing.store_writer import StoreWriter
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord, check_record
 
 # Evidence half-life of ~140 steps within a domain: on the switching simulation (benchmarks/
 # bandit_sim.py) 0.995 lost less than 0.98 or 0.99 (more exploration) and no more than 0.998.
 DEFAULT_DISCOUNT = 0.995
 ALGORITHMS = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted")
-# Updates queued in memory before the store is written (and at every request's end): one SQLite
-# transaction per step cost about a tenth of a CPU decode step.
-FLUSH_EVERY = 64
 
 
 class BanditRouter:
@@ -137,9 +133,7 @@ class BanditRouter:
         self._expected: dict[int, float] = {}  # arm -> prior mean reward (set_expected_goodput)
         self._retired: frozenset[int] = frozenset()  # arms not offered (set_expected_goodput)
         self._lock = threading.Lock()
-        self._store_failed = False
-        self._unsaved: dict[str, tuple[int, dict[str, ArmDelta], float | None]] = {}  # see _persist
-        self._unsaved_updates = 0
+        self._writes = StoreWriter(store)
         if store is not None:
             self._load(store)
 
@@ -175,30 +169,8 @@ class BanditRouter:
                 self._new_bandit(domain), [ArmTally() for _ in self.arms], stats.steps, stats.scale,
                 costs=self._costs,
             )
-            self._add_evidence(state, stats, self._cap())
+            state.add_evidence(stats, self._names, self._cap())
             state.bandit.steps = min(max(state.bandit.steps, float(stats.steps)), self._cap())
-
-    def _add_evidence(self, state: DomainState, stats: DomainStats, cap: float) -> None:
-        """Add stored counters to a domain's bandit and tallies, each arm's shrunk to at most `cap`
-        steps (rewards and step times alike); arms this router was not configured with are skipped."""
-        names = {str(a): i for i, a in enumerate(self.arms)}
-        k = len(self.arms)
-        n, s, q = [0.0] * k, [0.0] * k, [0.0] * k
-        for arm_name, d in stats.arms.items():
-            i = names.get(arm_name)
-            if i is None or d.reward_n <= 0:
-                continue
-            shrink = min(1.0, cap / d.reward_n)
-            n[i], s[i], q[i] = d.reward_n * shrink, d.reward_sum * shrink, d.reward_sumsq * shrink
-            timed = min(float(d.pulls), cap)  # the step-time mean, shrunk alike
-            t = state.tallies[i]
-            t.pulls += d.pulls
-            t.scored += d.scored
-            t.goodput_sum += d.goodput_sum
-            t.seconds_sum += d.seconds_sum
-            t.cost_n += timed
-            t.cost_sum += d.seconds_sum * timed / d.pulls if d.pulls else 0.0
-        state.bandit.add_prior(n, s, q)
 
     def absorb(self, increments: Mapping[str, DomainStats]) -> None:
         """Learn from steps other processes took: `increments` are what they added to a shared
@@ -213,7 +185,7 @@ class BanditRouter:
                 if not isinstance(stats, DomainStats):
                     raise ValueError(f"increments[{domain!r}] must be a DomainStats, got {type(stats).__name__}")
                 state = self._domain(domain)
-                self._add_evidence(state, stats, float("inf"))
+                state.add_evidence(stats, self._names, float("inf"))
                 state.steps += stats.steps
                 if state.verify_seconds(1) is None and stats.scale:
                     state.stored_scale = stats.scale
@@ -412,7 +384,7 @@ class BanditRouter:
         for rewards in rounds:
             if rewards:
                 state.bandit.update_many(rewards)
-        if self.store is not None and not self._store_failed:  # the increments only a store needs
+        if self._writes.active:  # the increments only a store needs
             deltas: dict[str, ArmDelta] = {}
             if ran is not None:
                 deltas[self._names[ran]] = ArmDelta(pulls=1, goodput_sum=goodput, seconds_sum=seconds)
@@ -425,40 +397,12 @@ class BanditRouter:
                     d.reward_sum += r
                     d.reward_sumsq += r * r
             if deltas:
-                self._persist(domain, deltas, scale)
-
-    def _persist(self, domain: str, deltas: dict[str, ArmDelta], scale: float | None) -> None:
-        """Queue one update for the store; written by `flush` (every FLUSH_EVERY updates and at
-        the end of each request), so a decode step never waits on a disk transaction."""
-        steps, queued, _ = self._unsaved.get(domain, (0, {}, None))
-        for arm, d in deltas.items():
-            queued.setdefault(arm, ArmDelta()).add(d)
-        self._unsaved[domain] = (steps + 1, queued, scale)
-        self._unsaved_updates += 1
-        if self._unsaved_updates >= FLUSH_EVERY:
-            self._flush_locked()
+                self._writes.add(domain, deltas, scale)  # written in batches (store_writer.py)
 
     def flush(self) -> None:
         """Write queued statistics to the store (the engine calls this when a request ends)."""
         with self._lock:
-            self._flush_locked()
-
-    def _flush_locked(self) -> None:
-        pending, self._unsaved, self._unsaved_updates = self._unsaved, {}, 0
-        if self.store is None or self._store_failed:
-            return
-        for domain, (steps, deltas, scale) in pending.items():
-            try:
-                self.store.record(domain, deltas, steps=steps, scale=scale)
-            except sqlite3.Error as exc:
-                # Routing must never stop generation: keep learning in memory, say so once.
-                self._store_failed = True
-                warnings.warn(
-                    f"router store write failed ({exc}); statistics stay in memory from now on",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                return
+            self._writes.flush()
 
     def verify_costs(self) -> dict[str, dict[int, tuple[float, int]]]:
         """Per domain, tokens fed -> (the seconds a verify pass is priced at, passes kept): the
