@@ -7,7 +7,7 @@ when installed; this engine on the CUDA-graph backend with each fixed arm and wi
 is timed; warm-up (compile, capture) time is reported apart. Greedy outputs are compared with
 HF eager: in bf16 kernels of different shapes can break near-ties either way, and the table says
 how many steps matched. `--temperature T` samples at T instead (every configuration: HF with
-top_k=0, the peer's SamplingConfig, this engine's SamplingParams seeded per step); sampled outputs
+top_k=0, the peer's SamplingConfig, this engine's SamplingParams seeded by the prompt); sampled outputs
 are not compared, and only the lengths differ in what is timed.
 
     python benchmarks/gpu_bench.py --steps 12 --warmup 12 --max-new-tokens 128 --out bench_out/gpu
@@ -22,6 +22,7 @@ import importlib.util
 import json
 import time
 import traceback
+import zlib
 from collections import defaultdict
 from pathlib import Path
 
@@ -77,12 +78,15 @@ def peer_runner(model, eos_ids, temperature: float):
 def engine_runner(engine: SpecEngine, breakdown: dict, temperature: float, log: list | None = None):
     """Runs one request on `engine`; adds its time split to `breakdown` and, if `log` is given, one
     row per request (domain, arms, prefill, steps, other) to `log`."""
-    calls = iter(range(1 << 30))
 
     runner = engine._target_runner
 
     def run(ids: list[int], max_new: int) -> list[int]:
-        sampling = SamplingParams(temperature=temperature, seed=next(calls)) if temperature else None
+        # Seeded by the prompt, not by the call count: the router's engine runs more warm-up
+        # requests than a fixed arm's, and a count would give its timed steps other random numbers
+        # (other text, other lengths) than the fixed arms' on the same prompts.
+        seed = zlib.crc32(str(ids).encode())
+        sampling = SamplingParams(temperature=temperature, seed=seed) if temperature else None
         captures, warm = runner.captures, runner.warmup_seconds
         start = time.perf_counter()
         res = engine.generate(ids, max_new_tokens=max_new, sampling=sampling)
