@@ -9,7 +9,8 @@ accepted prefix, so the host reads back one small tensor: [n_accepted, tokens...
 
 A prompt (or a draft's catch-up) wider than every decode width replays one more graph, of
 PREFILL_WIDTH, once per piece of that many tokens; a step whose rows feed different widths runs
-the same forward eagerly (no graph). Rolling back is moving a row's length: positions past it are never read.
+the same forward eagerly (no graph). Rolling back is moving a row's length: positions past it
+are never read.
 The last SCRATCH slots of each row are where graphs are warmed up and captured (that runs the
 forward for real), so no row ever holds a token there. On the CPU the same class runs eagerly:
 the tests exercise its cache logic against transformers without a GPU.
@@ -22,11 +23,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from flashspec_core.backends.graph_step import GraphStep
 from flashspec_core.backends.static_llama import StaticLlama
 from flashspec_core.kv import _common_prefix
 from flashspec_core.models import vocab_size
 from flashspec_core.sampling import SamplingParams
-from flashspec_core.verify.reference import PAD
 
 MAX_SAMPLED_ROWS = 256  # rows the Triton kernel's workspace holds from the start (verify/triton.py)
 MAX_SAMPLED_GRAPHS = 32  # past this many, sampled steps of new (width, temperature) run eagerly
@@ -44,76 +45,6 @@ def graphed_sampling(sampling: SamplingParams, vocab: int) -> bool:
     """Whether a sampled step can verify inside the graph: the Triton kernel takes temperature,
     not top-k / top-p (those need a sort per row; they run eagerly through `verify`)."""
     return not sampling.greedy and not 0 < sampling.top_k < vocab and sampling.top_p >= 1.0
-
-
-class _Graph:
-    """One captured forward plus verification at a fixed batch and width.
-
-    sampling None: greedy, verified with torch ops in the graph (padded columns allowed, see
-    `GraphedModel.warm`). Otherwise a sampled step at that temperature, verified by the Triton
-    kernel in the graph from the draft's q (`one_hot`: a copy draft, no q) and a seed copied in
-    before each replay; its width is exactly γ + 1 (a padded draft slot would be a token to test).
-    """
-
-    def __init__(self, static: StaticLlama, batch: int, width: int, pool,
-                 sampling: SamplingParams | None = None, one_hot: bool = True, start: int | None = None) -> None:
-        """start: the first slot that warm-up and capture write to (no row may hold a token from
-        there to start + width); default the scratch slots."""
-        dev = static.device
-        self.sampling = sampling
-        self.ids = torch.zeros((batch, width), dtype=torch.long, device=dev)
-        start = static.max_len - SCRATCH if start is None else start
-        self.positions = torch.full((batch, width), start, dtype=torch.long, device=dev)
-        self.positions += torch.arange(width, device=dev)
-        self.drafts = torch.zeros((batch, max(width - 1, 0)), dtype=torch.long, device=dev)
-        self.q = None  # [B, W - 1, V] float32: a model draft's q (sampled steps only)
-        if sampling is not None and not one_hot and width > 1:
-            self.q = torch.zeros((batch, width - 1, vocab_size(static.model)), dtype=torch.float32, device=dev)
-        self.seed = torch.zeros(1, dtype=torch.long, device=dev)  # the kernel's Philox seed
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: cuBLAS handles, SDPA's kernel choice, the allocator, Triton
-                self._body(static)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits, self.result = self._body(static)
-
-    def _body(self, static: StaticLlama) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [B, W, V] and result [B, 1 + W]: n_accepted (-1 for NaN/+inf logits), then the
-        accepted tokens and the recovered or bonus token, PAD after."""
-        logits = static(self.ids, self.positions)
-        if self.sampling is not None:
-            from flashspec_core.verify.triton import verify_triton
-
-            n_acc, tokens = verify_triton(logits, self.drafts, self.q, self.sampling, seed=self.seed,
-                                          check_finite=False)  # poisoned rows: n_acc = -1
-            return logits, torch.cat([n_acc[:, None], tokens], dim=1)
-        target = logits.argmax(-1)  # [B, W]
-        width = target.shape[1]
-        n_acc = (self.drafts == target[:, :-1]).long().cumprod(-1).sum(-1)  # [B]
-        bad = (logits.isnan() | (logits == float("inf"))).flatten(1).any(-1)  # [B]
-        steps = torch.arange(width, device=target.device)
-        tokens = target.masked_fill(steps[None, :] > n_acc[:, None], PAD)
-        return logits, torch.cat([torch.where(bad, -1, n_acc)[:, None], tokens], dim=1)
-
-    def replay(self, host: torch.Tensor, q: torch.Tensor | None = None, seed: torch.Tensor | None = None,
-               first: torch.Tensor | None = None) -> None:
-        """host: [3, B, W] pinned long: ids, positions, drafts (padded to W). q: [B, W - 1, V] on
-        the device (a sampled model draft's); seed: [1] int64 on the device (sampled steps);
-        first: [B] long on the device, the ids of column 0 (a draft's own last token, unread)."""
-        width = self.ids.shape[1]
-        self.ids.copy_(host[0], non_blocking=True)
-        if first is not None:
-            self.ids[:, 0].copy_(first)
-        self.positions.copy_(host[1], non_blocking=True)
-        self.drafts.copy_(host[2, :, : width - 1], non_blocking=True)
-        if self.q is not None:
-            self.q.copy_(q)
-        if seed is not None:
-            self.seed.copy_(seed)
-        self.graph.replay()
 
 
 class GraphedModel:
@@ -136,7 +67,7 @@ class GraphedModel:
         self.device = self.static.device
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("graphs=True needs the model on a CUDA device")
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._graphs: dict[tuple[int, int], GraphStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._lock = threading.Lock()  # one replay at a time: graphs share buffers and the cache
         self.captures = 0  # how many graphs were captured (warm-up cost, reported by benchmarks)
@@ -223,7 +154,7 @@ class GraphedModel:
 
     # ------------------------------------------------------------------ forwards
 
-    def _graph(self, width: int, sampling: SamplingParams | None = None, one_hot: bool = True) -> _Graph:
+    def _graph(self, width: int, sampling: SamplingParams | None = None, one_hot: bool = True) -> GraphStep:
         head = self.model.get_output_embeddings().weight
         weights = (head.data_ptr(), tuple(head.shape))
         if weights != getattr(self, "_weights", None):  # a trained draft swapped its head rows
@@ -233,10 +164,10 @@ class GraphedModel:
         graph = self._graphs.get(key)
         if graph is None:
             start = time.perf_counter()
-            # Wider than the scratch slots (the prefill graph): captured past every row's end.
-            slot = None if width <= SCRATCH else max(len(h) for h in self.held)
-            graph = self._graphs[key] = _Graph(self.static, self.static.batch, width, self._pool, sampling, one_hot,
-                                               slot)
+            # In the scratch slots; wider (the prefill graph), past every row's end.
+            slot = self.static.max_len - SCRATCH if width <= SCRATCH else max(len(h) for h in self.held)
+            graph = self._graphs[key] = GraphStep(self.static, self.static.batch, width, self._pool, slot, sampling,
+                                                  one_hot)
             torch.cuda.synchronize(self.device)
             self.captures += 1
             self.warmup_seconds += time.perf_counter() - start
@@ -296,9 +227,9 @@ class GraphedModel:
 
     def _replay(self, chunks, graph_width: int, drafts=None, sampling: SamplingParams | None = None,
                 draft_probs: torch.Tensor | None = None, seed: torch.Tensor | None = None,
-                first: torch.Tensor | None = None) -> _Graph:
+                first: torch.Tensor | None = None) -> GraphStep:
         """Replay the graph of `graph_width` (and of `sampling`, for a sampled step) on these
-        chunks; the other arguments go to `_Graph.replay`."""
+        chunks; the other arguments go to `GraphStep.replay`."""
         self._ensure(max(len(h) for h in self.held) + graph_width)  # padded columns need slots too
         graph = self._graph(graph_width, sampling, one_hot=draft_probs is None)
         graph.replay(self._host_inputs(chunks, graph_width, drafts), draft_probs, seed, first)

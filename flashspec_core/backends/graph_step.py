@@ -1,0 +1,83 @@
+"""One CUDA graph of the target: a captured forward plus verification at a fixed batch and width.
+
+`GraphedModel` (cuda_graph.py) keeps one per (rows, width[, temperature, q kind]) and replays it
+each step: the host copies ids, positions and drafts into its input buffers and reads back one
+small tensor per row.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashspec_core.backends.static_llama import StaticLlama
+from flashspec_core.models import vocab_size
+from flashspec_core.sampling import SamplingParams
+from flashspec_core.verify.reference import PAD
+
+
+class GraphStep:
+    """One captured forward plus verification at a fixed batch and width.
+
+    sampling None: greedy, verified with torch ops in the graph (padded columns allowed, see
+    `GraphedModel.warm`). Otherwise a sampled step at that temperature, verified by the Triton
+    kernel in the graph from the draft's q (`one_hot`: a copy draft, no q) and a seed copied in
+    before each replay; its width is exactly γ + 1 (a padded draft slot would be a token to test).
+    """
+
+    def __init__(self, static: StaticLlama, batch: int, width: int, pool, start: int,
+                 sampling: SamplingParams | None = None, one_hot: bool = True) -> None:
+        """start: the first slot that warm-up and capture write to (they run the forward for
+        real): no row may hold a token from there to start + width."""
+        dev = static.device
+        self.sampling = sampling
+        self.ids = torch.zeros((batch, width), dtype=torch.long, device=dev)
+        self.positions = torch.full((batch, width), start, dtype=torch.long, device=dev)
+        self.positions += torch.arange(width, device=dev)
+        self.drafts = torch.zeros((batch, max(width - 1, 0)), dtype=torch.long, device=dev)
+        self.q = None  # [B, W - 1, V] float32: a model draft's q (sampled steps only)
+        if sampling is not None and not one_hot and width > 1:
+            self.q = torch.zeros((batch, width - 1, vocab_size(static.model)), dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(1, dtype=torch.long, device=dev)  # the kernel's Philox seed
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: cuBLAS handles, SDPA's kernel choice, the allocator, Triton
+                self._body(static)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits, self.result = self._body(static)
+
+    def _body(self, static: StaticLlama) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, W, V] and result [B, 1 + W]: n_accepted (-1 for NaN/+inf logits), then the
+        accepted tokens and the recovered or bonus token, PAD after."""
+        logits = static(self.ids, self.positions)
+        if self.sampling is not None:
+            from flashspec_core.verify.triton import verify_triton
+
+            n_acc, tokens = verify_triton(logits, self.drafts, self.q, self.sampling, seed=self.seed,
+                                          check_finite=False)  # poisoned rows: n_acc = -1
+            return logits, torch.cat([n_acc[:, None], tokens], dim=1)
+        target = logits.argmax(-1)  # [B, W]
+        width = target.shape[1]
+        n_acc = (self.drafts == target[:, :-1]).long().cumprod(-1).sum(-1)  # [B]
+        bad = (logits.isnan() | (logits == float("inf"))).flatten(1).any(-1)  # [B]
+        steps = torch.arange(width, device=target.device)
+        tokens = target.masked_fill(steps[None, :] > n_acc[:, None], PAD)
+        return logits, torch.cat([torch.where(bad, -1, n_acc)[:, None], tokens], dim=1)
+
+    def replay(self, host: torch.Tensor, q: torch.Tensor | None = None, seed: torch.Tensor | None = None,
+               first: torch.Tensor | None = None) -> None:
+        """host: [3, B, W] pinned long: ids, positions, drafts (padded to W). q: [B, W - 1, V] on
+        the device (a sampled model draft's); seed: [1] int64 on the device (sampled steps);
+        first: [B] long on the device, the ids of column 0 (a draft's own last token, unread)."""
+        width = self.ids.shape[1]
+        self.ids.copy_(host[0], non_blocking=True)
+        if first is not None:
+            self.ids[:, 0].copy_(first)
+        self.positions.copy_(host[1], non_blocking=True)
+        self.drafts.copy_(host[2, :, : width - 1], non_blocking=True)
+        if self.q is not None:
+            self.q.copy_(q)
+        if seed is not None:
+            self.seed.copy_(seed)
+        self.graph.replay()
