@@ -63,8 +63,12 @@ class LlamaCppGreedy:
         runner.load_cpu_backends()  # the same CPU kernels the engine's runner loads
         draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup) if prompt_lookup else None
         threads = torch.get_num_threads()
+        # With a draft model llama-cpp-python keeps every position's logits (its `_logits_all`), but
+        # sizes that buffer from the `logits_all` argument: left False, a prompt past n_batch (512)
+        # tokens failed with "could not broadcast input array" (0.3.36). Asked for, it holds n_ctx rows.
         self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=one_token_threads or threads,
-                         n_threads_batch=threads, flash_attn=True, verbose=False, draft_model=draft)
+                         n_threads_batch=threads, flash_attn=True, verbose=False, draft_model=draft,
+                         logits_all=draft is not None)
         self.eos_ids = frozenset(eos_ids)
 
     def __call__(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], float]:

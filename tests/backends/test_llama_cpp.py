@@ -102,3 +102,19 @@ def test_sampling_follows_llama_cpps_distributions(default_target, runner):
         for t2, q2 in zip(top2.indices.tolist(), torch.softmax(top2.values / 1.5, -1).tolist()):
             law[(t1, t2)] = q1 * q2
     assert g_test(counts, law) > 0.01
+
+
+def test_the_baselines_own_prompt_lookup_runs_past_n_batch_tokens(default_target):
+    """llama-cpp-python's prompt lookup (the benchmarks' baseline) keeps every position's logits
+    but sizes that buffer from `logits_all`; without asking for it a prompt past n_batch (512)
+    tokens failed ("could not broadcast input array", 0.3.36). Its first token comes from the
+    prompt's forward, as plain decoding's does."""
+    from test_greedy_default import PROMPTS
+
+    messages = [dict(m, content=m["content"] * 5) if m["role"] == "user" else m for m in PROMPTS["rag"]]
+    ids = encode_prompt(default_target.tokenizer, messages, vocab_size(default_target.model))
+    assert len(ids) > 512
+    eos = [default_target.tokenizer.eos_token_id]
+    plain, _ = LlamaCppGreedy(default_gguf_path(), eos, n_ctx=2048)(ids, 16)
+    looked_up, _ = LlamaCppGreedy(default_gguf_path(), eos, n_ctx=2048, prompt_lookup=4)(ids, 16)
+    assert looked_up and looked_up[0] == plain[0]
