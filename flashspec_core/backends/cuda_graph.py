@@ -51,8 +51,9 @@ class GraphedModel:
     """The `kv.CachedModel` contract on a static cache, with graphs on CUDA.
 
     model: a Llama-family HF model (`static_llama.supports`). graphs: capture CUDA graphs (default:
-    when the model is on CUDA). fuse: the fewer-kernel forward (default: with graphs). Capture happens at the first step of each (batch, width) and again
-    after the cache grows (`max_len` doubles when a request needs more).
+    when the model is on CUDA). fuse: the fewer-kernel forward (default: with graphs). Capture
+    happens at the first step of each (batch, width) and again after the cache grows (`max_len`
+    doubles when a request needs more).
     """
 
     def __init__(self, model, pad_token_id: int, max_len: int = INITIAL_LEN, graphs: bool | None = None,
@@ -248,7 +249,7 @@ class GraphedModel:
             if graph_width is not None:  # every active chunk is `width` long, left-aligned
                 logits = self._replay(chunks, graph_width).logits[:, width - keep_logits:width]
             elif self._in_pieces(chunks, active, keep_logits):
-                return self._prefill_in_pieces(chunks, keep_logits)
+                return self._prefill_in_pieces(chunks, active, keep_logits)
             else:
                 host = self._host_inputs(chunks, width).to(self.device)
                 full = self.static(host[0], host[1])  # [B, width, V]
@@ -260,25 +261,31 @@ class GraphedModel:
             return logits.clone() if self.use_graphs else logits
 
     def _in_pieces(self, chunks, active, keep_logits: int) -> bool:
-        """Whether these chunks run as replays of the prefill graph: every active row feeds the
-        same number of tokens, and the last piece holds every position whose logits are asked for."""
-        lengths = {len(c) for c, a in zip(chunks, active) if a}
-        if not self.prefill_width or len(lengths) != 1:
+        """Whether these chunks run as replays of the prefill graph: there is one, and each active
+        row's last piece holds every position whose logits are asked for. Rows may feed different
+        lengths (a server's batch of prompts): a shorter row's later pieces feed only padding."""
+        if not self.prefill_width:
             return False
-        (c,) = lengths
-        return (c - 1) % self.prefill_width + 1 >= keep_logits
+        return all((len(c) - 1) % self.prefill_width + 1 >= keep_logits for c, a in zip(chunks, active) if a)
 
-    def _prefill_in_pieces(self, chunks, keep_logits: int) -> torch.Tensor:
-        """Feed the chunks prefill_width tokens at a time, each piece one replay (the last one
-        padded); return [B, keep_logits, V] after the last piece."""
+    def _prefill_in_pieces(self, chunks, active, keep_logits: int) -> torch.Tensor:
+        """Feed the chunks prefill_width tokens at a time, each piece one replay (padded where a
+        row's piece is short or empty); return [B, keep_logits, V], each active row's logits taken
+        from the replay of its own last piece (inactive rows: zeros)."""
         width = self.prefill_width
+        rows: dict[int, torch.Tensor] = {}
         for lo in range(0, max(len(c) for c in chunks), width):
             pieces = [c[lo:lo + width] for c in chunks]
             graph = self._replay(pieces, width)
             for b, piece in enumerate(pieces):
                 self.held[b].extend(piece)
-        n = max(len(piece) for piece in pieces)
-        return graph.logits[:, n - keep_logits:n].clone()
+                if active[b] and lo < len(chunks[b]) <= lo + width:  # row b ends in this piece
+                    rows[b] = graph.logits[b, len(piece) - keep_logits:len(piece)].clone()  # before the next replay
+        out = torch.zeros((len(chunks), keep_logits, graph.logits.shape[-1]), dtype=graph.logits.dtype,
+                          device=graph.logits.device)
+        for b, logits in rows.items():
+            out[b] = logits
+        return out
 
     @torch.inference_mode()
     def feed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:

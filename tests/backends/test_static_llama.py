@@ -10,6 +10,7 @@ On a GPU the same runner replays graphs (tests/gpu/).
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,6 +115,48 @@ def test_tokens_fed_from_the_device_extend_each_row_and_settle(torch_one_thread)
     assert runner.prefix_len(0, seqs[0]) == len(seqs[0]) and runner.static.max_len > 40
     out = runner.forward_to([s + [9] for s in seqs], keep_logits=1)  # feeds only the new token
     torch.testing.assert_close(out[1], _fresh(model, seqs[1] + [9], 1), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_prompts_fed_in_pieces_give_each_row_its_own_logits(torch_one_thread, keep):
+    """The bookkeeping of a GPU runner's prefill graph (`_prefill_in_pieces`), with each replay
+    stood in for by the same forward run eagerly on the CPU: rows of a batch feed different
+    lengths (one piece, several, an exact multiple, a short row, an inactive one), each active
+    row's logits come from the piece it ends in and equal a fresh forward, and each row holds
+    exactly its sequence afterwards. The graphs themselves: tests/gpu/test_cuda_graph.py."""
+    model = MODELS["llama"]()
+    runner = GraphedModel(model, pad_token_id=0, max_len=40, graphs=False)
+    widths = []
+
+    def replay(chunks, width):  # what a graph replay computes: ids and positions padded to width
+        widths.append(width)
+        runner._ensure(max(len(h) for h in runner.held) + width)
+        host = runner._host_inputs(chunks, width)
+        return SimpleNamespace(logits=runner.static(host[0], host[1]))
+
+    runner._replay, runner.prefill_width = replay, 8
+    rng = random.Random(keep)
+    runner.reset(4)
+    seqs = [[rng.randrange(VOCAB) for _ in range(n)] for n in (21, 16, 4, 9)]
+    active = [True, True, True, False]
+    out = runner.forward_to(seqs, active, keep_logits=keep)
+    assert widths == [8, 8, 8]  # the longest row's 21 tokens: 8 + 8 + 5
+    for b in range(3):
+        torch.testing.assert_close(out[b], _fresh(model, seqs[b], keep), atol=1e-4, rtol=1e-4)
+    assert [len(h) for h in runner.held] == [21, 16, 4, 0]
+    seqs = [s + [rng.randrange(VOCAB) for _ in range(n)] for s, n in zip(seqs, (30, 3, 12, 11))]
+    widths.clear()
+    out = runner.forward_to(seqs, [True] * 4, keep_logits=keep)  # prefix reuse, then growth past 40 slots
+    assert widths == [8, 8, 8, 8]  # 30 more tokens on the longest row
+    for b in range(4):
+        torch.testing.assert_close(out[b], _fresh(model, seqs[b], keep), atol=1e-4, rtol=1e-4)
+    assert [h == s for h, s in zip(runner.held, seqs)] == [True] * 4 and runner.static.max_len > 40
+    runner.reset(2)  # a row whose last piece is shorter than the logits asked for: eagerly
+    widths.clear()
+    seqs = [[1] * 9, [2] * 3]
+    out = runner.forward_to(seqs, keep_logits=3)
+    assert widths == []
+    torch.testing.assert_close(out[0], _fresh(model, seqs[0], 3), atol=1e-4, rtol=1e-4)
 
 
 def test_unsupported_models_are_refused_with_the_reason():
