@@ -7,10 +7,10 @@ from a CUDA graph the same forward costs ~3 ms (BENCHMARKS.md, "GPU"). The forwa
 replays, and, in greedy mode, the same graph takes the argmax at every position and counts the
 accepted prefix, so the host reads back one small tensor: [n_accepted, tokens...] per row.
 
-A prompt (or a draft's catch-up) wider than every decode width replays one more graph, of
-PREFILL_WIDTH, once per piece of that many tokens; a step whose rows feed different widths runs
-the same forward eagerly (no graph). Rolling back is moving a row's length: positions past it
-are never read.
+A prompt (or a draft's catch-up, or rows feeding different widths) that no decode graph holds
+replays one more graph, of PREFILL_WIDTH, once per piece of that many tokens; the rest (a row
+whose last piece is shorter than the logits asked for) runs the same forward eagerly. Rolling
+back is moving a row's length: positions past it are never read.
 The last SCRATCH slots of each row are where graphs are warmed up and captured (that runs the
 forward for real), so no row ever holds a token there. On the CPU the same class runs eagerly:
 the tests exercise its cache logic against transformers without a GPU.
