@@ -272,19 +272,16 @@ class GraphedModel:
         """Feed the chunks prefill_width tokens at a time, each piece one replay (padded where a
         row's piece is short or empty); return [B, keep_logits, V], each active row's logits taken
         from the replay of its own last piece (inactive rows: zeros)."""
-        width = self.prefill_width
-        rows: dict[int, torch.Tensor] = {}
+        width, out = self.prefill_width, None
         for lo in range(0, max(len(c) for c in chunks), width):
             pieces = [c[lo:lo + width] for c in chunks]
             graph = self._replay(pieces, width)
+            if out is None:
+                out = graph.logits.new_zeros((len(chunks), keep_logits, graph.logits.shape[-1]))
             for b, piece in enumerate(pieces):
                 self.held[b].extend(piece)
-                if active[b] and lo < len(chunks[b]) <= lo + width:  # row b ends in this piece
-                    rows[b] = graph.logits[b, len(piece) - keep_logits:len(piece)].clone()  # before the next replay
-        out = torch.zeros((len(chunks), keep_logits, graph.logits.shape[-1]), dtype=graph.logits.dtype,
-                          device=graph.logits.device)
-        for b, logits in rows.items():
-            out[b] = logits
+                if active[b] and lo < len(chunks[b]) <= lo + width:  # row b ends here: copied before the next replay
+                    out[b] = graph.logits[b, len(piece) - keep_logits:len(piece)]
         return out
 
     @torch.inference_mode()
