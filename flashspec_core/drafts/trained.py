@@ -19,6 +19,8 @@ from transformers import PreTrainedModel
 from flashspec_core.distill.model import DraftNetwork, IncompatibleDraft, load_draft
 from flashspec_core.drafts.model import ModelDraft
 from flashspec_core.models import LoadedModel
+from flashspec_core.sampling import SamplingParams
+from flashspec_core.types import Proposal
 
 WEIGHTS_DIR = Path(__file__).with_name("weights")
 
@@ -69,7 +71,8 @@ class TrainedDraft(ModelDraft):
         self._head_pending = True
         super().begin(prompts)
 
-    def propose(self, *args, **kwargs):
+    def propose(self, contexts: Sequence[Sequence[int]], gamma: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> Proposal:
         """ModelDraft.propose, once this request's head is set (see `begin`)."""
         if self._head_pending:
             net = self.network
@@ -77,7 +80,7 @@ class TrainedDraft(ModelDraft):
             if not torch.equal(head, net.head_ids):
                 net.set_head(head)
             self._head_pending = False
-        return super().propose(*args, **kwargs)
+        return super().propose(contexts, gamma, sampling, generator)
 
 
 def card_accepted_lengths(card: Path) -> dict[int, float]:
