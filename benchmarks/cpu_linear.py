@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from flashspec_core.cpu_linear import use_packed_linear
+from flashspec_core.backends.cpu_linear import use_packed_linear
 from flashspec_core.models import load_model
 
 TOKENS = (1, 2, 3, 5, 9, 17)

@@ -1,4 +1,4 @@
-"""The CPU target runners side by side: transformers' DynamicCache (`kv.CachedModel`) against the
+"""The CPU target runners side by side: transformers' DynamicCache (`backends.hf.CachedModel`) against the
 static cache over live slots (`backends/cpu_static.py`), and HF `generate` as the reference.
 
 Measures, for the default model in one process: ms per decoded token after contexts of each
@@ -22,7 +22,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from flashspec_core.backends.calibration import machine_line
 from flashspec_core.backends.cpu_static import StaticCachedModel
 from flashspec_core.engine import SpecEngine
-from flashspec_core.kv import STOCK, CachedModel
+from flashspec_core.backends.cpu_linear import STOCK
+from flashspec_core.backends.hf import CachedModel
 from flashspec_core.pool import load_target
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm

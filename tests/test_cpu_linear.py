@@ -6,7 +6,7 @@ import torch
 from helpers import tiny_llama
 from torch import nn
 
-from flashspec_core.cpu_linear import PACKED, STOCK, PackedLinear, packing_available, use_packed_linear
+from flashspec_core.backends.cpu_linear import PACKED, STOCK, PackedLinear, packing_available, use_packed_linear
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 

@@ -17,7 +17,7 @@ from helpers import idle_core_threads
 
 from flashspec_workloads.baselines import stock_default_model
 from flashspec_core.backends.native_layers import NATIVE
-from flashspec_core.cpu_linear import BLOCKS
+from flashspec_core.backends.cpu_linear import BLOCKS
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import vocab_size

@@ -13,7 +13,8 @@ from helpers import one_thread, tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashspec_core.kv import CachedModel, _common_prefix
+from flashspec_core.backends.hf import CachedModel
+from flashspec_core.backends.prefix import common_prefix
 
 VOCAB = 16
 
@@ -109,7 +110,7 @@ def test_common_prefix_is_the_length_of_the_longest_shared_head(head, a, b):
     """Differences near the ends (walked) and far before them (bisected: tails past 64 tokens)."""
     a, b = head + a, head + b
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    assert _common_prefix(a, b) == _common_prefix(tuple(a), b) == n
+    assert common_prefix(a, b) == common_prefix(tuple(a), b) == n
 
 
 def test_common_prefix_finds_a_difference_far_from_the_ends():
@@ -117,4 +118,4 @@ def test_common_prefix_finds_a_difference_far_from_the_ends():
     a = list(range(400))
     for k in range(400):
         b = a[:k] + [-1] + a[k + 1:]
-        assert _common_prefix(a, b) == _common_prefix(b, a) == k
+        assert common_prefix(a, b) == common_prefix(b, a) == k

@@ -1,6 +1,6 @@
 """Where the target's forward runs: transformers eagerly, CUDA graphs, or llama.cpp on the GGUF file.
 
-Every runner keeps the contract of `kv.CachedModel` (`begin`, `reset`, `prefix_len`,
+Every runner keeps the contract of `hf.CachedModel` (`begin`, `reset`, `prefix_len`,
 `forward_to`), so the decode loop, the drafts and the verifier never know which one runs.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _eager_runner(model: nn.Module, pad_token_id: int, gguf=None):
         from flashspec_core.backends.cpu_static import StaticCachedModel
 
         return StaticCachedModel(model, pad_token_id, gguf=gguf)
-    from flashspec_core.kv import CachedModel
+    from flashspec_core.backends.hf import CachedModel
 
     return CachedModel(model, pad_token_id, gguf=gguf)
 

@@ -9,7 +9,7 @@ fingerprint, model shape and backend in the cache folder. The router's cost mode
 measured seconds per width instead of learning them from scratch.
 
 A runner takes part by exposing `kernels()` (names it can switch between), `use_kernel(name)`
-and `forward_to` (the `kv.CachedModel` contract).
+and `forward_to` (the `hf.CachedModel` contract).
 """
 from __future__ import annotations
 

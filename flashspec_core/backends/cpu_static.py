@@ -10,9 +10,9 @@ cache"). Rolling back is moving a row's length; the cache doubles when a request
 
 The bookkeeping (rows, prefix reuse across requests, rollback, growth) is `GraphedModel`'s, run
 without graphs; the forward is `StaticLlama`'s on the model's own submodules (`fuse=False`), so
-the linear layers it calls are the model's, swapped for `PackedLinear` as in `kv.CachedModel`,
+the linear layers it calls are the model's, swapped for `PackedLinear` as in `hf.CachedModel`,
 and the calibration picks the kernel per width the same way. Models `StaticLlama` does not
-support keep `kv.CachedModel`.
+support keep `hf.CachedModel`.
 """
 from __future__ import annotations
 
@@ -23,19 +23,19 @@ from torch import nn
 
 from flashspec_core.backends.cuda_graph import GraphedModel
 from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible
-from flashspec_core.cpu_linear import BLOCKS
-from flashspec_core.kv import LinearKernels
+from flashspec_core.backends.cpu_linear import BLOCKS
+from flashspec_core.backends.hf import LinearKernels
 
 INITIAL_LEN = 512  # slots per row at first; doubled as needed (the GPU runner starts at 2048)
 CHUNK = 512  # columns per pass of a long feed after a reused prefix (see forward_to)
 
 
 class StaticCachedModel(LinearKernels, GraphedModel):
-    """The `kv.CachedModel` contract (and its `kernels()/use_kernel()/plan`) on a static cache.
+    """The `hf.CachedModel` contract (and its `kernels()/use_kernel()/plan`) on a static cache.
 
     model: a Llama-family HF model on the CPU (`static_llama.supports`); its nn.Linear layers are
     swapped in place for `PackedLinear` (given the GGUF file it was loaded from, `gguf`, they get
-    its blocks too: kv.LinearKernels). Memory: 2 x layers x H_kv x D x dtype bytes per slot and
+    its blocks too: hf.LinearKernels). Memory: 2 x layers x H_kv x D x dtype bytes per slot and
     row, allocated up front for `max_len` slots (46 KB per slot for the default model: 24 MB per
     row at 512 slots, 188 MB at 4096): 512 doubled until the longest row (plus GraphedModel's 32
     scratch slots) fits, so up to twice what `DynamicCache` would hold.

@@ -25,7 +25,7 @@ import torch
 
 from flashspec_core.backends.graph_step import GraphStep
 from flashspec_core.backends.static_llama import StaticLlama
-from flashspec_core.kv import _common_prefix
+from flashspec_core.backends.prefix import common_prefix
 from flashspec_core.models import vocab_size
 from flashspec_core.sampling import SamplingParams
 
@@ -48,7 +48,7 @@ def graphed_sampling(sampling: SamplingParams, vocab: int) -> bool:
 
 
 class GraphedModel:
-    """The `kv.CachedModel` contract on a static cache, with graphs on CUDA.
+    """The `hf.CachedModel` contract on a static cache, with graphs on CUDA.
 
     model: a Llama-family HF model (`static_llama.supports`). graphs: capture CUDA graphs (default:
     when the model is on CUDA). fuse: the fewer-kernel forward (default: with graphs). Capture
@@ -93,7 +93,7 @@ class GraphedModel:
         self.held = [[] for _ in range(batch_size)]
 
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
-        return _common_prefix(self.held[row], sequence)
+        return common_prefix(self.held[row], sequence)
 
     def _ensure(self, length: int) -> None:
         """Room for rows of `length` tokens plus the scratch slots: double the cache if needed."""
@@ -114,7 +114,7 @@ class GraphedModel:
             if not active[b]:
                 chunks.append([])
                 continue
-            keep = min(_common_prefix(self.held[b], seq), len(seq) - keep_logits)
+            keep = min(common_prefix(self.held[b], seq), len(seq) - keep_logits)
             if keep < 0:
                 raise ValueError("sequences: each active row needs at least keep_logits tokens")
             del self.held[b][keep:]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from flashspec_core.backends.blockq import BLOCK, BLOCK_BYTES, KINDS, BlockWeight, from_gguf_rows
-from flashspec_core.cpu_linear import PackedLinear
+from flashspec_core.backends.cpu_linear import PackedLinear
 
 
 def _name_map(reader, model: nn.Module):

@@ -5,7 +5,7 @@ as a 4-bit GGUF file; llama.cpp reads it at 4 bits where transformers reads the 
 copy, eight times the bytes, so llama.cpp decodes several times faster on the same cores
 (BENCHMARKS.md, "CPU backends"). It is also what CPU users run already (Ollama, LM Studio).
 
-The runner keeps the contract of `kv.CachedModel`: `forward_to(sequences, ...)` makes each row
+The runner keeps the contract of `hf.CachedModel`: `forward_to(sequences, ...)` makes each row
 of the llama.cpp context hold exactly `sequences[b]` and returns the logits after its last
 `keep_logits` tokens. One `llama_decode` call evaluates every row's new tokens (the draft path
 included) with logits for each of the last positions, and rollback is `llama_memory_seq_rm` by
@@ -26,6 +26,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from flashspec_core.backends.prefix import common_prefix
+
 INSTALL = (
     "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON\" "
     "pip install 'flashspec-agents[llamacpp]' (builds llama.cpp from source; docs/backends.md, "
@@ -41,12 +43,6 @@ def available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("llama_cpp") is not None
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    from flashspec_core.kv import _common_prefix as lcp
-
-    return lcp(a, b)
 
 
 class LlamaCppModel:
@@ -169,7 +165,7 @@ class LlamaCppModel:
         self.held = [[] for _ in range(batch_size)]
 
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
-        return _common_prefix(self.held[row], sequence)
+        return common_prefix(self.held[row], sequence)
 
     def _rollback(self, row: int, keep: int) -> None:
         if keep < len(self.held[row]):
@@ -224,7 +220,7 @@ class LlamaCppModel:
             if len(seq) > self.n_ctx:
                 raise ValueError(f"sequences: row {b} has {len(seq)} tokens; this llama.cpp context holds "
                                  f"{self.n_ctx}")
-            keep = min(_common_prefix(self.held[b], seq), len(seq) - keep_logits)
+            keep = min(common_prefix(self.held[b], seq), len(seq) - keep_logits)
             self._rollback(b, keep)
             chunk = list(seq[keep:])
             first_out = len(chunk) - keep_logits

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashspec_core.cpu_linear import project
+from flashspec_core.backends.cpu_linear import project
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 CAUSAL = "causal"  # `_live_mask`: every row starts empty, SDPA's own causal mask

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from flashspec_core.drafts.base import DraftSource
-from flashspec_core.kv import _common_prefix
+from flashspec_core.backends.prefix import common_prefix
 from flashspec_core.proposals import cut_length
 from flashspec_core.sampling import SamplingParams
 from flashspec_core.types import Arm, StepRecord
@@ -109,7 +109,7 @@ class CopyScorer:
                         track.waiting[i] = (head[:cut_length(len(head), track.lengths)], seconds)
                     proposal, seconds = track.waiting[i]
                     verified = seq[pos:pos + len(proposal)]
-                    matched = _common_prefix(proposal, verified)
+                    matched = common_prefix(proposal, verified)
                     if not (final or matched < len(verified) or len(verified) == len(proposal)):
                         break  # undecided: later steps of the request will verify more
                     emitted = matched + 1

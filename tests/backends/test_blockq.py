@@ -8,7 +8,7 @@ from helpers import random_blocks, tiny_llama
 
 from flashspec_core.backends import blockq, gguf_weights
 from flashspec_core.backends.blockq import block_linear, from_gguf_rows
-from flashspec_core.cpu_linear import BLOCKS, PackedLinear, use_packed_linear
+from flashspec_core.backends.cpu_linear import BLOCKS, PackedLinear, use_packed_linear
 from flashspec_core.models import default_gguf_path
 
 pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler for the block kernel")
@@ -76,7 +76,7 @@ def test_a_layer_computes_from_its_blocks_only_while_its_weight_is_unchanged():
         calls.append(1)
         return real(*args, **kwargs)
 
-    import flashspec_core.cpu_linear as cpu_linear
+    import flashspec_core.backends.cpu_linear as cpu_linear
 
     x = torch.randn(3, 64)
     try:
@@ -115,7 +115,7 @@ def test_a_model_that_is_not_the_file_gets_no_blocks():
 
 
 def test_stacked_projections_equal_separate_calls_bit_for_bit():
-    from flashspec_core.cpu_linear import project
+    from flashspec_core.backends.cpu_linear import project
 
     parts = [random_blocks("q4_1", out, 64, seed=out) for out in (12, 4, 4)]
     linears = []

@@ -15,47 +15,15 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from flashspec_core.cpu_linear import BLOCKS, PACKED, STOCK, PackedLinear, use_packed_linear
-
-
-_TAIL = 64  # positions `_common_prefix` walks one by one before bisecting
-
-
-def _head(seq: list[int], n: int) -> list[int]:
-    return seq if len(seq) == n else seq[:n]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix, compared in C (list equality), never element by element in
-    Python over the whole context: this runs on every forward with contexts of thousands of tokens.
-
-    Two rows differ, if at all, near their ends (a rejected draft, an agent's next turn), so one
-    comparison of everything before the last _TAIL positions settles most calls, and only those
-    positions are walked; a difference further back is found by bisection on slice equality.
-    """
-    a = a if type(a) is list else list(a)
-    b = b if type(b) is list else list(b)
-    n = min(len(a), len(b))
-    if _head(a, n) == _head(b, n):
-        return n
-    hi = max(0, n - _TAIL)
-    if a[:hi] == b[:hi]:
-        return next(i for i in range(hi, n) if a[i] != b[i])
-    lo = 0  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+from flashspec_core.backends.cpu_linear import BLOCKS, PACKED, STOCK, PackedLinear, use_packed_linear
+from flashspec_core.backends.prefix import common_prefix
 
 
 class LinearKernels:
     """The calibration contract (`backends/calibration.py`) of a runner over an HF model on the CPU.
 
     The model's fp32 linear layers are swapped in place for `PackedLinear`, whose cost barely
-    grows with the number of tokens fed on some CPUs (see cpu_linear.py); for a model loaded from
+    grows with the number of tokens fed on some CPUs (see backends/cpu_linear.py); for a model loaded from
     a GGUF file they also get the file's blocks (`backends/gguf_weights.py`), read by a kernel
     that moves 4-5x fewer bytes a token. Which kernel runs a forward of a given width is `plan`'s
     choice (a `backends.calibration.Calibration` measured on this machine); without a plan the
@@ -140,7 +108,7 @@ class CachedModel(LinearKernels):
 
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
         """How many leading tokens of `sequence` row `row` already holds (reusable as they are)."""
-        return _common_prefix(self.held[row], sequence)
+        return common_prefix(self.held[row], sequence)
 
     @torch.inference_mode()
     def forward_to(
@@ -160,7 +128,7 @@ class CachedModel(LinearKernels):
             if not active[b]:
                 keep.append(len(self.held[b]))
                 continue
-            lcp = _common_prefix(self.held[b], seq)
+            lcp = common_prefix(self.held[b], seq)
             keep.append(min(lcp, len(seq) - keep_logits))
         if any(k < 0 for k in keep):
             raise ValueError("sequences: each active row needs at least keep_logits tokens")
