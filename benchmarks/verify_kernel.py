@@ -55,7 +55,7 @@ def launch_floor_us() -> float:
 
 def make_inputs(bsz: int, vocab: int, gamma: int, model: bool, gen: torch.Generator) -> dict:
     """logits [B, γ+1, V] bf16, drafts [B, γ], q [B, γ, V] fp32 or None, uniforms [B, γ+1]."""
-    from flashspec_core.sampling import SamplingParams, probs_from_logits
+    from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
 
     logits = (torch.randn(bsz, gamma + 1, vocab, device="cuda", generator=gen) * 3).to(torch.bfloat16)
     sp = SamplingParams(temperature=0.7)
@@ -78,7 +78,7 @@ def min_bytes(bsz: int, vocab: int, gamma: int, model: bool) -> int:
 def bench_one(bsz: int, vocab: int, gamma: int, model: bool, gen: torch.Generator) -> dict:
     import triton.testing
 
-    from flashspec_core.sampling import SamplingParams
+    from flashspec_core.processors.sampling import SamplingParams
     from flashspec_core.verify.reference import verify_torch
     from flashspec_core.verify.triton import verify_triton
 
@@ -119,7 +119,7 @@ def eager_us(bsz: int, vocab: int, gamma: int, check_finite: bool) -> float:
     """Eager call of verify_triton, host-side wrapper and launch included."""
     import triton.testing
 
-    from flashspec_core.sampling import SamplingParams
+    from flashspec_core.processors.sampling import SamplingParams
     from flashspec_core.verify.triton import verify_triton
 
     s = make_inputs(bsz, vocab, gamma, False, torch.Generator(device="cuda").manual_seed(1))
@@ -133,7 +133,7 @@ def sweep(gen: torch.Generator) -> None:
     """Kernel time under other launch plans, to check the heuristic in verify/triton.py:_plan."""
     import triton.testing
 
-    from flashspec_core.sampling import SamplingParams
+    from flashspec_core.processors.sampling import SamplingParams
     from flashspec_core.verify.triton import _plan, verify_triton
 
     sp = SamplingParams(temperature=0.7)
@@ -157,7 +157,7 @@ def profile_host() -> None:
     import cProfile
     import pstats
 
-    from flashspec_core.sampling import SamplingParams
+    from flashspec_core.processors.sampling import SamplingParams
     from flashspec_core.verify.triton import verify_triton
 
     s = make_inputs(8, 128256, 4, False, torch.Generator(device="cuda").manual_seed(1))

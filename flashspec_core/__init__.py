@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "SpecEngine": "flashspec_core.engine",
-    "SamplingParams": "flashspec_core.sampling",
+    "SamplingParams": "flashspec_core.processors.sampling",
     "GenerationResult": "flashspec_core.results",
     "GenerationStats": "flashspec_core.results",
     "StreamChunk": "flashspec_core.results",
@@ -23,7 +23,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from flashspec_core.engine import SpecEngine
     from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
-    from flashspec_core.sampling import SamplingParams
+    from flashspec_core.processors.sampling import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 
 
 def _load_prompt(args: argparse.Namespace):

@@ -17,13 +17,13 @@ import torch
 from flashspec_core.backends import make_runner, resolve_backend
 from flashspec_core.drafts import DraftSource
 from flashspec_core.models import LoadedModel, eos_ids, vocab_size
-from flashspec_core.ngram_ban import OutputTokens, ban_repeated_ngrams, json_punctuation_tokens
-from flashspec_core.penalty import SeenTokens, penalize_paths
+from flashspec_core.processors.ngram_ban import OutputTokens, ban_repeated_ngrams, json_punctuation_tokens
+from flashspec_core.processors.penalty import SeenTokens, penalize_paths
 from flashspec_core.proposals import cut_to_lengths, step_proposal
 from flashspec_core.prompts import PromptLike, encode_prompts, is_batch, prompt_text
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import resolve_domain
-from flashspec_core.sampling import SamplingParams, request_generator, request_params
+from flashspec_core.processors.sampling import SamplingParams, request_generator, request_params
 from flashspec_core.stopping import RowOutput
 from flashspec_core.types import NO_DRAFT, Arm, Router, StepRecord
 from flashspec_core.verify import BACKENDS, verify

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from flashspec_core.drafts import DraftSource
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 
 
 def step_proposal(draft: DraftSource | None, seqs: Sequence[Sequence[int]], active: Sequence[bool], gamma: int,

@@ -4,7 +4,7 @@ Unit tests never touch a model hub: a tiny `LlamaForCausalLM` is built from a co
 (WordLevel) tokenizer over the words "t0".."t{V-1}" is built in memory, so the engine runs its
 whole path (encode, decode, EOS, stop strings) on a model that takes microseconds per step.
 The reference distributions are computed with transformers' own logits warpers (the ones
-`generate` samples through), independently of `flashspec_core.sampling`, so a bug in the shared
+`generate` samples through), independently of `flashspec_core.processors.sampling`, so a bug in the shared
 sampling function cannot hide behind an expected value computed by the same function; exact laws
 of whole outputs are in laws.py.
 """
@@ -32,7 +32,7 @@ from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import LoadedModel
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Arm, Proposal
 
 ALPHA = 0.01  # significance level of every exactness test

@@ -28,7 +28,7 @@ from helpers import ALPHA, MIN_EXPECTED, next_logits, reference_probs
 from scipy import optimize, stats
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 
 POWER = 0.9
 Law = dict[tuple[int, ...], float]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashspec_core.sampling import probs_from_logits, sample_from_probs
+from flashspec_core.processors.sampling import probs_from_logits, sample_from_probs
 from flashspec_core.verify import verify
 
 BUGS = ("u[n]", "q1")

@@ -5,7 +5,7 @@ A tiny random target (vocab 16) decodes under a small grammar over a raw vocabul
 overlap ("{", "k", "{k", "k:", "ab", "b}"), so the forced prefix "{k:" has several tokenizations and
 the grammar-forced draft is not always right. The exact law of the first five tokens is computed by
 enumeration, with the grammar checked by a hand-written prefix test (independent of xgrammar) and
-the sampling warpers taken from transformers (independent of flashspec_core.sampling). Drafts: the
+the sampling warpers taken from transformers (independent of flashspec_core.processors.sampling). Drafts: the
 grammar-forced draft, a tiny random model draft whose q is NOT masked (it proposes tokens the grammar
 forbids) and prompt lookup, under a router switching arm at random. G-tests at α = 0.01 (a rejection
 must replicate on a fresh sample); the power check removes the target's mask and requires rejection.
@@ -24,7 +24,7 @@ from flashspec_core.constrained import Constraint, Grammar, GrammarForcedDraft
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -16,7 +16,7 @@ from flashspec_core.constrained import (Constraint, Grammar, GrammarForcedDraft,
 from flashspec_core.engine import SpecEngine
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.routing.router import BanditRouter
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 
 PROMPT = [13, 11, 13]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from flashspec_core.drafts import DraftSource, ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.drafts.prompt_lookup import lookup_continuation
-from flashspec_core.sampling import SamplingParams, probs_from_logits
+from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
 
 T1 = SamplingParams(temperature=1.0)
 token_lists = st.lists(st.integers(0, 4), min_size=1, max_size=30)  # a small alphabet repeats often

@@ -33,7 +33,7 @@ from plants import planted_verify
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 
 VOCAB, SCALE, LENGTH, MAX_NEW = 4, 0.5, 4, 6

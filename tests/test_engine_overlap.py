@@ -12,7 +12,7 @@ import torch
 
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Arm, StepRecord
 from flashspec_core.verify import verify
 

@@ -7,8 +7,8 @@ import torch
 from helpers import looping_engine
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from flashspec_core.penalty import SeenTokens, penalize_paths
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.penalty import SeenTokens, penalize_paths
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

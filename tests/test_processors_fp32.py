@@ -12,9 +12,9 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from flashspec_core.constrained import Constraint, Grammar
-from flashspec_core.ngram_ban import OutputTokens, ban_repeated_ngrams
-from flashspec_core.penalty import SeenTokens, penalize_paths
-from flashspec_core.sampling import SamplingParams, probs_from_logits
+from flashspec_core.processors.ngram_ban import OutputTokens, ban_repeated_ngrams
+from flashspec_core.processors.penalty import SeenTokens, penalize_paths
+from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
 from flashspec_core.verify import verify
 
 TIE = torch.tensor([[[24.0, 24.125]]], dtype=torch.bfloat16)  # [B=1, P=1, V=2]

@@ -1,6 +1,6 @@
 """The shared logits -> distribution function against the one HF `generate` samples through.
 
-Target and drafts both go through `flashspec_core.sampling`; if it processed temperature, top-k or
+Target and drafts both go through `flashspec_core.processors.sampling`; if it processed temperature, top-k or
 top-p differently from transformers, the engine would be exact with respect to the wrong law.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from helpers import reference_probs
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from flashspec_core.sampling import (SamplingParams, greedy_argmax, logprobs_from_logits, probs_from_logits,
+from flashspec_core.processors.sampling import (SamplingParams, greedy_argmax, logprobs_from_logits, probs_from_logits,
                                      sample_from_probs)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.verify import PAD, verify
 
 T1 = SamplingParams(temperature=1.0)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashspec_core.sampling import SamplingParams, probs_from_logits
+from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
 from flashspec_core.verify import PAD, verify
 
 samplings = st.one_of(

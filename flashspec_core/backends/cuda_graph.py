@@ -27,7 +27,7 @@ from flashspec_core.backends.graph_step import GraphStep
 from flashspec_core.backends.static_llama import StaticLlama
 from flashspec_core.backends.prefix import common_prefix
 from flashspec_core.models import vocab_size
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 
 MAX_SAMPLED_ROWS = 256  # rows the Triton kernel's workspace holds from the start (verify/triton.py)
 MAX_SAMPLED_GRAPHS = 32  # past this many, sampled steps of new (width, temperature) run eagerly

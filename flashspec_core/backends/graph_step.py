@@ -10,7 +10,7 @@ import torch
 
 from flashspec_core.backends.static_llama import StaticLlama
 from flashspec_core.models import vocab_size
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.verify.reference import PAD
 
 

@@ -20,7 +20,7 @@ import torch
 
 from flashspec_core.constrained.constraint import Constraint, GrammarCursor
 from flashspec_core.drafts.prompt_lookup import lookup_continuation
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Proposal
 
 

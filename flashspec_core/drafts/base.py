@@ -11,7 +11,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Proposal
 
 

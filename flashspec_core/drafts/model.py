@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from flashspec_core.backends import model_runner
-from flashspec_core.sampling import SamplingParams, probs_from_logits
+from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
 from flashspec_core.types import Proposal
 
 

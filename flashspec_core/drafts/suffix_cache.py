@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Proposal
 
 

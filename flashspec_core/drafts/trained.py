@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from flashspec_core.distill.model import DraftNetwork, IncompatibleDraft, load_draft
 from flashspec_core.drafts.model import ModelDraft
 from flashspec_core.models import LoadedModel
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Proposal
 
 WEIGHTS_DIR = Path(__file__).with_name("weights")

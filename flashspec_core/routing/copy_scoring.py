@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.backends.prefix import common_prefix
 from flashspec_core.proposals import cut_length
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Arm, StepRecord
 
 _GREEDY = SamplingParams()  # deterministic drafts ignore sampling; built once, not per step

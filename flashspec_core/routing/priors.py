@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Arm
 
 

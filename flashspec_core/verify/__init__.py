@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.verify.reference import PAD, verify_torch
 
 Backend = Literal["auto", "torch", "triton"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from flashspec_core.sampling import SamplingParams, logprobs_from_logits, sample_from_probs
+from flashspec_core.processors.sampling import SamplingParams, logprobs_from_logits, sample_from_probs
 
 PAD = -1  # fills `tokens` after the recovered or bonus token
 

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import triton
 
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.verify.reference import PAD, verify_torch
 from flashspec_core.verify.triton_kernel import PAD_TOKEN, WS_SLOTS, verify_kernel
 

@@ -27,7 +27,7 @@ from flashspec_core.constrained import compile_json_schema, tool_call_schema
 from flashspec_core.models import vocab_size
 from flashspec_core.results import GenerationStats
 from flashspec_core.routing.domains import resolve_domain
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
 from flashspec_integrations.prompts import json_instruction, render_prompt
 from flashspec_integrations.tool_calls import (ParsedCall, ToolCallStreamer, ToolChoice, normalize_tool_choice,

@@ -6,7 +6,7 @@ from helpers import tiny_loaded
 
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_integrations.context import DomainDecision
 from flashspec_integrations.serve.batching import decode_batch, group
 from flashspec_integrations.serve.translate import Plan

@@ -30,7 +30,7 @@ from helpers import ALPHA, check_exact, g_test, needs_cuda
 from laws import Design, detectable_error, hazard_design, rows_for, step_law
 from plants import BUGS, redraw
 
-from flashspec_core.sampling import SamplingParams, probs_from_logits
+from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
 from flashspec_core.verify import PAD, verify
 
 T1 = SamplingParams(temperature=1.0)

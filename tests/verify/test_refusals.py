@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashspec_core.sampling import SamplingParams
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.verify import verify
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

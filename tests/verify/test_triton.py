@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from scipy import stats  # noqa: E402
 
-from flashspec_core.sampling import SamplingParams, probs_from_logits  # noqa: E402
+from flashspec_core.processors.sampling import SamplingParams, probs_from_logits  # noqa: E402
 from flashspec_core.verify import verify  # noqa: E402
 from flashspec_core.verify.reference import PAD, verify_torch  # noqa: E402
 from flashspec_core.verify.triton import supports, verify_triton  # noqa: E402
