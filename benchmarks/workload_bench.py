@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from flashspec_core.backends import llama_cpp
 from flashspec_core.backends.calibration import machine_line
-from flashspec_core.demo import ADAPTER_HINTS
+from flashspec_integrations.demo import ADAPTER_HINTS
 from flashspec_core.engine import SpecEngine
 from flashspec_core.pool import default_drafts, load_target
 from flashspec_core.routing.fixed import FixedRouter

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flashspec_core.cli import main
+from flashspec_integrations.cli import main
 
 PROMPT = "Name one primary colour."
 MESSAGES = [{"role": "user", "content": "Say hello in French."}]

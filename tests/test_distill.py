@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import tiny_loaded
 
-from flashspec_core.cli import main
+from flashspec_integrations.cli import main
 from flashspec_core.distill import train as train_module
 from flashspec_core.distill.card import update_card_section
 from flashspec_core.distill.command import run_distill

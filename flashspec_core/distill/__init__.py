@@ -1,6 +1,6 @@
 """Self-distilled draft models for a target: data, network, training, evaluation, model card, command.
 
-`flashspec-agents distill` (command.py) runs the pipeline; `flashspec_core.drafts.trained` serves
+command.py runs the pipeline (`flashspec-agents distill` on ShareGPT); `flashspec_core.drafts.trained` serves
 the resulting weights as a draft source. Names are imported lazily so that reading the command's
 options does not import torch.
 """

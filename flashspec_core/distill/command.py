@@ -1,22 +1,20 @@
-"""`flashspec-agents distill`: prompts -> target continuations -> trained draft -> weights and model card.
+"""The distillation pipeline: prompts -> target continuations -> trained draft -> weights and model card.
 
-Each stage can be cut short or reused: `--export-prompts` tokenises ShareGPT where the dataset is
-installed and stops (for a GPU host without it), `--data` caches the target's continuations so a
+`flashspec-agents distill` runs it with ShareGPT's conversations. Each stage can be cut short or
+reused: `--export-prompts` tokenises the conversations where the dataset is installed and stops (for a GPU host without it), `--data` caches the target's continuations so a
 second draft (a specialist) trains on the same text without regenerating it, `--resume` continues
 from the checkpoint, and `--time-budget` / `--gen-time` bound the wall-clock time of a run.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from dataclasses import fields
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
 from flashspec_core.distill.card import write_card
-from flashspec_core.distill.data import TokenSet, frequent_tokens, sharegpt_prompts
+from flashspec_core.distill.data import Conversation, TokenSet, conversation_prompts, frequent_tokens
 from flashspec_core.distill.evaluate import evaluate_draft
 from flashspec_core.distill.generate import continue_prompts
 from flashspec_core.distill.model import DraftNetwork, decoder_layers, load_draft, save_draft
@@ -46,14 +44,23 @@ def _continuations(opts: DistillOptions, loaded: LoadedModel, prompts: TokenSet,
     return out
 
 
-def run_distill(opts: DistillOptions, loaded: LoadedModel | None = None) -> dict:
-    """The whole pipeline; returns a summary (paths, steps, final metrics). `loaded` overrides `opts.target`."""
+def run_distill(opts: DistillOptions, loaded: LoadedModel | None = None,
+                conversations: Callable[[], Iterable[Conversation]] | None = None) -> dict:
+    """The whole pipeline; returns a summary (paths, steps, final metrics). `loaded` overrides
+    `opts.target`; `conversations` gives the prompts' source when no `opts.prompts` file is given
+    (read only then)."""
     device = resolve_device(opts.device)
     loaded = loaded or load_model(opts.target, device=device)
     model, tok = loaded.model, loaded.tokenizer
     vocab = vocab_size(model)
+
+    def prompts_from_conversations() -> TokenSet:
+        if conversations is None:
+            raise ValueError("prompts: give a --prompts file (or conversations to draw prompts from)")
+        return conversation_prompts(conversations(), tok, vocab, opts.max_prompt_tokens, seed=opts.seed)
+
     if opts.export_prompts:
-        prompts = sharegpt_prompts(tok, vocab, opts.max_prompt_tokens, seed=opts.seed)
+        prompts = prompts_from_conversations()
         path = prompts.save(opts.export_prompts)
         return {"prompts": str(path), "rows": len(prompts)}
     out_dir = Path(opts.out)
@@ -63,7 +70,7 @@ def run_distill(opts: DistillOptions, loaded: LoadedModel | None = None) -> dict
     if opts.data and Path(opts.data).is_file():
         data = TokenSet.load(opts.data)
     else:
-        prompts = TokenSet.load(opts.prompts) if opts.prompts else sharegpt_prompts(tok, vocab, opts.max_prompt_tokens, seed=opts.seed)
+        prompts = TokenSet.load(opts.prompts) if opts.prompts else prompts_from_conversations()
         data = _continuations(opts, loaded, prompts, pad, eos)
         if opts.data:
             data.save(opts.data)
@@ -115,12 +122,3 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return "CPU"
-
-
-def cmd_distill(args: argparse.Namespace) -> int:
-    """Entry point of `flashspec-agents distill`: prints a JSON summary (weights, card, final metrics)."""
-    opts = DistillOptions(**{f.name: getattr(args, f.name) for f in fields(DistillOptions)})
-    summary = run_distill(opts)
-    print(json.dumps(summary, default=str))
-    return 0
-

@@ -13,7 +13,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -22,6 +22,14 @@ from flashspec_core.prompts import encode_prompt
 
 SPLITS = ("train", "dev")
 DOMAINS = ("chat", "code")
+
+
+class Conversation(Protocol):
+    """One multi-turn conversation to draw prompts from (flashspec_workloads.sharegpt's rows)."""
+
+    split: str  # one of SPLITS
+    domain: str  # one of DOMAINS
+    messages: list[dict]  # chat messages, {"role", "content"}
 
 
 @dataclass
@@ -111,7 +119,8 @@ def encode_within(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, s
     return None
 
 
-def sharegpt_prompts(
+def conversation_prompts(
+    conversations: Iterable[Conversation],
     tokenizer: PreTrainedTokenizerBase,
     vocab: int,
     max_prompt_tokens: int = 384,
@@ -119,17 +128,16 @@ def sharegpt_prompts(
     max_per_cell: int | None = None,
     seed: int = 0,
 ) -> TokenSet:
-    """Prompts from every ShareGPT conversation (all parts, both splits, both domains), shuffled.
+    """Prompts from every conversation given (ShareGPT's, all parts, both splits, both domains, in the
+    CLI), shuffled.
 
     `max_per_cell` caps each (split, domain) cell. Rows are shuffled with `seed` so that a
     time-limited generation pass still covers many conversations of both domains.
     """
-    from flashspec_workloads.sharegpt import sharegpt_conversations
-
     if max_prompt_tokens < 8:
         raise ValueError(f"max_prompt_tokens must be at least 8; got {max_prompt_tokens}")
     cells: dict[tuple[str, str], list[list[int]]] = {(s, d): [] for s in SPLITS for d in DOMAINS}
-    for conv in sharegpt_conversations(split=None, domain=None, starts_only=False):
+    for conv in conversations:
         cell = cells[(conv.split, conv.domain)]
         if max_per_cell is not None and len(cell) >= max_per_cell:
             if all(len(c) >= max_per_cell for c in cells.values()):

@@ -28,7 +28,7 @@ def test_unknown_settings_are_refused_by_name():
 
 
 def test_the_cli_refuses_bad_arguments_before_starting_ray(capsys):
-    from flashspec_core.cli import main
+    from flashspec_integrations.cli import main
 
     assert main(["serve", "--replicas", "0"]) == 2
     assert "--replicas must be >= 1" in capsys.readouterr().err

@@ -1,8 +1,10 @@
-"""The `flashspec-agents` console script: `demo` and `generate`.
+"""The `flashspec-agents` console script: `demo`, `generate`, `calibrate`, `distill` and `serve`.
 
 `demo` runs an agent-like stream of steps (chat, code, tool calls, answers over a pasted
 document) through the default engine, then the same steps through plain HF `generate`, and
 reports the speedup measured in that one run. `generate` streams one prompt to the terminal.
+`calibrate` times the target's forward on this machine again; `distill` trains a draft;
+`serve` runs the OpenAI-compatible endpoint.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from flashspec_core.demo import run_demo
+    from flashspec_integrations.demo import run_demo
 
     run_demo(max_new_tokens=args.max_new_tokens, baseline=not args.no_baseline)
     return 0
@@ -78,9 +80,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from flashspec_core.distill.command import cmd_distill as run
+    """Train a draft on ShareGPT's conversations; prints a JSON summary (weights, card, final metrics)."""
+    from dataclasses import fields
 
-    return run(args)
+    from flashspec_core.distill.command import run_distill
+    from flashspec_core.distill.options import DistillOptions
+    from flashspec_workloads.sharegpt import sharegpt_conversations
+
+    opts = DistillOptions(**{f.name: getattr(args, f.name) for f in fields(DistillOptions)})
+    summary = run_distill(opts, conversations=lambda: sharegpt_conversations(split=None, domain=None, starts_only=False))
+    print(json.dumps(summary, default=str))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
