@@ -14,7 +14,7 @@ from flashspec_integrations.hashing import hashed_vector
 from flashspec_integrations.llama_index import HashingEmbedding
 from flashspec_integrations.llama_index import record_steps
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 DOCS = EXAMPLES / "docs"
 QUESTIONS = {
     "How long is the Tessel River?": "tessel_river.md",

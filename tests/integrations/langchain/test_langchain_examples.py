@@ -16,7 +16,7 @@ from fakes import ScriptedEngine
 from flashspec_core import SpecEngine
 from flashspec_integrations.langchain import ChatFlashSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
 import langchain_agent  # noqa: E402
 import langchain_rag_chain  # noqa: E402

@@ -24,7 +24,7 @@ from fakes import ScriptedEngine
 from flashspec_integrations.llama_index import FlashSpecLLM
 from flashspec_integrations.llama_index import record_steps
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 # A ReAct header short enough for a 135M model to keep the format in view.
 COMPACT_REACT_HEADER = """You answer questions with tools. Tools:
 {tool_desc}

@@ -10,7 +10,7 @@ schema = pytest.importorskip("ray.serve.schema", reason="needs the 'serve' extra
 
 from flashspec_integrations.serve.deployment import DEPLOYMENT_NAME, ServeSettings, build_app  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parents[2] / "examples" / "serve_config.yaml"
+CONFIG = Path(__file__).resolve().parents[3] / "examples" / "serve_config.yaml"
 
 
 def test_the_example_config_validates_and_builds():

@@ -26,7 +26,7 @@ from flashspec_integrations.serve.command import start  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = "SmolLM2-135M-Instruct"
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

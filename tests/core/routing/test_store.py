@@ -21,7 +21,7 @@ from flashspec_core.routing.store import (
     default_store_path,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # Child processes load store.py by path: it is stdlib-only, and importing it through the
 # package would first import the whole engine (torch, transformers), adding seconds per child.
 _CHILD_PRELUDE = textwrap.dedent(
