@@ -5,8 +5,8 @@ pulling in the decode loop.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
 
 import torch
 
@@ -87,16 +87,6 @@ class StepRecord:
     def steady_verify_seconds(self) -> float:
         """The target's pass without its one-time work: what a pass this wide costs."""
         return self.verify_seconds - self.warmup_seconds
-
-
-class Router(Protocol):
-    """Chooses an arm per step from past steps only (never the current draft or target values)."""
-
-    arms: Sequence[Arm]
-
-    def select(self, domain: str) -> Arm: ...
-
-    def update(self, record: StepRecord) -> None: ...
 
 
 def check_record(record: StepRecord, index: Mapping[Arm, int]) -> None:

@@ -15,8 +15,8 @@ import dataclasses
 import importlib.util
 import os
 import random
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -28,11 +28,12 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from flashspec_core.drafts import ModelDraft, PromptLookupDraft
+from flashspec_core.drafts import DraftSource, ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import LoadedModel
-from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.routing.base import Router
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import Arm, Proposal
 
 ALPHA = 0.01  # significance level of every exactness test
@@ -290,7 +291,7 @@ def check_rejects(run, label: str = "") -> None:
         )
 
 
-class RandomRouter:
+class RandomRouter(Router):
     """Picks an arm uniformly at random every step, from its own seeded generator (it ignores the past)."""
 
     def __init__(self, arms: list[Arm], seed: int):
@@ -348,7 +349,7 @@ def random_blocks(kind: str, out: int, inp: int, seed: int = 0):
     return from_gguf_rows(kind, raw.reshape(out, -1), out, inp)
 
 
-class CopyDraft:
+class CopyDraft(DraftSource):
     """Deterministic fake draft: proposes `script[len(context):]`, i.e. it knows a fixed text.
 
     Records every context it was asked about, so tests can check what the router showed it.

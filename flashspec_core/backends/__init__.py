@@ -1,12 +1,13 @@
 """Where the target's forward runs: transformers eagerly, CUDA graphs, or llama.cpp on the GGUF file.
 
-Every runner keeps the contract of `hf.CachedModel` (`begin`, `reset`, `prefix_len`,
-`forward_to`), so the decode loop, the drafts and the verifier never know which one runs.
+Every runner implements `TargetRunner` (base.py), so the decode loop, the drafts and the
+verifier never know which one runs.
 """
 from __future__ import annotations
 
 from torch import nn
 
+from flashspec_core.backends.base import TargetRunner
 from flashspec_core.models import LoadedModel
 
 BACKENDS = ("auto", "hf", "cuda-graph", "llama.cpp")
@@ -63,7 +64,7 @@ def resolve_backend(backend: str, target: LoadedModel) -> str:
     return "hf"
 
 
-def make_runner(target: LoadedModel, backend: str, pad_token_id: int, context_window: int):
+def make_runner(target: LoadedModel, backend: str, pad_token_id: int, context_window: int) -> TargetRunner:
     """A target runner for a resolved backend name."""
     if backend == "llama.cpp":
         from flashspec_core.backends.llama_cpp import LlamaCppModel
@@ -76,7 +77,7 @@ def make_runner(target: LoadedModel, backend: str, pad_token_id: int, context_wi
     return _eager_runner(target.model, pad_token_id, target.gguf)
 
 
-def _eager_runner(model: nn.Module, pad_token_id: int, gguf=None):
+def _eager_runner(model: nn.Module, pad_token_id: int, gguf: str | None = None) -> TargetRunner:
     """transformers' forward without graphs: on the CPU, a Llama-family model runs over a static
     cache (`cpu_static.py`: no per-step copy of the cache); anything else over `DynamicCache`.
     `gguf`: the file the model was loaded from, whose blocks its linear layers may compute from."""
@@ -89,7 +90,7 @@ def _eager_runner(model: nn.Module, pad_token_id: int, gguf=None):
     return CachedModel(model, pad_token_id, gguf=gguf)
 
 
-def model_runner(model: nn.Module, pad_token_id: int):
+def model_runner(model: nn.Module, pad_token_id: int) -> TargetRunner:
     """The runner for a model draft: CUDA graphs where the target would get them, else eager (the
     static cache on the CPU: a shipped 2-layer draft's step took 2.6 ms instead of 3.5 after 2.3k
     tokens, BENCHMARKS.md "CPU static cache")."""

@@ -9,7 +9,7 @@ fingerprint, model shape and backend in the cache folder. The router's cost mode
 measured seconds per width instead of learning them from scratch.
 
 A runner takes part by exposing `kernels()` (names it can switch between), `use_kernel(name)`
-and `forward_to` (the `hf.CachedModel` contract).
+and `forward_to` (the `TargetRunner` contract, backends/base.py).
 """
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
 
 import torch
 
-from flashspec_core.models import cache_root
+from flashspec_core.backends.base import TargetRunner
+from flashspec_core.models import cache_root, vocab_size
 
 CALIBRATION_FILE = "calibration.json"
 PREFILL_WIDTH = 128  # the prefill chunk timed alongside the decode widths
@@ -37,16 +38,6 @@ LONGER = 1024
 # ISA features that change which kernel wins; the fingerprint names those the CPU has.
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
           "amx_bf16", "amx_int8", "asimd", "sve")
-
-
-class Calibratable(Protocol):
-    def kernels(self) -> tuple[str, ...]: ...
-
-    def use_kernel(self, name: str) -> None: ...
-
-    def reset(self, batch_size: int) -> None: ...
-
-    def forward_to(self, sequences: Sequence[Sequence[int]], active=None, keep_logits: int = 1) -> torch.Tensor: ...
 
 
 @dataclass
@@ -180,7 +171,7 @@ def _write(cal: Calibration) -> None:
         pass  # a read-only cache folder only costs a new measurement next time
 
 
-def measure(runner: Calibratable, widths: Sequence[int], key: str, vocab: int, reps: int = 3,
+def measure(runner: TargetRunner, widths: Sequence[int], key: str, vocab: int, reps: int = 3,
             context: int = CONTEXT, longer: int = LONGER) -> Calibration:
     """Time each kernel of `runner` at each width after `context` cached tokens; median of `reps`.
     Then each decode width's kept kernel after `context + longer` tokens: its cost per cached
@@ -202,7 +193,7 @@ def measure(runner: Calibratable, widths: Sequence[int], key: str, vocab: int, r
     return cal
 
 
-def _time_forwards(runner: Calibratable, prefix: list[int], widths: Sequence[int], kernels, vocab: int,
+def _time_forwards(runner: TargetRunner, prefix: list[int], widths: Sequence[int], kernels, vocab: int,
                    gen: torch.Generator, reps: int) -> dict[str, dict[int, float]]:
     """Kernel -> width -> median seconds of a forward feeding `width` random tokens after `prefix`,
     for each kernel of `kernels(width)`.
@@ -227,7 +218,7 @@ def _time_forwards(runner: Calibratable, prefix: list[int], widths: Sequence[int
     return {k: {w: statistics.median(v) for w, v in rows.items()} for k, rows in samples.items()}
 
 
-def calibrate(runner: Calibratable, model_key: str, backend: str, widths: Sequence[int], vocab: int,
+def calibrate(runner: TargetRunner, model_key: str, backend: str, widths: Sequence[int], vocab: int,
               force: bool = False, context: int = CONTEXT, longer: int = LONGER) -> Calibration:
     """The cached calibration for this machine, model and backend, measured first if missing.
 
@@ -247,3 +238,15 @@ def calibrate(runner: Calibratable, model_key: str, backend: str, widths: Sequen
     cal = measure(runner, widths, key, vocab, context=context, longer=longer)
     _write(cal)
     return cal
+
+
+def calibrate_runner(runner: TargetRunner, model: torch.nn.Module, backend: str, widths: Sequence[int],
+                     context_window: int) -> Calibration | None:
+    """The engine's calibration of `runner` (over `model`) at the decode `widths`, within the
+    model's context window; None for a runner without kernels to time or off the CPU (a GPU's
+    costs are learned by the router as it runs)."""
+    if not runner.kernels() or runner.device.type != "cpu":
+        return None
+    context = min(CONTEXT, context_window // 2)
+    longer = max(0, min(LONGER, context_window - context - PREFILL_WIDTH - 1))
+    return calibrate(runner, model_id(model), backend, widths, vocab_size(model), context=context, longer=longer)

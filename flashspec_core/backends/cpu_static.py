@@ -16,22 +16,22 @@ support keep `hf.CachedModel`.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from flashspec_core.backends.cuda_graph import GraphedModel
-from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible
 from flashspec_core.backends.cpu_linear import BLOCKS
+from flashspec_core.backends.cuda_graph import GraphedModel
 from flashspec_core.backends.hf import LinearKernels
+from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible
 
 INITIAL_LEN = 512  # slots per row at first; doubled as needed (the GPU runner starts at 2048)
 CHUNK = 512  # columns per pass of a long feed after a reused prefix (see forward_to)
 
 
 class StaticCachedModel(LinearKernels, GraphedModel):
-    """The `hf.CachedModel` contract (and its `kernels()/use_kernel()/plan`) on a static cache.
+    """The `TargetRunner` contract (and its `kernels()/use_kernel()/plan`) on a static cache.
 
     model: a Llama-family HF model on the CPU (`static_llama.supports`); its nn.Linear layers are
     swapped in place for `PackedLinear` (given the GGUF file it was loaded from, `gguf`, they get

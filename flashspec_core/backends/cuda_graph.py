@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.graph_step import GraphStep
-from flashspec_core.backends.static_llama import StaticLlama
 from flashspec_core.backends.prefix import common_prefix
+from flashspec_core.backends.static_llama import StaticLlama
 from flashspec_core.models import vocab_size
 from flashspec_core.processors.sampling import SamplingParams
 
@@ -47,8 +48,8 @@ def graphed_sampling(sampling: SamplingParams, vocab: int) -> bool:
     return not sampling.greedy and not 0 < sampling.top_k < vocab and sampling.top_p >= 1.0
 
 
-class GraphedModel:
-    """The `hf.CachedModel` contract on a static cache, with graphs on CUDA.
+class GraphedModel(TargetRunner):
+    """The `TargetRunner` contract on a static cache, with graphs on CUDA.
 
     model: a Llama-family HF model (`static_llama.supports`). graphs: capture CUDA graphs (default:
     when the model is on CUDA). fuse: the fewer-kernel forward (default: with graphs). Capture

@@ -10,11 +10,12 @@ transformers' `DynamicCache`; only its tail, past every row's last valid slot, i
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.cpu_linear import BLOCKS, PACKED, STOCK, PackedLinear, use_packed_linear
 from flashspec_core.backends.prefix import common_prefix
 
@@ -64,7 +65,7 @@ class LinearKernels:
             self.use_kernel(self.plan.kernel_for(tokens))
 
 
-class CachedModel(LinearKernels):
+class CachedModel(LinearKernels, TargetRunner):
     """One HF causal LM plus the cache and slot mask of a batch of rows (any architecture; for
     Llama-family models on the CPU, `backends/cpu_static.py` runs a static cache instead)."""
 

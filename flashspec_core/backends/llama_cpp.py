@@ -5,7 +5,7 @@ as a 4-bit GGUF file; llama.cpp reads it at 4 bits where transformers reads the 
 copy, eight times the bytes, so llama.cpp decodes several times faster on the same cores
 (BENCHMARKS.md, "CPU backends"). It is also what CPU users run already (Ollama, LM Studio).
 
-The runner keeps the contract of `hf.CachedModel`: `forward_to(sequences, ...)` makes each row
+The runner keeps the `TargetRunner` contract (base.py): `forward_to(sequences, ...)` makes each row
 of the llama.cpp context hold exactly `sequences[b]` and returns the logits after its last
 `keep_logits` tokens. One `llama_decode` call evaluates every row's new tokens (the draft path
 included) with logits for each of the last positions, and rollback is `llama_memory_seq_rm` by
@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 
+from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.prefix import common_prefix
 
 INSTALL = (
@@ -45,7 +46,7 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-class LlamaCppModel:
+class LlamaCppModel(TargetRunner):
     """A llama.cpp model and context holding the KV cache of a batch of rows (sequence ids).
 
     gguf: the model file. n_ctx: tokens the cache holds, all rows together (one unified cache).
@@ -139,8 +140,6 @@ class LlamaCppModel:
             pass
 
     # ------------------------------------------------------------------ the runner contract
-
-    plan = None  # the calibration; llama.cpp picks its own kernels, so it only supplies costs
 
     def kernels(self) -> tuple[str, ...]:
         """One kernel: calibration only measures what a forward costs per width (the router's prior)."""

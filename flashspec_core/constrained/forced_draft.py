@@ -7,24 +7,24 @@ allows) and, where the grammar leaves a choice (a string value, a number), optio
 with a prompt-lookup copy filtered by the grammar: arguments are often quoted from the request.
 
 It is deterministic (one-hot q, no side effects), so the router can also score it after the fact.
-It needs the request's Constraint: the engine hands it over through `bind_constraint` (an optional
-method beside the DraftSource Protocol, which stays unchanged); with no constraint bound it
+It needs the request's Constraint: the engine hands it over through `bind_constraint`; with no constraint bound it
 proposes nothing and the step is plain decoding. Exactness never depends on this draft: the
 target's logits are masked and verified as for any other draft.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from flashspec_core.constrained.constraint import Constraint, GrammarCursor
+from flashspec_core.drafts.base import DraftSource
 from flashspec_core.drafts.prompt_lookup import lookup_continuation
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Proposal
 
 
-class GrammarForcedDraft:
+class GrammarForcedDraft(DraftSource):
     """Forced tokens from the grammar, then (optionally) grammar-filtered prompt-lookup copies.
 
     lookup_ngram: longest n-gram matched when copying free text from the context; 0 disables

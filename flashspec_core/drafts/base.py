@@ -4,15 +4,23 @@ A draft proposes up to γ tokens per row and says which distribution q it drew t
 verifier then accepts a prefix with the rule that keeps the output exactly the target's. q must be
 honest: a model draft returns the probabilities it sampled from (through the shared sampling
 function), a deterministic draft returns `probs=None`, meaning one-hot q at each proposed token.
+
+The members with bodies are defaults for what only some drafts use; a draft subclasses
+`DraftSource` to get them, so the engine calls every member without asking first.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Proposal
+
+if TYPE_CHECKING:
+    from flashspec_core.constrained.constraint import Constraint
 
 
 @runtime_checkable
@@ -22,6 +30,9 @@ class DraftSource(Protocol):
     # proposal for any larger γ: the router may then score this draft after the fact on every
     # step, whichever arm ran, from one call at its largest γ (full-information updates).
     deterministic: bool
+    # γ -> draft tokens accepted per step, measured off-line (a trained draft's card); empty when
+    # unknown. The router's prior for an arm it has not run yet (routing/priors.py).
+    accepted_lengths: Mapping[int, float] = MappingProxyType({})
 
     def propose(
         self,
@@ -34,9 +45,14 @@ class DraftSource(Protocol):
         ...
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
-        """A new request starts: drop per-request state (a KV cache, say)."""
-        ...
+        """A new request starts: drop per-request state (a KV cache, say). Nothing by default."""
+        return None
 
     def end(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
-        """The request finished with these outputs (a cross-request cache indexes them)."""
-        ...
+        """The request finished with these outputs (a cross-request cache indexes them). Nothing by default."""
+        return None
+
+    def bind_constraint(self, constraint: Constraint | None) -> None:
+        """The grammar state of the request now decoding (None: unconstrained), for a draft that
+        proposes what the grammar forces (constrained/forced_draft.py). Ignored by default."""
+        return None

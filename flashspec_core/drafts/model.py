@@ -7,17 +7,18 @@ cache follows the verified sequence: whatever the verifier rejected is rolled ba
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from flashspec_core.backends import model_runner
+from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
 from flashspec_core.types import Proposal
 
 
-class ModelDraft:
+class ModelDraft(DraftSource):
     """Autoregressive draft from an HF causal LM.
 
     A subclass may score only a subset of the vocabulary (`head_ids`, e.g. a distilled draft's
@@ -33,9 +34,6 @@ class ModelDraft:
 
     deterministic = False
     head_ids: torch.Tensor | None = None  # [K] sorted token ids the logits columns stand for; None = all
-    # γ -> draft tokens accepted per step, measured off-line (a trained draft's card); {}: unknown.
-    # The router's prior for an arm it has not run yet (routing/priors.py).
-    accepted_lengths: dict[int, float] = {}
 
     def __init__(self, model: PreTrainedModel, name: str = "model", pad_token_id: int = 0,
                  max_context: int | None = None):
@@ -47,9 +45,7 @@ class ModelDraft:
         self.max_context = max_context
         self.starts: list[int] = []  # per row of the request: where the draft's window begins
         self._runner = model_runner(model, pad_token_id)
-        warm = getattr(self._runner, "warm", None)
-        if callable(warm):  # CUDA graphs: a draft step feeds one token, or two after the target's step
-            warm([1, 2])
+        self._runner.warm([1, 2])  # CUDA graphs: a draft step feeds one token, or two after the target's step
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # of the q it reports
 
     def _full_q(self, q_head: torch.Tensor, head: torch.Tensor) -> torch.Tensor:

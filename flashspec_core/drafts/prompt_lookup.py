@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import threading
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
+from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Proposal
 
@@ -87,7 +88,7 @@ class _Mirror:
         return _continuation(self.text, self.match[2], gamma)
 
 
-class PromptLookupDraft:
+class PromptLookupDraft(DraftSource):
     """N-gram copy from the request's own context (prompt and output so far).
 
     Proposes exactly what `lookup_continuation` returns for each row; it keeps one `_Mirror` per

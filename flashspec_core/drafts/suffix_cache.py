@@ -8,15 +8,16 @@ bounded by `max_outputs` (oldest evicted first).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
+from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import Proposal
 
 
-class SuffixCacheDraft:
+class SuffixCacheDraft(DraftSource):
     """Cross-request n-gram index over finished outputs."""
 
     deterministic = True

@@ -1,15 +1,16 @@
 """Per-step draft routing: domain detection, bandits, the router and its on-disk statistics."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.routing.bandits import UCB1, ThompsonSampling, bandit_from_state
+from flashspec_core.routing.base import Router
 from flashspec_core.routing.domains import classify_prompt, resolve_domain
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.routing.router import ALGORITHMS, BanditRouter
 from flashspec_core.routing.store import RouterStore, default_store_path
-from flashspec_core.types import Arm, Router
+from flashspec_core.types import Arm
 
 ROUTER_NAMES = (*ALGORITHMS, "fixed")
 
@@ -29,6 +30,7 @@ __all__ = [
     "UCB1",
     "ThompsonSampling",
     "bandit_from_state",
+    "Router",
     "BanditRouter",
     "FixedRouter",
     "RouterStore",

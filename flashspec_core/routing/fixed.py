@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from flashspec_core.routing.base import Router
 from flashspec_core.types import Arm, StepRecord, check_record
 
 
-class FixedRouter:
+class FixedRouter(Router):
     """Always the same arm; still tallies steps so `summary()` reads like the bandit router's."""
 
     def __init__(self, arm: Arm) -> None:

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.routing.base import Router
 from flashspec_core.types import Arm
 
 
-def draft_token_seconds(draft, vocab: int, context: int = 64, gamma: int = 4, reps: int = 3) -> float:
+def draft_token_seconds(draft: DraftSource, vocab: int, context: int = 64, gamma: int = 4, reps: int = 3) -> float:
     """Seconds one drafted token costs `draft` (a ModelDraft) here: the median over `reps` proposals
     of `gamma` tokens after a random `context`, catch-up (its prefill) excluded."""
     gen = torch.Generator().manual_seed(0)
@@ -49,3 +51,13 @@ def expected_goodput(arms: Sequence[Arm], accepted: Mapping[str, Mapping[int, fl
         if tokens is not None and cost is not None and forward:
             out[arm] = (1.0 + tokens) / (arm.gamma * cost + forward)
     return out
+
+
+def seed_router(router: Router, drafts: Mapping[str, DraftSource], forward_seconds: Mapping[int, float],
+                vocab: int) -> None:
+    """The router's prior for each model-draft arm: the draft's measured acceptance priced at this
+    machine's costs. A draft is timed here (a few proposals) only if it has a measured acceptance."""
+    measured = {name: d for name, d in drafts.items() if d.accepted_lengths}
+    costs = {name: draft_token_seconds(d, vocab) for name, d in measured.items()}
+    accepted = {name: d.accepted_lengths for name, d in measured.items()}
+    router.set_expected_goodput(expected_goodput(router.arms, accepted, costs, forward_seconds))

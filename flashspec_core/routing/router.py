@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import threading
 import zlib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from flashspec_core.drafts.base import DraftSource
-from flashspec_core.routing.bandits import UCB1, ThompsonSampling, Bandit
+from flashspec_core.routing.bandits import UCB1, Bandit, ThompsonSampling
+from flashspec_core.routing.base import Router
 from flashspec_core.routing.copy_scoring import CopyScorer
 from flashspec_core.routing.domain_state import ArmTally, DomainState
 from flashspec_core.routing.forward_costs import ForwardCosts
@@ -51,7 +53,7 @@ DEFAULT_DISCOUNT = 0.995
 ALGORITHMS = ("thompson", "ucb1", "thompson-discounted", "ucb1-discounted")
 
 
-class BanditRouter:
+class BanditRouter(Router):
     """One bandit per domain over `arms`, rewarded by normalised goodput.
 
     arms: the (draft, γ) choices; `Arm(NO_DRAFT, 0)` is added if missing, so plain decoding is

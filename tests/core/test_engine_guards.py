@@ -13,10 +13,10 @@ import pytest
 import torch
 from helpers import tiny_llama, tiny_loaded
 
-from flashspec_core.drafts import ModelDraft, PromptLookupDraft
+from flashspec_core.drafts import DraftSource, ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
-from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm, Proposal
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -26,7 +26,7 @@ SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0, seed=0)]
 ARMS = [Arm(NO_DRAFT, 0), Arm("prompt_lookup", 3), Arm("model", 3), Arm("out_of_vocab", 2)]
 
 
-class OutOfVocabDraft:
+class OutOfVocabDraft(DraftSource):
     """A deterministic draft that proposes token id V (one past the vocabulary): a draft built for
     another tokenizer."""
 

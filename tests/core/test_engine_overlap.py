@@ -13,6 +13,7 @@ import torch
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.routing.base import Router
 from flashspec_core.types import Arm, StepRecord
 from flashspec_core.verify import verify
 
@@ -22,7 +23,7 @@ ARM = Arm("prompt_lookup", 1)
 PROMPT = [8, 2, 8, 1, 8, 2, 8, 1, 8, 2]
 
 
-class Recording:
+class Recording(Router):
     """A router that always picks ARM and keeps what it was told, in order."""
 
     arms = (ARM,)

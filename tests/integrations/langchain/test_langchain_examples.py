@@ -14,6 +14,7 @@ import pytest
 from fakes import ScriptedEngine
 
 from flashspec_core import SpecEngine
+from flashspec_core.routing.base import Router
 from flashspec_integrations.langchain import ChatFlashSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
@@ -22,7 +23,7 @@ import langchain_agent  # noqa: E402
 import langchain_rag_chain  # noqa: E402
 
 
-class RecordingRouter:
+class RecordingRouter(Router):
     """Wraps an engine's router and records the domain of every `select` (one per decode step)."""
 
     def __init__(self, inner) -> None:

@@ -1,0 +1,85 @@
+"""The one Protocol every target runner implements: the engine and model drafts never know which one runs.
+
+A runner holds the KV cache of a batch of rows and keeps it in step with each row's token
+sequence: the caller says which tokens each row should hold (`forward_to`), and the runner works
+out what its cache already holds (the longest common prefix), rolls back what a rejected draft
+left and feeds the rest. That is how a rejected draft is undone and how a new request reuses the
+previous one's prefix.
+
+The members with bodies are defaults for abilities only some runners have (graph replays,
+measured kernels); a runner subclasses `TargetRunner` and overrides what it does, so the decode
+loop calls every member without asking first.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from flashspec_core.processors.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from flashspec_core.backends.calibration import Calibration
+
+
+class TargetRunner(Protocol):
+    """Runs a causal LM's forward over a batch of rows whose caches it keeps."""
+
+    device: torch.device
+    # The calibration measured for this runner on this machine (width -> kernel), set by the engine.
+    plan: Calibration | None = None
+    # Whether steps replay captured CUDA graphs (the engine then overlaps the router's learning
+    # with the GPU's work).
+    use_graphs: bool = False
+    # The widths (draft length + 1) a graphed runner was warmed for: greedy steps are padded up to
+    # one of them and sampled proposals cut to one (proposals.cut_to_lengths); () when any width runs.
+    widths: tuple[int, ...] = ()
+    # Seconds of one-time work (capturing a graph, growing the cache) spent so far: whichever step
+    # paid it is not charged for it (StepRecord.warmup_seconds).
+    warmup_seconds: float = 0.0
+
+    def begin(self, batch_size: int) -> None:
+        """A request of `batch_size` rows starts. A single prompt keeps what the previous
+        single-prompt request left, so `forward_to` reuses their common prefix; a batch starts afresh."""
+        ...
+
+    def reset(self, batch_size: int) -> None:
+        """Drop every row's cache and hold `batch_size` empty rows (also after a failed forward,
+        whose cache may hold half a step)."""
+        ...
+
+    def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
+        """How many leading tokens of `sequence` row `row` already holds (reusable as they are)."""
+        ...
+
+    def forward_to(self, sequences: Sequence[Sequence[int]], active: Sequence[bool] | None = None,
+                   keep_logits: int = 1) -> torch.Tensor:
+        """Make each active row hold `sequences[b]` and return the logits after each of its last
+        `keep_logits` tokens: [B, keep_logits, V] (inactive rows' logits are meaningless). Each
+        active row feeds at least `keep_logits` tokens; a row already holding its whole sequence
+        re-feeds its tail."""
+        ...
+
+    def warm(self, widths: Sequence[int]) -> None:
+        """Do now the one-time work of forwards `widths` wide (capture their graphs), so that no
+        request pays it. Nothing to do by default."""
+        return None
+
+    def verify_step(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
+                    active: Sequence[bool], sampling: SamplingParams, draft_probs: torch.Tensor | None = None,
+                    generator: torch.Generator | None = None,
+                    while_waiting: Callable[[], None] | None = None) -> tuple[list[int], list[list[int]]] | None:
+        """Forward and verify one step in one call (a graph replay): (accepted per row, tokens per
+        row), or None when this runner or this step cannot, and the engine runs `forward_to` and
+        `verify` instead. draft_probs: [B, γ, V] or None (one-hot). None by default."""
+        return None
+
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels a forward can run with, for the calibration to time on this machine; () for
+        a runner whose costs are not calibrated (the router learns them as it runs)."""
+        return ()
+
+    def use_kernel(self, name: str) -> None:
+        """Run the next forwards with kernel `name` (one of `kernels()`)."""
+        raise ValueError(f"kernel: this runner has no kernels to choose from; got {name!r}")
