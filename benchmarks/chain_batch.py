@@ -91,7 +91,7 @@ def main() -> None:
             "same": sum(a == b for a, b in zip(answers, seq_answers)),
         })
     env = {"cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
            "max_tokens": args.max_tokens, "questions": len(QUESTIONS), "repeats": args.repeats,
            "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
     print(f"chain.batch vs sequential invoke: {len(QUESTIONS)} RAG questions, greedy, max_tokens={args.max_tokens}, "

@@ -20,10 +20,10 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from flashspec_core.backends.calibration import machine_line
-from flashspec_core.backends.cpu_static import StaticCachedModel
-from flashspec_core.engine import SpecEngine
 from flashspec_core.backends.cpu_linear import STOCK
+from flashspec_core.backends.cpu_static import StaticCachedModel
 from flashspec_core.backends.hf import CachedModel
+from flashspec_core.engine import SpecEngine
 from flashspec_core.pool import load_target
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm

@@ -112,7 +112,7 @@ async def attempt(client: httpx.AsyncClient, url: str, body: dict, timeout: floa
     """One request: the response body, or what went wrong (no answer within `timeout` included)."""
     try:
         res = await asyncio.wait_for(client.post(url, json=body), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return f"no answer within {timeout:g} s"
     except httpx.HTTPError as exc:
         return f"{type(exc).__name__}: {exc}"

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import ast
 import operator
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from langchain.agents import create_agent
 from langchain.agents.middleware import ModelRequest, wrap_model_call

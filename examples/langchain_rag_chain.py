@@ -11,7 +11,7 @@ without retrieval follows for contrast. Each model call prints its domain and th
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from collections.abc import Sequence
 
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel

@@ -16,8 +16,8 @@ import argparse
 import ast
 import asyncio
 import operator
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from llama_index.core import Settings
 from llama_index.core.agent.workflow import FunctionAgent, ToolCallResult

@@ -11,8 +11,8 @@ downloaded. For every LLM call the script prints the domain and the draft the ro
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
 

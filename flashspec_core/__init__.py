@@ -22,8 +22,8 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from flashspec_core.engine import SpecEngine
-    from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
     from flashspec_core.processors.sampling import SamplingParams
+    from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 
 
 def __getattr__(name: str) -> Any:

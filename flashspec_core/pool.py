@@ -6,7 +6,7 @@ The embedded default target is loaded once per process and shared by every defau
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

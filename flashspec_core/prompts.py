@@ -5,7 +5,8 @@ the model sees exactly the format it was trained on.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 from transformers import PreTrainedTokenizerBase
 

@@ -2,7 +2,7 @@
 vocabulary, and, for a sampled step on CUDA graphs, a length some graph was warmed for."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

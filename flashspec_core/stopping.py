@@ -7,8 +7,8 @@ string, and any incomplete UTF-8 character.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
 

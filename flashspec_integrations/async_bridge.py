@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from typing import AsyncIterator, Callable, Iterator, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -27,9 +27,10 @@ import contextvars
 import threading
 import time
 import weakref
+from collections.abc import Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any
 
 from flashspec_integrations.calls import EngineCall, Outcome
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterator
+from typing import Any
 
 from flashspec_core import SamplingParams
 from flashspec_core.results import GenerationStats, StreamChunk

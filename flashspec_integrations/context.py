@@ -35,8 +35,9 @@ default a per-node split would only fragment statistics that the kind already se
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 JSON, TOOL, TOOL_RESULT, REACT, RAG = "json", "tool", "tool/result", "react", "rag"
 

@@ -15,7 +15,8 @@ back, so what a model reads in its history is what it is asked to write.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from flashspec_integrations.context import SYSTEM, TOOL_ROLE, normalize_role
 from flashspec_integrations.tool_calls import CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN

@@ -25,8 +25,9 @@ import inspect
 import json
 import re
 import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import dirtyjson
 

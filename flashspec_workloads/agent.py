@@ -25,8 +25,7 @@ import functools
 import random
 from typing import Literal
 
-from flashspec_workloads.common import (DEFAULT_MAX_NEW_TOKENS, Step, check_stream_args,
-                                        domain_order, unused)
+from flashspec_workloads.common import DEFAULT_MAX_NEW_TOKENS, Step, check_stream_args, domain_order, unused
 from flashspec_workloads.passages import Holdout, holdout_of, passages
 from flashspec_workloads.rag import TEMPLATES, questions_over, rag_messages, render_context
 from flashspec_workloads.sharegpt import Conversation, sharegpt_pool

@@ -12,8 +12,8 @@ Every runner maps (prompt token ids, max new tokens) to the new token ids, stopp
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from transformers import PreTrainedModel

@@ -16,9 +16,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from flashspec_workloads.common import DEFAULT_MAX_NEW_TOKENS, DOMAINS, Step, check_stream_args, domain_order, unused
 from flashspec_workloads.sharegpt import sharegpt_pool
-from flashspec_workloads.common import (DEFAULT_MAX_NEW_TOKENS, DOMAINS, Step, check_stream_args,
-                                        domain_order, unused)
 
 DATA_FILE = Path(__file__).with_name("data") / "agent_prompts.json"
 

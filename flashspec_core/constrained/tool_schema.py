@@ -9,7 +9,8 @@ the adapters parse the model's free output leniently.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 EMPTY_PARAMETERS: dict = {"type": "object", "properties": {}}
 FORCED_CHOICES = (None, "any", "required")

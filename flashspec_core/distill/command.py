@@ -8,8 +8,8 @@ from the checkpoint, and `--time-budget` / `--gen-time` bound the wall-clock tim
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 

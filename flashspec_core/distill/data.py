@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import random
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -54,7 +55,7 @@ class TokenSet:
         self.splits.append(split)
         self.prompt_lens.append(len(seq) if prompt_len is None else prompt_len)
 
-    def select(self, domain: str | None = None, split: str | None = None) -> "TokenSet":
+    def select(self, domain: str | None = None, split: str | None = None) -> TokenSet:
         """Rows of one domain ('all' or None: every domain) and/or one split."""
         out = TokenSet()
         for s, d, sp, p in zip(self.seqs, self.domains, self.splits, self.prompt_lens):
@@ -65,7 +66,7 @@ class TokenSet:
             out.append(s, d, sp, p)
         return out
 
-    def take(self, n: int) -> "TokenSet":
+    def take(self, n: int) -> TokenSet:
         out = TokenSet()
         for i in range(min(n, len(self))):
             out.append(self.seqs[i], self.domains[i], self.splits[i], self.prompt_lens[i])
@@ -90,7 +91,7 @@ class TokenSet:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "TokenSet":
+    def load(cls, path: str | os.PathLike) -> TokenSet:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"path: token file {str(path)!r} does not exist; make one with `flashspec-agents distill --export-prompts`")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from tqdm import tqdm

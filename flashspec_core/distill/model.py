@@ -11,8 +11,8 @@ keeps the draft's projection cheap; tokens outside it get q = 0, which verificat
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from safetensors import safe_open

@@ -10,8 +10,8 @@ costs one row gather per request and lets the draft copy what the trained subset
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -53,7 +53,7 @@ class TrainedDraft(ModelDraft):
 
     @classmethod
     def from_file(cls, path: str | Path, target: PreTrainedModel, pad_token_id: int = 0, name: str | None = None,
-                  prompt_vocab: bool = True) -> "TrainedDraft":
+                  prompt_vocab: bool = True) -> TrainedDraft:
         """Load weights written by `distill`; ValueError if they were trained for another target."""
         network, meta = load_draft(path, target)
         return cls(network, name or meta.get("name") or Path(path).stem, pad_token_id, prompt_vocab,

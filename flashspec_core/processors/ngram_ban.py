@@ -26,10 +26,9 @@ position's last size - 1 tokens, and the window's last token is banned where the
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-
 
 _JSON_PUNCTUATION = frozenset('"{}[]:,')
 

@@ -21,7 +21,7 @@ both tokens seen and penalty 1.3 both round to 18.5 and greedy picks token 0; HF
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-
 # Temperatures and penalties outside these bounds only produce overflow (logits / 1e-45 is ±inf
 # and the softmax NaN) or a distribution indistinguishable from greedy or uniform. vLLM clamps
 # temperatures below 0.01 for the same reason; here they are refused, so nothing is changed silently.

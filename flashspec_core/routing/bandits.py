@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from typing import Any, ClassVar, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 STATE_VERSION = 1
 
@@ -186,7 +187,7 @@ class Bandit:
         }
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any], seed: int | None = None) -> "Bandit":
+    def from_state(cls, state: Mapping[str, Any], seed: int | None = None) -> Bandit:
         """Rebuild a bandit from `export_state()` output."""
         if not isinstance(state, Mapping):
             raise ValueError(f"state must be a dict from export_state(), got {type(state).__name__}")

@@ -20,13 +20,13 @@ request's last token. Only finished steps are used (exactness invariant).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
-from flashspec_core.drafts.base import DraftSource
 from flashspec_core.backends.prefix import common_prefix
-from flashspec_core.proposals import cut_length
+from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.proposals import cut_length
 from flashspec_core.types import Arm, StepRecord
 
 _GREEDY = SamplingParams()  # deterministic drafts ignore sampling; built once, not per step

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from flashspec_core.routing.bandits import Bandit
 from flashspec_core.routing.forward_costs import ForwardCosts

@@ -10,7 +10,7 @@ decode width at two contexts (backends/calibration.py); this is the line through
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

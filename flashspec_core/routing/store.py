@@ -29,9 +29,10 @@ import sqlite3
 import threading
 import time
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Callable, Mapping, TypeVar
+from typing import TypeVar
 
 _T = TypeVar("_T")
 
@@ -102,7 +103,7 @@ class ArmDelta:
     goodput_sum: float = 0.0
     seconds_sum: float = 0.0
 
-    def add(self, other: "ArmDelta") -> None:
+    def add(self, other: ArmDelta) -> None:
         """Add `other`'s increments to these, every field (a field added later is summed too)."""
         for name in _DELTA_FIELDS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -398,7 +399,7 @@ class RouterStore:
         with self._lock:
             self._conn.close()
 
-    def __enter__(self) -> "RouterStore":
+    def __enter__(self) -> RouterStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

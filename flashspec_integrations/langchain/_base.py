@@ -8,7 +8,8 @@ cache are `flashspec_integrations.settings`; the domain rules are `flashspec_int
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.runnables.config import var_child_runnable_config

@@ -6,7 +6,8 @@ nothing else, and says so naming the message.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from llama_index.core.instrumentation.dispatcher import active_instrument_tags
 

@@ -6,7 +6,8 @@ Content a text-only model cannot read is an error naming the message, not silent
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from llama_index.core.base.llms.types import CachePoint, ChatMessage, TextBlock, ThinkingBlock, ToolCallBlock
 

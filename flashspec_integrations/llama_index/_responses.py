@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 from llama_index.core.base.llms.types import (
     ChatMessage,

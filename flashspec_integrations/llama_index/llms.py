@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (

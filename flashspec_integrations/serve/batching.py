@@ -8,8 +8,9 @@ that group's callers only.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from flashspec_core.results import GenerationResult
 from flashspec_integrations.serve.translate import Plan

@@ -16,8 +16,9 @@ at run time, and Serve's ingress wrapper would leave postponed ones unresolved.
 import asyncio
 import json
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import torch
 from fastapi import FastAPI, Request

@@ -48,7 +48,7 @@ class Message(_Open):
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
-    def _tool_result_names_its_call(self) -> "Message":
+    def _tool_result_names_its_call(self) -> Message:
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs 'tool_call_id', the id of the call it answers")
         if self.role == "function" and not self.name:

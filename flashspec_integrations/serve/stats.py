@@ -20,9 +20,10 @@ import sqlite3
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from flashspec_core.routing.router import BanditRouter
 from flashspec_core.routing.store import ArmDelta, DomainStats, RouterStore

@@ -20,19 +20,25 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from flashspec_core.constrained import compile_json_schema, tool_call_schema
 from flashspec_core.models import vocab_size
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.results import GenerationStats
 from flashspec_core.routing.domains import resolve_domain
-from flashspec_core.processors.sampling import SamplingParams
 from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
 from flashspec_integrations.prompts import json_instruction, render_prompt
-from flashspec_integrations.tool_calls import (ParsedCall, ToolCallStreamer, ToolChoice, normalize_tool_choice,
-                                               parse_tool_calls)
 from flashspec_integrations.serve.protocol import APIError, ChatCompletionRequest
+from flashspec_integrations.tool_calls import (
+    ParsedCall,
+    ToolCallStreamer,
+    ToolChoice,
+    normalize_tool_choice,
+    parse_tool_calls,
+)
 
 # OpenAI's defaults where a request leaves a sampling field out.
 OPENAI_TEMPERATURE, OPENAI_TOP_P = 1.0, 1.0

@@ -25,15 +25,25 @@ from __future__ import annotations
 import zlib
 
 import pytest
-from helpers import (ALPHA, BACKENDS, RandomRouter, check_exact, count_outcomes, g_test, on_backend, one_thread, tiny_llama,
-                     tiny_loaded)
+from helpers import (
+    ALPHA,
+    BACKENDS,
+    RandomRouter,
+    check_exact,
+    count_outcomes,
+    g_test,
+    on_backend,
+    one_thread,
+    tiny_llama,
+    tiny_loaded,
+)
 from laws import detectable_error, prefix_law
 from plants import planted_verify
 
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
-from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
 
 VOCAB, SCALE, LENGTH, MAX_NEW = 4, 0.5, 4, 6

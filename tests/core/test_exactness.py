@@ -23,14 +23,27 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from helpers import (ALPHA, BACKENDS, RandomRouter, break_residual, check_exact, check_rejects, count_outcomes, g_test,
-                     greedy_ids, next_logits, on_backend, one_thread, reference_probs)
+from helpers import (
+    ALPHA,
+    BACKENDS,
+    RandomRouter,
+    break_residual,
+    check_exact,
+    check_rejects,
+    count_outcomes,
+    g_test,
+    greedy_ids,
+    next_logits,
+    on_backend,
+    one_thread,
+    reference_probs,
+)
 from laws import marginal, prefix_law
 
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
-from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_core.verify import verify
 

@@ -15,9 +15,8 @@ import pytest
 import torch
 from helpers import idle_core_threads
 
-from flashspec_workloads.baselines import stock_default_model
-from flashspec_core.backends.native_layers import NATIVE
 from flashspec_core.backends.cpu_linear import BLOCKS
+from flashspec_core.backends.native_layers import NATIVE
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import vocab_size
@@ -25,6 +24,7 @@ from flashspec_core.pool import build_drafts
 from flashspec_core.prompts import encode_prompt
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
+from flashspec_workloads.baselines import stock_default_model
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from flashspec_core.backends.cuda_graph import GraphedModel
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import LoadedModel
-from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import Arm
 from flashspec_core.verify import verify_torch
 

@@ -10,12 +10,11 @@ import json
 
 import jsonschema
 import pytest
+from helpers import needs_sharegpt
 
 from flashspec_workloads import dev as workload
 from flashspec_workloads.dev import DOMAINS, Step, agent_prompts, demo_workload, dev_workload, rag_step
 from flashspec_workloads.sharegpt import split_of
-
-from helpers import needs_sharegpt
 
 
 def test_bad_arguments_are_named() -> None:

@@ -10,11 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import needs_sharegpt
 
 from flashspec_workloads import sharegpt
 from flashspec_workloads.sharegpt import iter_json_array, sharegpt_conversations, split_of
-
-from helpers import needs_sharegpt
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -11,12 +11,12 @@ from helpers import tiny_loaded
 
 from flashspec_core.backends import calibration
 from flashspec_core.backends.calibration import Calibration, calibrate, machine_line
-from flashspec_core.backends.cpu_static import StaticCachedModel
-from flashspec_core.backends.native_layers import NATIVE
 from flashspec_core.backends.cpu_linear import BLOCKS, PACKED, PackedLinear
+from flashspec_core.backends.cpu_static import StaticCachedModel
+from flashspec_core.backends.hf import CachedModel
+from flashspec_core.backends.native_layers import NATIVE
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
-from flashspec_core.backends.hf import CachedModel
 
 
 class SleepyRunner:

@@ -16,9 +16,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from flashspec_core.backends import make_runner, model_runner
 from flashspec_core.backends.cpu_static import CHUNK, INITIAL_LEN, StaticCachedModel
+from flashspec_core.backends.hf import CachedModel
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
-from flashspec_core.backends.hf import CachedModel
 from flashspec_core.models import LoadedModel
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import Arm

@@ -22,9 +22,9 @@ from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.drafts.trained import shipped_drafts
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import default_gguf_path, vocab_size
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.prompts import encode_prompt
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_workloads.baselines import LlamaCppGreedy
 

@@ -15,9 +15,9 @@ import torch
 from helpers import random_blocks, tiny_family, tiny_llama
 
 from flashspec_core.backends import blockq
+from flashspec_core.backends.cpu_linear import BLOCKS, PackedLinear, use_packed_linear
 from flashspec_core.backends.cpu_static import StaticCachedModel
 from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible
-from flashspec_core.backends.cpu_linear import BLOCKS, PackedLinear, use_packed_linear
 
 pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler for the block kernel")
 

@@ -11,12 +11,18 @@ import torch
 import xgrammar as xgr
 from test_constrained_exactness import EBNF, EOS, VOCAB
 
-from flashspec_core.constrained import (Constraint, Grammar, GrammarForcedDraft, allowed_from_bitmask,
-                                        parse_tool_call, tool_call_schema)
+from flashspec_core.constrained import (
+    Constraint,
+    Grammar,
+    GrammarForcedDraft,
+    allowed_from_bitmask,
+    parse_tool_call,
+    tool_call_schema,
+)
 from flashspec_core.engine import SpecEngine
+from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.routing.router import BanditRouter
-from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.types import NO_DRAFT, Arm
 
 PROMPT = [13, 11, 13]

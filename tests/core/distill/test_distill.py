@@ -11,7 +11,6 @@ import pytest
 import torch
 from helpers import tiny_loaded
 
-from flashspec_integrations.cli import main
 from flashspec_core.distill import train as train_module
 from flashspec_core.distill.card import update_card_section
 from flashspec_core.distill.command import run_distill
@@ -25,6 +24,7 @@ from flashspec_core.drafts.trained import TrainedDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import Arm
+from flashspec_integrations.cli import main
 
 VOCAB = 64
 EOS = VOCAB - 1

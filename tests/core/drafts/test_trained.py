@@ -18,8 +18,8 @@ from flashspec_core.distill.model import DraftNetwork, IncompatibleDraft, save_d
 from flashspec_core.drafts import DraftSource
 from flashspec_core.drafts.trained import TrainedDraft, shipped_drafts
 from flashspec_core.engine import SpecEngine
-from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
+from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import Arm
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -2,7 +2,7 @@
 greedy = HF generate with the same ban over the output."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch

@@ -12,8 +12,13 @@ from helpers import reference_probs
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from flashspec_core.processors.sampling import (SamplingParams, greedy_argmax, logprobs_from_logits, probs_from_logits,
-                                     sample_from_probs)
+from flashspec_core.processors.sampling import (
+    SamplingParams,
+    greedy_argmax,
+    logprobs_from_logits,
+    probs_from_logits,
+    sample_from_probs,
+)
 
 
 @st.composite

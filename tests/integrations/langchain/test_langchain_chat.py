@@ -8,10 +8,10 @@ import time
 
 import pydantic.v1
 import pytest
+from fakes import ScriptedEngine, tiny_engine
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import RunnableLambda
 from langchain_core.tools import tool
-from fakes import ScriptedEngine, tiny_engine
 from pydantic import BaseModel, Field
 
 from flashspec_integrations import settings

@@ -5,8 +5,8 @@ import asyncio
 from typing import Any
 
 import pytest
-from langchain_core.callbacks import BaseCallbackHandler
 from fakes import ScriptedEngine, tiny_engine
+from langchain_core.callbacks import BaseCallbackHandler
 
 from flashspec_integrations.langchain import FlashSpecLLM
 

@@ -15,14 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from fakes import ScriptedEngine
 from llama_index.core import Settings
 from llama_index.core.agent.react.formatter import ReActChatFormatter
 from llama_index.core.agent.workflow import FunctionAgent, ReActAgent
 from llama_index.core.tools import FunctionTool
-from fakes import ScriptedEngine
 
-from flashspec_integrations.llama_index import FlashSpecLLM
-from flashspec_integrations.llama_index import record_steps
+from flashspec_integrations.llama_index import FlashSpecLLM, record_steps
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 # A ReAct header short enough for a 135M model to keep the format in view.

@@ -5,16 +5,15 @@ import asyncio
 import time
 
 import pytest
+from fakes import CONTEXT, ScriptedEngine, tiny_engine
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, TextBlock
 from llama_index.core.callbacks import CallbackManager, CBEventType
 from llama_index.core.callbacks.base_handler import BaseCallbackHandler
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
-from fakes import CONTEXT, ScriptedEngine, tiny_engine
 
-from flashspec_integrations.llama_index import FlashSpecLLM
+from flashspec_integrations.llama_index import FlashSpecLLM, record_steps
 from flashspec_integrations.llama_index._responses import PARTIAL
-from flashspec_integrations.llama_index import record_steps
 
 USER = [ChatMessage(role="user", content="hello there")]
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fakes import ScriptedEngine
 from llama_index.core.agent.react.formatter import ReActChatFormatter
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.instrumentation.dispatcher import instrument_tags
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.prompts.default_prompt_selectors import DEFAULT_REFINE_PROMPT_SEL, DEFAULT_TEXT_QA_PROMPT_SEL
 from llama_index.core.tools import FunctionTool
-from fakes import ScriptedEngine
 
 from flashspec_integrations.llama_index import FlashSpecLLM
 

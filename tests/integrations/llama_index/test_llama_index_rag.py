@@ -6,13 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
 from fakes import tiny_engine
+from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
 
-from flashspec_integrations.llama_index import FlashSpecLLM
 from flashspec_integrations.hashing import hashed_vector
-from flashspec_integrations.llama_index import HashingEmbedding
-from flashspec_integrations.llama_index import record_steps
+from flashspec_integrations.llama_index import FlashSpecLLM, HashingEmbedding, record_steps
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 DOCS = EXAMPLES / "docs"
