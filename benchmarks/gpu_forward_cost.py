@@ -100,7 +100,7 @@ def measure(shape: str, widths: list[int], context: int, reps: int, dtype: torch
             for _ in range(3):
                 runner.forward_to([path], keep_logits=w)
             out[label][w] = median_ms(lambda: runner.forward_to([path], keep_logits=w), reps)
-    del model
+    model = None  # the closures above hold it: freed before the cache is emptied
     torch.cuda.empty_cache()
     return {"ms": out, "capture_s": capture}
 

@@ -21,9 +21,11 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from flashspec_core.engine import SpecEngine
-    from flashspec_core.processors.sampling import SamplingParams
-    from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
+    from flashspec_core.engine import SpecEngine as SpecEngine
+    from flashspec_core.processors.sampling import SamplingParams as SamplingParams
+    from flashspec_core.results import GenerationResult as GenerationResult
+    from flashspec_core.results import GenerationStats as GenerationStats
+    from flashspec_core.results import StreamChunk as StreamChunk
 
 
 def __getattr__(name: str) -> Any:

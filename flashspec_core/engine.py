@@ -188,9 +188,9 @@ class SpecEngine:
         prompts = list(prompt) if batch else [prompt]
         if not prompts:
             raise ValueError("prompt: the batch is empty; pass at least one prompt")
-        state = None
-        for state, _ in self._run(prompts, max_new_tokens, sampling, stop, domain, hint, json_schema):
-            pass
+        state: RequestState | None = None
+        for step_state, _ in self._run(prompts, max_new_tokens, sampling, stop, domain, hint, json_schema):
+            state = step_state
         assert state is not None  # a request decodes at least one step
         results = [
             GenerationResult(r.text, list(r.token_ids), r.finish_reason or "length", s, prompt_tokens=s.prompt_tokens)

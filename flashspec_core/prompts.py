@@ -6,11 +6,11 @@ the model sees exactly the format it was trained on.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-PromptLike = Union[str, Sequence[dict], Sequence[int]]
+PromptLike = str | Sequence[dict] | Sequence[int]
 
 
 def _is_messages(obj: Any) -> bool:

@@ -58,7 +58,7 @@ def continue_prompts(
     out = TokenSet()
     start = time.perf_counter()
     bar = tqdm(batches, desc="target continuations", unit="batch", disable=not progress)
-    for n, batch in enumerate(bar):
+    for batch in bar:
         if time_budget is not None and time.perf_counter() - start > time_budget:
             break
         width = max(len(prompts.seqs[i]) for i in batch)

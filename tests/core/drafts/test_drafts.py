@@ -185,6 +185,7 @@ def _check_model_draft(tiny_draft_model, contexts, gamma, steps, sampling, seed,
     draft = ModelDraft(tiny_draft_model, name="tiny", pad_token_id=15, max_context=max_context)
     draft.begin(contexts)
     gen = torch.Generator().manual_seed(seed)
+    tokens: list[list[int]] = []  # the previous step's proposal
     for keep, corrections in [(None, None)] + steps:
         if keep is not None:  # the engine's next step: verified prefix of the proposal + a new token
             contexts = [c + t[:keep] + fix for c, t, fix in zip(contexts, tokens, corrections)]
