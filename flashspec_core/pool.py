@@ -82,9 +82,8 @@ def build_drafts(
 
 
 # The γ of every draft's arms. A CPU pays for each drafted token in verify time (calibration
-# measures how much); on a GPU a graphed pass over 17 tokens costs what one over 2 does, so γ = 16
-# is free where a copy runs long (H200, BENCHMARKS.md "GPU": the router with it 852 tok/s, 751
-# without, greedy; 595 and 528 at T = 0.7).
+# measures how much); on a GPU a graphed pass over 17 tokens costs about what one over 2 does, so
+# γ = 16 costs nothing extra where a copy runs long.
 CPU_GAMMAS = (2, 4, 8)
 GPU_GAMMAS = (2, 4, 8, 16)
 
@@ -100,10 +99,9 @@ def default_drafts(target: LoadedModel | None = None) -> list[DraftSource]:
     (it proposes only under a `json_schema`), plus, on the CPU, the shipped trained drafts
     (flashspec_core/drafts/weights) that were made for `target`.
 
-    On a GPU the trained drafts are left out: their token-by-token loop (a host sync per token, the
-    head re-captured per request) cost 2.6 ms of drafting per step on an H200, more than the graphed
-    target's whole step (2.0 ms), and pinned they ran below plain decoding (BENCHMARKS.md, "GPU").
-    Pass them in `drafts=` to use them anyway.
+    On a GPU the trained drafts are left out: their token-by-token loop syncs with the host per
+    drafted token, which costs more than the graphed target's whole step, so they run below plain
+    decoding there. Pass them in `drafts=` to use them anyway.
     """
     pool: list[DraftSource] = [PromptLookupDraft(), SuffixCacheDraft(), GrammarForcedDraft()]
     if target is not None and target.model.get_output_embeddings().weight.device.type == "cpu":

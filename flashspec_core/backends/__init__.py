@@ -43,12 +43,11 @@ def resolve_backend(backend: str, target: LoadedModel) -> str:
     On CUDA: "cuda-graph" (static cache, graph replays; `cuda_graph.py`) for Llama-family models,
     transformers' eager forward otherwise. On the CPU: transformers, also for GGUF targets (over
     a static cache for Llama-family models, `cpu_static.py`).
-    llama.cpp is opt-in (`backend="llama.cpp"`): it decodes one token 3x faster than transformers'
-    fp32 forward here, but its prompt processing is 2.4x slower, a verify pass of 5 tokens costs
-    3.5 one-token steps (1.5 for transformers), and its logits depend on how a prompt was batched
-    (64+ token passes round differently), so a repeated greedy request that reuses the cached
-    prefix can come out differently from the first (llama.cpp's own prompt cache does the same).
-    BENCHMARKS.md "CPU backends" has the measurements.
+    llama.cpp is opt-in (`backend="llama.cpp"`): it decodes one token faster than transformers'
+    fp32 forward, but processes prompts more slowly, a verify pass costs several one-token steps,
+    and its logits depend on how a prompt was batched (64+ token passes round differently), so a
+    repeated greedy request that reuses the cached prefix can come out differently from the first
+    (llama.cpp's own prompt cache does the same).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
@@ -92,8 +91,7 @@ def _eager_runner(model: nn.Module, pad_token_id: int, gguf: str | None = None) 
 
 def model_runner(model: nn.Module, pad_token_id: int) -> TargetRunner:
     """The runner for a model draft: CUDA graphs where the target would get them, else eager (the
-    static cache on the CPU: a shipped 2-layer draft's step took 2.6 ms instead of 3.5 after 2.3k
-    tokens, BENCHMARKS.md "CPU static cache")."""
+    static cache on the CPU, which spares a small draft's step a copy of its cache)."""
     if _graphable(model):
         from flashspec_core.backends.cuda_graph import GraphedModel
 

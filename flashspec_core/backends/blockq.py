@@ -2,8 +2,8 @@
 
 Why: on a CPU a decode step is bound by the bytes of weights it reads. The default model ships as
 a GGUF file whose layers are Q4_1 blocks (and its tied embedding Q8_0); transformers de-quantises
-them into an fp32 copy 5x larger, which every step then streams from memory (24 ms of a 46 ms
-step of the default model on a 2-core Xeon). The fp32 weights are exactly the blocks' values
+them into an fp32 copy 5x larger, which every step then streams from memory (about half of a
+step of the default model). The fp32 weights are exactly the blocks' values
 (d*q + m in fp32), so a kernel that multiplies by those values straight from the blocks computes
 the same fp32 function of the same weights; only the order of its sums differs, as it does
 between MKL's one-row and many-row kernels. `gguf_weights.attach` checks, per layer, that the

@@ -1,8 +1,8 @@
 """Measure, on the machine at hand, what a target forward costs at each width, and which kernel wins.
 
 Why: a speed-up measured on one CPU is not a property of the product. oneDNN's packed linear
-layers made a 5-token verify pass cost one decode step on an AMD EPYC and were slower than stock
-at every width on a Sapphire Rapids Xeon; the two machines call for opposite choices. So at first
+layers can make a 5-token verify pass cost one decode step on one CPU and run slower than stock
+at every width on another; two machines can call for opposite choices. So at first
 load the runner's candidate kernels are timed at the widths the engine feeds (1 and γ+1 for each
 γ, plus a prefill chunk), the fastest is kept per width, and the result is cached per CPU
 fingerprint, model shape and backend in the cache folder. The router's cost model starts from the
@@ -64,9 +64,9 @@ class Calibration:
         """The kernel kept for the smallest measured width at least `width` (the largest past all).
 
         Rounding up sends every prompt chunk wider than the verify widths to the prefill chunk's
-        choice. Nearest-width sent a 30-token prompt to the 9-token choice: on a Xeon that was
-        oneDNN's packed kernel, which builds a new primitive for each new row count, and the
-        prefill of a new 47-token chat prompt took 0.39 s instead of 0.04.
+        choice. Nearest-width would send a 30-token prompt to the 9-token choice, which may be
+        oneDNN's packed kernel: it builds a new primitive for each new row count, and a short
+        prompt's prefill then costs many times what it should.
         """
         wider = [w for w in self.best if w >= width]
         return self.best[min(wider) if wider else max(self.best)]

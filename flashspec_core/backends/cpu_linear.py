@@ -1,17 +1,15 @@
 """A CPU linear layer whose cost barely grows with the number of rows, so verifying γ+1 tokens pays.
 
 Why: with fp32 weights on CPU, `F.linear` on 1–4 rows runs as row-by-row GEMV on one thread and
-streams the whole weight matrix from memory once per row; a forward of the default model then
-costs 61 ms for 1 token and 121 ms for 3 (2 cores, MKL; BENCHMARKS.md, "CPU forward cost"). The
-same weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
-the packing torch.compile's CPU backend uses for frozen linears) is read once per call whatever the
-row count, split over the cores: 39 ms for 1 token, 40 ms for 5 and 46 ms for 9. The reduction
+streams the whole weight matrix from memory once per row, so a forward of 3 tokens can cost twice
+one of 1. The same weight reordered once into oneDNN's blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, the packing torch.compile's CPU backend uses for frozen
+linears) is read once per call whatever the row count, split over the cores. The reduction
 over `in` is the same dot product; only the kernel changes, which moves results by float rounding
 (the greedy tests against a stock model's `generate` cover it).
 
-Whether packing pays depends on the CPU: on an AMD EPYC it made a 5-token forward cost one
-token's (40 ms against 76 stock); on a Sapphire Rapids Xeon it was slower than stock at every
-width (BENCHMARKS.md). So the swap only installs the choice; which kernel runs a forward of a
+Whether packing pays depends on the CPU: on some it makes a 5-token forward cost one token's, on
+others it is slower than stock at every width. So the swap only installs the choice; which kernel runs a forward of a
 given width is decided per machine by measurement (`backends/calibration.py`) through the shared
 `KernelChoice` every swapped layer reads.
 
@@ -140,8 +138,8 @@ def project(x: torch.Tensor, layers: tuple[nn.Module, ...], stacked: bool = Fals
     """[layer(x) for layer in layers] (`stacked`: concatenated along the last dim), in one block-kernel
     call when all of them run from GGUF blocks.
 
-    Why: a decode step of the default model makes 211 linear calls, and on 2 cores each call of the
-    block kernel costs ~10 µs beyond its arithmetic (the OpenMP fork and join, the ctypes call); q,
+    Why: a decode step of the default model makes 211 linear calls, and each call of the block
+    kernel costs a fixed overhead beyond its arithmetic (the OpenMP fork and join, the ctypes call); q,
     k and v (and gate and up) read the same input, so their blocks are stacked into one weight once
     and computed in one call. Each output row is still its own dot product, summed in the same order
     as in a call of its own, so the results are identical. x: [..., in].

@@ -1,12 +1,11 @@
 """A Llama-family target on the CPU over a static KV cache, attending only over the live slots.
 
 Why: transformers' `DynamicCache` appends each step's keys and values with `torch.cat`, so every
-decode step copies the whole cache of every layer; after a 2.3k-token prompt that was 11-26 ms
-of a 55-70 ms step of the default model (profiled twice on a 2-core Xeon). Here the cache is `StaticLlama`'s preallocated
+decode step copies the whole cache of every layer, a large part of a step after a long prompt.
+Here the cache is `StaticLlama`'s preallocated
 [B, H_kv, S, D] per layer: a step writes its keys and values in place, and attention reads the
 live slice [:, :, :L] (L = 1 + the largest position fed) as a view, with no mask at all for one
-token per row and SDPA's own causal mask for a prompt fed from empty (BENCHMARKS.md, "CPU static
-cache"). Rolling back is moving a row's length; the cache doubles when a request needs more.
+token per row and SDPA's own causal mask for a prompt fed from empty. Rolling back is moving a row's length; the cache doubles when a request needs more.
 
 The bookkeeping (rows, prefix reuse across requests, rollback, growth) is `GraphedModel`'s, run
 without graphs; the forward is `StaticLlama`'s on the model's own submodules (`fuse=False`), so
@@ -87,9 +86,8 @@ class StaticCachedModel(LinearKernels, GraphedModel):
             start = max(len(h) for h in self.held)
             # From empty, one pass (SDPA's causal mask skips the blocks above the diagonal); after
             # a reused prefix, slices of CHUNK columns, so the explicit mask wastes only the
-            # blocks above each slice's diagonal instead of above the whole feed's. (2k tokens
-            # after 64 reused, 2 cores: 512-column slices cost 4% more than one causal pass over
-            # all 2k, 256-column ones 13%, one masked pass ~30%.)
+            # blocks above each slice's diagonal instead of above the whole feed's (one masked pass
+            # over a long feed costs far more than slices of CHUNK columns).
             step = width if start == 0 else CHUNK
             self._use_planned_kernel(min(width, step) * max(1, sum(active)))
             hidden = torch.cat([self.static.hidden(host[0, :, c:c + step], host[1, :, c:c + step],

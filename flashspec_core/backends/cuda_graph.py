@@ -1,8 +1,8 @@
 """A target on CUDA: static KV cache, one CUDA graph per (batch, width), greedy verify in the graph.
 
-Why: eagerly, a forward of a small model is hundreds of kernel launches from Python (~25 us each
-on an H200), so the GPU idles and a step costs ~30 ms whatever the model's arithmetic; replayed
-from a CUDA graph the same forward costs ~3 ms (BENCHMARKS.md, "GPU"). The forward runs over
+Why: eagerly, a forward of a small model is hundreds of kernel launches from Python, so the GPU
+idles and a step costs the launches whatever the model's arithmetic; replayed from a CUDA graph
+the same forward costs a fraction of that. The forward runs over
 `StaticLlama`'s fixed buffers; a step copies ids and positions into the graph's input buffers,
 replays, and, in greedy mode, the same graph takes the argmax at every position and counts the
 accepted prefix, so the host reads back one small tensor: [n_accepted, tokens...] per row.
@@ -36,9 +36,9 @@ PLACEHOLDER = -1  # a host record's token fed from the device and not read back 
 SCRATCH = 32  # slots at the end of every row kept for warm-up and capture (widths <= SCRATCH)
 INITIAL_LEN = 2048
 # Prompt chunks wider than every decode width replay a graph of this width once per piece. Eagerly,
-# a prompt forward costs ~20 ms on an H200 whatever its length (launches), and ~90 ms the first
-# time its length is met (cuBLAS and attention pick kernels per shape), which is most requests of
-# an agent: each feeds a prompt of a new length past the prefix it reuses.
+# a prompt forward costs its launches whatever its length, and several times more the first time
+# its length is met (cuBLAS and attention pick kernels per shape), which is most requests of an
+# agent: each feeds a prompt of a new length past the prefix it reuses.
 PREFILL_WIDTH = 256
 
 
@@ -75,7 +75,7 @@ class GraphedModel(TargetRunner):
         self.captures = 0  # how many graphs were captured (warm-up cost, reported by benchmarks)
         # Seconds spent capturing graphs and growing the cache: one-time costs that land inside
         # whichever step triggered them; the engine tells the router, which must not charge them
-        # to that step's arm (a 0.2 s capture is a hundred 2 ms steps).
+        # to that step's arm (one capture costs as much as a hundred steps).
         self.warmup_seconds = 0.0
         self.widths: tuple[int, ...] = ()  # greedy steps are padded up to one of these (see warm)
         self.prefill_width = 0  # set by warm: wider chunks replay a graph of this width per piece
@@ -147,8 +147,8 @@ class GraphedModel(TargetRunner):
 
         A pool whose graphs have all been released cannot take a new capture: the caching
         allocator asserts (`use_count > 0`) when one is begun into it. Whether the old graphs are
-        gone by then depends on the garbage collector, so a recapture after growth failed in the
-        server on the H200 (every request after the first 2k-token prompt) and not in a test.
+        gone by then depends on the garbage collector, so a recapture after growth could fail in a
+        long-running server and not in a short test.
         """
         self._graphs.clear()
         if self.use_graphs:
@@ -181,9 +181,8 @@ class GraphedModel(TargetRunner):
         `prefill_width` (0: none), which then runs every wider chunk piece by piece.
 
         Why pad: a copy draft proposes anywhere from 1 to γ tokens, so unpadded steps would need a
-        graph per width, each captured (0.1-0.3 s) in the middle of some request. On a GPU a pass
-        over 9 tokens costs what one over 3 does (BENCHMARKS.md, "target forward cost by width"),
-        and padded columns cannot change the result: they sit after the row's real tokens, which
+        graph per width, each captured (a hundred steps' time) in the middle of some request. On a
+        GPU a pass over 9 tokens costs about what one over 3 does, and padded columns cannot change the result: they sit after the row's real tokens, which
         causal attention never lets them influence, and their draft slots hold -1, which no
         target token equals, so they are never accepted.
         """

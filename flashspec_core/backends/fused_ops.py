@@ -1,7 +1,7 @@
 """Triton kernels that merge the small element-wise steps of a Llama layer, for CUDA-graph replay.
 
-Why: replayed from a graph, a small model's forward costs about one 2-4 us slot per kernel,
-whatever the kernel does (BENCHMARKS.md, "GPU"), and the element-wise glue between the matrix
+Why: replayed from a graph, a small model's forward costs about one fixed slot per kernel,
+whatever the kernel does, and the element-wise glue between the matrix
 products (residual adds, norms, the rotation, the cache writes, the gate) was most of the ~20-25
 kernels of a layer. Here each group of glue is one kernel:
 

@@ -68,7 +68,7 @@ def attach(model: nn.Module, gguf_path: str | Path) -> int:
     """Attach to each `PackedLinear` of `model` the blocks of its weight in `gguf_path`; returns how
     many layers got them (0 when the file's architecture or block types are not ones the kernel reads).
 
-    The file is read once per model (4 s for the default model on 2 cores): every runner built on
+    The file is read once per model (seconds for the default model): every runner built on
     the same model later counts the blocks its layers still hold.
     """
     import gguf

@@ -2,8 +2,8 @@
 
 Why: on a CPU, decoding is bound by the bytes of weights read per token. The default model ships
 as a 4-bit GGUF file; llama.cpp reads it at 4 bits where transformers reads the de-quantised fp32
-copy, eight times the bytes, so llama.cpp decodes several times faster on the same cores
-(BENCHMARKS.md, "CPU backends"). It is also what CPU users run already (Ollama, LM Studio).
+copy, eight times the bytes, so llama.cpp decodes several times faster on the same cores.
+It is also what CPU users run already (Ollama, LM Studio).
 
 The runner keeps the `TargetRunner` contract (base.py): `forward_to(sequences, ...)` makes each row
 of the llama.cpp context hold exactly `sequences[b]` and returns the logits after its last
@@ -236,7 +236,7 @@ class LlamaCppModel(TargetRunner):
         return logits
 
 
-# ggml variants built with AMX tile instructions. On the Sapphire Rapids VMs seen here their
+# ggml variants built with AMX tile instructions. On some Sapphire Rapids virtual machines their
 # batched matrix product dies with SIGILL at the first `tileloadd` (llama.cpp's own tools too),
 # so they are passed over for the next-best variant the CPU supports (AVX-512 BF16/VNNI there).
 _AMX_VARIANTS = ("sapphirerapids",)

@@ -1,8 +1,8 @@
 """A `StaticLlama`'s layer stack in one native call, where every layer runs from GGUF blocks.
 
-Why: with its products read from blocks (`blockq.py`) a one-token forward of the default model
-on a 2-core Xeon spent ~10 ms in the 210 products and ~25 ms in the ~30 torch ops per layer
-around them and the Python calling them. `decode_layers.c` runs the whole stack (norms, q|k|v,
+Why: with its products read from blocks (`blockq.py`), a one-token forward of the default model
+spends more time in the ~30 small torch ops per layer around the products, and the Python
+calling them, than in the products themselves. `decode_layers.c` runs the whole stack (norms, q|k|v,
 rotation and cache writes, attention over the live slots, o, gate|up, SiLU, down, residual adds)
 in one OpenMP region over the same blocks and the same cache tensors, in fp32, step for step as
 transformers computes it (its docstring says where the rounding may differ). The embedding, the
@@ -99,7 +99,7 @@ class NativeLayers:
     def _stamp_now(self) -> tuple[list, list[int]]:
         """What the table depends on, read cheaply on every forward: each projection's weight and
         attached blocks and the cache's tensor lists (by identity), and the weights' versions (an
-        in-place edit). Checking the blocks themselves (`_weights`) took 1.2 ms a forward."""
+        in-place edit). Checking the blocks themselves (`_weights`) would cost a sizeable part of a forward."""
         ps = self._projections
         objects = [p._parameters["weight"] for p in ps] + [p._blocks for p in ps] + [self.static.keys,
                                                                                     self.static.values]

@@ -4,9 +4,9 @@ Why xgrammar (measured by `benchmarks/constrained.py --engines` on the default 4
 and a realistic nested tool-call schema, CPU; see docs/constrained.md for the numbers):
 
 - speed: it precomputes per-state token masks at compile time, so filling one 49k-token mask and
-  advancing the matcher costs ~7 µs per token on average (llguidance ~37 µs; outlines-core
-  ~0.2-0.3 ms, after a 0.6-1.2 s regex index build per schema). Compilation takes ~10-40 ms per
-  schema and is cached per (tokenizer, schema).
+  advancing the matcher costs a few microseconds per token, several times less than llguidance
+  and far less than outlines-core (which also builds a regex index per schema first).
+  Compilation is cached per (tokenizer, schema).
 - features speculation needs, built in: `rollback` (masks are computed along a draft path and then
   undone), `fork`, and `find_jump_forward_tokens` (the tokens the grammar forces, which the
   grammar-forced draft proposes).

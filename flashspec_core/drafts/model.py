@@ -26,8 +26,8 @@ class ModelDraft(DraftSource):
 
     max_context: the draft reads at most this many of a row's latest tokens when it starts on the
     row (None: all). Starting on a row costs a prefill of what it reads, paid every time the
-    router tries the draft in a request: on a 2-core CPU a 2-layer draft's prefill of a 1.3k-token
-    retrieval prompt took 0.1-0.3 s, ten to twenty plain steps. The window then grows with the
+    router tries the draft in a request, and after a long retrieved document that prefill costs
+    many plain steps of the target. The window then grows with the
     row up to twice this, and moves to the latest `max_context` tokens (another prefill) past
     that. Any draft keeps the output exact; the window changes only what it proposes.
     """

@@ -52,7 +52,7 @@ def lookup_continuation(context: Sequence[int], gamma: int, max_ngram: int, min_
 class _Mirror:
     """One row's context as text (`_as_text`), extended while the row grows instead of rebuilt.
 
-    Converting costs ~10 ns a token (30 µs at 3k tokens), and a row is looked up twice a step
+    Converting costs time linear in the context, and a row is looked up twice a step
     (the engine's arm, then the router scoring the draft after the fact) while it grows by a few
     tokens. The text is reused only when a C-level list comparison proves that the new context
     is `tokens` (the context it was built from) followed by what it added: a new request, a

@@ -62,10 +62,10 @@ class TrainedDraft(ModelDraft):
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
         """Note the head for this request: the trained subset plus the prompts' tokens, except on
         CUDA graphs, where the head stays the trained subset: a head of another size is another
-        forward, and recapturing the draft's graphs per request (0.1-0.3 s each) would cost more
-        than the prompt's tokens win. It is built at the request's first proposal: selecting its
-        rows of the target's head took 4-6 ms per draft per request on a 2-core Xeon after a
-        900-token prompt, paid by every request even where the router never runs the draft."""
+        forward, and recapturing the draft's graphs per request would cost more than the prompt's
+        tokens win. It is built at the request's first proposal: selecting its rows of the
+        target's head costs milliseconds after a long prompt, which every request would otherwise
+        pay even where the router never runs the draft."""
         widen = self.prompt_vocab and not getattr(self._runner, "use_graphs", False)
         self._head_tokens = [t for p in prompts for t in p] if widen else None
         self._head_pending = True

@@ -22,7 +22,7 @@ distribution autoregressive decoding samples from. The ban is HF's `NoRepeatNGra
 HF's processor walks the output in Python at every call; here the output lives on the logits'
 device (`OutputTokens`, appended to each step) and all positions of all rows are banned by a few
 tensor ops with no host sync: every window of `size` tokens of the path is compared with each
-position's last size - 1 tokens, and the window's last token is banned where they match (issue 14).
+position's last size - 1 tokens, and the window's last token is banned where they match.
 """
 from __future__ import annotations
 

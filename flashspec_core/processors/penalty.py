@@ -13,7 +13,7 @@ with the penalty samples from, and the output law is unchanged by speculation.
 
 The set of tokens seen so far lives on the logits' device (`SeenTokens`, [B, V] bool): built once
 from the prompts, and each step only the committed tokens are added. A step then costs device ops
-and an O(γ) host list of draft ids, not a walk over the whole sequence in Python (issue 14).
+and an O(γ) host list of draft ids, not a walk over the whole sequence in Python.
 
 The penalty is computed in float32 whatever the model's dtype, as HF `generate` computes it (it
 casts the logits to float32 before any processor). In bfloat16, bf16 logits [24.0, 24.125] with

@@ -94,7 +94,7 @@ class DomainState:
 
         This price is charged to every copy-draft proposal of that size scored after the fact,
         and only sizes the router runs are measured again, so one slow pass must not set it: a
-        Triton kernel compiled at its first use (0.36 s on an H200, against a 2 ms step) or a
+        Triton kernel compiled at its first use (hundreds of times a step's cost) or a
         garbage-collector pause priced a size, and with it the copy drafts of a whole domain, out
         for the rest of a run. Hence the median, and the bound: a pass over fewer tokens does not
         cost more than one over more.

@@ -3,10 +3,10 @@
 The router prices steps it did not run (a copy draft scored after the fact, a smaller γ of a model
 draft) at what a verify pass of their width costs. A pass costs more the longer the cached
 context: its attention reads every cached key and value once per pass, and more so for a wider
-pass. Priced at the calibration's 256-token context, a 3-token pass cost 12.5 ms on the dev
-machine where the RAG steps' 1.3k-token contexts made it 25.7 ms, so prompt lookup, never run
-there, was scored 2.8x plain decoding and ran at 1.4x. The calibration therefore times every
-decode width at two contexts (backends/calibration.py); this is the line through them.
+pass. Priced at a short context only, a pass after a long retrieved document costs about twice
+its price, so a copy draft never run there is scored far above what it would run at. The
+calibration therefore times every decode width at two contexts (backends/calibration.py); this
+is the line through them.
 """
 from __future__ import annotations
 

@@ -226,19 +226,16 @@ class BanditRouter(Router):
         in every domain (Thompson sampling only; arms not given keep the optimistic default).
 
         Why: an untried model draft is presumed twice as productive as plain decoding, so every γ
-        of every model draft is run a few times in every domain to disprove it. Where the target's
-        forward is cheap next to drafting (a 2-layer draft's token cost a fifth of the default
-        target's step on a 2-core CPU once the target's layers ran natively) those pulls were the
-        router's main loss. `routing/priors.py` prices a draft's measured acceptance at this
-        machine's measured costs. Needs the calibrated one-token cost (set_forward_costs) first.
+        of every model draft is run a few times in every domain to disprove it; where the target's
+        forward is cheap next to drafting, those pulls cost more than the draft ever wins.
+        `routing/priors.py` prices a draft's measured acceptance at this machine's measured costs.
+        Needs the calibrated one-token cost (set_forward_costs) first.
 
         An arm expected below plain decoding's goodput is not offered at all. Its draft's accepted
         lengths were measured on prompts like those it was trained on, its best case, so where
         even they do not pay on this machine the arm is not expected to win anywhere, and each try
-        costs a prefill of the request: on a 2-core Xeon the Thompson posterior of six such arms
-        (two trained drafts at γ 2, 4, 8, priced 0.47-1.03x plain decoding from their cards, run
-        at 0.1-0.7x) had one of them beat the best arm on about every other step until each had a
-        few bad steps, 22 of a new domain's first 32 steps.
+        costs a prefill of the request: a posterior over several such arms lets one of them beat
+        the best arm on many steps of a new domain before each has had a few bad steps.
         """
         with self._lock:
             plain = self._costs.at_width(1)
@@ -364,10 +361,8 @@ class BanditRouter(Router):
             ran = self._index[record.arm]
             t = state.tallies[ran]
             # A model draft's catch-up (its prefill of what it has not seen) is charged to its arm:
-            # the router pays it every time it tries the draft in a request, and on a 1.3k-token
-            # retrieval prompt that was 0.1-0.3 s, ten to twenty plain steps (when it was left out,
-            # the trained drafts were tried 7-12 times per domain in 8 measured steps on a 2-core
-            # Xeon, at 4-22 tokens/s a step).
+            # the router pays it every time it tries the draft in a request, and after a long
+            # retrieval prompt it costs many plain steps; left out, the router would keep trying it.
             rounds[0][ran] = self._reward(scale, record.emitted / t.mean_seconds(seconds))
             t.pulls += 1
             t.goodput_sum += goodput

@@ -52,7 +52,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WORKSPACES: dict[int, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # outgrown workspaces: CUDA graphs captured on them still use them
 
-# Resident programs on an H200 (132 SMs x 8 programs of 8 warps), the scale for the launch plan.
+# The scale for the launch plan: the resident programs of a large GPU (132 SMs x 8 programs of 8 warps).
 _RESIDENT = 1056
 
 
