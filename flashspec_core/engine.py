@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -32,7 +32,7 @@ from flashspec_core.routing.domains import resolve_domain
 from flashspec_core.routing.priors import seed_router
 from flashspec_core.stopping import RowOutput
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord
-from flashspec_core.verify import BACKENDS, verify
+from flashspec_core.verify import BACKENDS, Backend, verify
 
 
 class SpecEngine:
@@ -81,7 +81,7 @@ class SpecEngine:
             raise ValueError(f"router must be a Router (flashspec_core.routing.Router: subclass it for the defaults "
                              f"of what select/update do not cover) or a router name; got {type(router).__name__}")
         self.router: Router = router
-        self.verify_backend = verify_backend
+        self.verify_backend: Backend = verify_backend  # type: ignore[assignment]  # checked against BACKENDS above
         self.eos_ids = eos_ids(target)
         self.context_window = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)
         self._lock = threading.Lock()
@@ -185,7 +185,7 @@ class SpecEngine:
         exact"; flashspec_core.constrained, whose Grammar is also accepted).
         """
         batch = is_batch(prompt)
-        prompts = list(prompt) if batch else [prompt]
+        prompts = cast("list[PromptLike]", list(prompt)) if batch else [cast(PromptLike, prompt)]  # is_batch told
         if not prompts:
             raise ValueError("prompt: the batch is empty; pass at least one prompt")
         state: RequestState | None = None
@@ -249,7 +249,7 @@ class SpecEngine:
         if json_schema is not None:
             from flashspec_core.constrained import constraint_for
 
-            constraint = constraint_for(json_schema, self.tokenizer, self._vocab, self.eos_ids, encoded)
+            constraint = constraint_for(json_schema, self.tokenizer, self._vocab, sorted(self.eos_ids), encoded)
             hint = hint or "json"
         step_domain = resolve_domain(domain, hint, prompt_text(self.tokenizer, prompts[0]))
         target = self._target_runner
@@ -408,7 +408,7 @@ class SpecEngine:
         # A request's first step (the only eager one on CUDA graphs) verifies on torch ops unless
         # pinned: Triton compiles its kernel per shape at first use, which the router would charge
         # to the step's arm and verify width.
-        backend = "torch" if first is not None and self.verify_backend == "auto" else self.verify_backend
+        backend: Backend = "torch" if first is not None and self.verify_backend == "auto" else self.verify_backend
         n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=backend, generator=state.generator)
         return n_acc.tolist(), out.tolist()
 

@@ -11,7 +11,8 @@ from flashspec_core.processors.sampling import SamplingParams
 
 
 def step_proposal(draft: DraftSource | None, seqs: Sequence[Sequence[int]], active: Sequence[bool], gamma: int,
-                  sampling: SamplingParams, gen: torch.Generator, vocab: int, device: torch.device):
+                  sampling: SamplingParams, gen: torch.Generator | None, vocab: int,
+                  device: torch.device) -> tuple[list[list[int]], torch.Tensor | None, float]:
     """Draft tokens as B host lists of g ids (g = the shortest active proposal; inactive rows
     padded with 0), q [B, g, V] on `device` or None (one-hot), and the draft's catch-up seconds.
     draft None (plain decoding) or gamma <= 0 proposes nothing."""
@@ -28,7 +29,8 @@ def step_proposal(draft: DraftSource | None, seqs: Sequence[Sequence[int]], acti
     return tokens, probs, proposal.catchup_seconds
 
 
-def cut_to_lengths(drafts: list[list[int]], draft_probs: torch.Tensor | None, lengths: Sequence[int]):
+def cut_to_lengths(drafts: list[list[int]], draft_probs: torch.Tensor | None,
+                   lengths: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:
     """Cut a step's proposal to the longest of `lengths` it fills (uncut when `lengths` is empty).
 
     drafts: B lists of g ids; draft_probs: [B, g, V] or None; lengths: γ of the runner's warmed

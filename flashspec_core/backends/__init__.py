@@ -5,7 +5,9 @@ verifier never know which one runs.
 """
 from __future__ import annotations
 
-from torch import nn
+from pathlib import Path
+
+from transformers import PreTrainedModel
 
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.models import LoadedModel
@@ -13,15 +15,15 @@ from flashspec_core.models import LoadedModel
 BACKENDS = ("auto", "hf", "cuda-graph", "llama.cpp")
 
 
-def _device_type(model: nn.Module) -> str:
+def _device_type(model: PreTrainedModel) -> str:
     return model.get_output_embeddings().weight.device.type
 
 
-def _quantized(model: nn.Module) -> bool:
+def _quantized(model: PreTrainedModel) -> bool:
     return getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None
 
 
-def _graphable(model: nn.Module) -> bool:
+def _graphable(model: PreTrainedModel) -> bool:
     """A Llama-family model on CUDA, full precision or bitsandbytes NF4 (whose 4-bit matmuls the
     static forward calls as the model's own modules, unfused)."""
     from flashspec_core.backends.static_llama import supports
@@ -30,7 +32,7 @@ def _graphable(model: nn.Module) -> bool:
     return _device_type(model) == "cuda" and supports(model) and (nf4 or not _quantized(model))
 
 
-def _cpu_static(model: nn.Module) -> bool:
+def _cpu_static(model: PreTrainedModel) -> bool:
     """A Llama-family model on the CPU, not quantized: `cpu_static.StaticCachedModel` runs it."""
     from flashspec_core.backends.static_llama import supports
 
@@ -68,6 +70,7 @@ def make_runner(target: LoadedModel, backend: str, pad_token_id: int, context_wi
     if backend == "llama.cpp":
         from flashspec_core.backends.llama_cpp import LlamaCppModel
 
+        assert target.gguf is not None  # resolve_backend refuses llama.cpp without a GGUF file
         return LlamaCppModel(target.gguf, n_ctx=context_window)
     if backend == "cuda-graph":
         from flashspec_core.backends.cuda_graph import GraphedModel
@@ -76,7 +79,7 @@ def make_runner(target: LoadedModel, backend: str, pad_token_id: int, context_wi
     return _eager_runner(target.model, pad_token_id, target.gguf)
 
 
-def _eager_runner(model: nn.Module, pad_token_id: int, gguf: str | None = None) -> TargetRunner:
+def _eager_runner(model: PreTrainedModel, pad_token_id: int, gguf: str | Path | None = None) -> TargetRunner:
     """transformers' forward without graphs: on the CPU, a Llama-family model runs over a static
     cache (`cpu_static.py`: no per-step copy of the cache); anything else over `DynamicCache`.
     `gguf`: the file the model was loaded from, whose blocks its linear layers may compute from."""
@@ -89,7 +92,7 @@ def _eager_runner(model: nn.Module, pad_token_id: int, gguf: str | None = None) 
     return CachedModel(model, pad_token_id, gguf=gguf)
 
 
-def model_runner(model: nn.Module, pad_token_id: int) -> TargetRunner:
+def model_runner(model: PreTrainedModel, pad_token_id: int) -> TargetRunner:
     """The runner for a model draft: CUDA graphs where the target would get them, else eager (the
     static cache on the CPU, which spares a small draft's step a copy of its cache)."""
     if _graphable(model):

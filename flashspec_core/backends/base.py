@@ -75,6 +75,18 @@ class TargetRunner(Protocol):
         `verify` instead. draft_probs: [B, γ, V] or None (one-hot). None by default."""
         return None
 
+    def feed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token to every row, fed from the device without the host reading it, and
+        return the logits after it: [B, 1, V]. tokens: [B] long on the device. Only graphed runners
+        (`use_graphs`) can; a model draft's loop uses it there."""
+        message = "feed_tokens: only a runner with use_graphs feeds tokens from the device"
+        raise NotImplementedError(message)
+
+    def settle(self, tokens: Sequence[Sequence[int]]) -> None:
+        """Write the tokens `feed_tokens` fed (B lists, oldest first) into the rows' host records."""
+        message = "settle: only a runner with use_graphs feeds tokens from the device"
+        raise NotImplementedError(message)
+
     def kernels(self) -> tuple[str, ...]:
         """The kernels a forward can run with, for the calibration to time on this machine; () for
         a runner whose costs are not calibrated (the router learns them as it runs)."""

@@ -16,9 +16,10 @@ support keep `hf.CachedModel`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
-from torch import nn
+from transformers import PreTrainedModel
 
 from flashspec_core.backends.cpu_linear import BLOCKS
 from flashspec_core.backends.cuda_graph import GraphedModel
@@ -40,7 +41,8 @@ class StaticCachedModel(LinearKernels, GraphedModel):
     scratch slots) fits, so up to twice what `DynamicCache` would hold.
     """
 
-    def __init__(self, model: nn.Module, pad_token_id: int, max_len: int = INITIAL_LEN, gguf: str | None = None):
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, max_len: int = INITIAL_LEN,
+                 gguf: str | Path | None = None) -> None:
         if model.get_output_embeddings().weight.device.type != "cpu":
             raise ValueError("model: StaticCachedModel runs on the CPU; on CUDA use GraphedModel")
         self._swap_linears(model, gguf)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers import PreTrainedModel
 
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.graph_step import GraphStep
@@ -40,6 +41,8 @@ INITIAL_LEN = 2048
 # its length is met (cuBLAS and attention pick kernels per shape), which is most requests of an
 # agent: each feeds a prompt of a new length past the prefix it reuses.
 PREFILL_WIDTH = 256
+# A graph's key: rows, width, and for a sampled step (temperature, whether q is one-hot).
+GraphKey = tuple[int, int, tuple[float, bool] | None]
 
 
 def graphed_sampling(sampling: SamplingParams, vocab: int) -> bool:
@@ -57,8 +60,8 @@ class GraphedModel(TargetRunner):
     doubles when a request needs more).
     """
 
-    def __init__(self, model, pad_token_id: int, max_len: int = INITIAL_LEN, graphs: bool | None = None,
-                 fuse: bool | None = None):
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, max_len: int = INITIAL_LEN,
+                 graphs: bool | None = None, fuse: bool | None = None) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
         on_cuda = model.get_output_embeddings().weight.device.type == "cuda"
@@ -69,7 +72,7 @@ class GraphedModel(TargetRunner):
         self.device = self.static.device
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("graphs=True needs the model on a CUDA device")
-        self._graphs: dict[tuple[int, int], GraphStep] = {}
+        self._graphs: dict[GraphKey, GraphStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._lock = threading.Lock()  # one replay at a time: graphs share buffers and the cache
         self.captures = 0  # how many graphs were captured (warm-up cost, reported by benchmarks)
@@ -108,9 +111,9 @@ class GraphedModel(TargetRunner):
         self._drop_graphs()  # captured on the old buffers
         self.warmup_seconds += time.perf_counter() - start
 
-    def _plan(self, sequences, active, keep_logits) -> list[list[int]]:
+    def _plan(self, sequences: Sequence[Sequence[int]], active: Sequence[bool], keep_logits: int) -> list[list[int]]:
         """Roll each active row back to what it shares with its sequence; return the chunks to feed."""
-        chunks = []
+        chunks: list[list[int]] = []
         for b, seq in enumerate(sequences):
             if not active[b]:
                 chunks.append([])
@@ -123,7 +126,8 @@ class GraphedModel(TargetRunner):
         self._ensure(max(len(h) for h in self.held) + max(len(c) for c in chunks))
         return chunks
 
-    def _host_inputs(self, chunks, width: int, drafts=None) -> torch.Tensor:
+    def _host_inputs(self, chunks: Sequence[Sequence[int]], width: int,
+                     drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """[3, B, width] long on the host: ids, positions and draft tokens, left-aligned per row.
 
         Columns past a row's chunk (and every column of an inactive row) feed the pad token at
@@ -198,7 +202,7 @@ class GraphedModel(TargetRunner):
                 self._graph(prefill_width)
                 self.prefill_width = prefill_width
 
-    def _key(self, width: int, sampling: SamplingParams | None, one_hot: bool) -> tuple:
+    def _key(self, width: int, sampling: SamplingParams | None, one_hot: bool) -> GraphKey:
         """A graph's key: rows, width, and for a sampled step what its verification bakes in."""
         return self.static.batch, width, None if sampling is None else (sampling.temperature, one_hot)
 
@@ -208,7 +212,7 @@ class GraphedModel(TargetRunner):
         sampled = sum(1 for k in self._graphs if k[2] is not None)
         return self._key(width, sampling, one_hot) not in self._graphs and sampled >= MAX_SAMPLED_GRAPHS
 
-    def _graph_width(self, chunks, active) -> int | None:
+    def _graph_width(self, chunks: Sequence[Sequence[int]], active: Sequence[bool]) -> int | None:
         """The width of the graph that runs these chunks, or None to run them eagerly.
 
         Every active row must feed the same number of tokens c. After `warm`, c pads up to the
@@ -226,7 +230,8 @@ class GraphedModel(TargetRunner):
             return c if c <= SCRATCH else None
         return next((w for w in self.widths if w >= c), None)
 
-    def _replay(self, chunks, graph_width: int, drafts=None, sampling: SamplingParams | None = None,
+    def _replay(self, chunks: Sequence[Sequence[int]], graph_width: int, drafts: Sequence[Sequence[int]] | None = None,
+                sampling: SamplingParams | None = None,
                 draft_probs: torch.Tensor | None = None, seed: torch.Tensor | None = None,
                 first: torch.Tensor | None = None) -> GraphStep:
         """Replay the graph of `graph_width` (and of `sampling`, for a sampled step) on these
@@ -260,7 +265,7 @@ class GraphedModel(TargetRunner):
                 self.held[b].extend(chunk)
             return logits.clone() if self.use_graphs else logits
 
-    def _in_pieces(self, chunks, active, keep_logits: int) -> bool:
+    def _in_pieces(self, chunks: Sequence[Sequence[int]], active: Sequence[bool], keep_logits: int) -> bool:
         """Whether these chunks run as replays of the prefill graph: there is one, and each active
         row's last piece holds every position whose logits are asked for. Rows may feed different
         lengths (a server's batch of prompts): a shorter row's later pieces feed only padding."""
@@ -268,7 +273,7 @@ class GraphedModel(TargetRunner):
             return False
         return all((len(c) - 1) % self.prefill_width + 1 >= keep_logits for c, a in zip(chunks, active) if a)
 
-    def _prefill_in_pieces(self, chunks, active, keep_logits: int) -> torch.Tensor:
+    def _prefill_in_pieces(self, chunks: Sequence[Sequence[int]], active: Sequence[bool], keep_logits: int) -> torch.Tensor:
         """Feed the chunks prefill_width tokens at a time, each piece one replay (padded where a
         row's piece is short or empty); return [B, keep_logits, V], each active row's logits taken
         from the replay of its own last piece (inactive rows: zeros)."""
@@ -282,6 +287,7 @@ class GraphedModel(TargetRunner):
                 self.held[b].extend(piece)
                 if active[b] and lo < len(chunks[b]) <= lo + width:  # row b ends here: copied before the next replay
                     out[b] = graph.logits[b, len(piece) - keep_logits:len(piece)]
+        assert out is not None, "chunks: at least one row feeds tokens (forward_to checks it)"
         return out
 
     @torch.inference_mode()

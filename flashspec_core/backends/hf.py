@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.cpu_linear import BLOCKS, PACKED, STOCK, PackedLinear, use_packed_linear
 from flashspec_core.backends.prefix import common_prefix
+
+if TYPE_CHECKING:
+    from flashspec_core.backends.calibration import Calibration
 
 
 class LinearKernels:
@@ -31,7 +37,9 @@ class LinearKernels:
     packed kernel runs.
     """
 
-    def _swap_linears(self, model: PreTrainedModel, gguf: str | None = None) -> None:
+    plan: Calibration | None = None  # width -> kernel, measured on this machine
+
+    def _swap_linears(self, model: nn.Module, gguf: str | Path | None = None) -> None:
         self._choice = use_packed_linear(model)
         self.plan = None  # a Calibration: width -> kernel
         self.block_layers = 0  # layers computing from GGUF blocks under the BLOCKS kernel
@@ -69,7 +77,7 @@ class CachedModel(LinearKernels, TargetRunner):
     """One HF causal LM plus the cache and slot mask of a batch of rows (any architecture; for
     Llama-family models on the CPU, `backends/cpu_static.py` runs a static cache instead)."""
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, gguf: str | None = None):
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, gguf: str | Path | None = None) -> None:
         self._swap_linears(model, gguf)
         self.model = model
         self.pad_token_id = pad_token_id

@@ -33,7 +33,6 @@ class ModelDraft(DraftSource):
     """
 
     deterministic = False
-    head_ids: torch.Tensor | None = None  # [K] sorted token ids the logits columns stand for; None = all
 
     def __init__(self, model: PreTrainedModel, name: str = "model", pad_token_id: int = 0,
                  max_context: int | None = None):
@@ -47,6 +46,11 @@ class ModelDraft(DraftSource):
         self._runner = model_runner(model, pad_token_id)
         self._runner.warm([1, 2])  # CUDA graphs: a draft step feeds one token, or two after the target's step
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # of the q it reports
+
+    @property
+    def head_ids(self) -> torch.Tensor | None:
+        """[K] sorted token ids the logits columns stand for; None: the whole vocabulary."""
+        return None
 
     def _full_q(self, q_head: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """q_head: [B, K] over `head` -> [B, V] over the full vocabulary, zero outside the head."""
@@ -75,14 +79,15 @@ class ModelDraft(DraftSource):
                 start = time.perf_counter()
                 self._runner.forward_to([r[:-1] for r in rows], behind, keep_logits=1)
                 catchup = time.perf_counter() - start
-            warmed = getattr(self._runner, "warmup_seconds", 0.0)  # a GPU runner's graph captures
+            warmed = self._runner.warmup_seconds  # a GPU runner's graph captures
             # On CUDA graphs each drafted token goes back to the device runner as a tensor: the
             # loop queues its γ forwards and the host waits once, for the γ tokens at the end.
-            on_device = getattr(self._runner, "use_graphs", False)
+            on_device = self._runner.use_graphs
             logits = self._runner.forward_to(rows, keep_logits=1)[:, -1]  # [B, V] or [B, K]
-            token = None  # [B] the token drafted last
+            token: torch.Tensor | None = None  # [B] the token drafted last
             for i in range(gamma):
                 if i:
+                    assert token is not None  # drafted at i - 1
                     logits = (self._runner.feed_tokens(token) if on_device
                               else self._runner.forward_to(rows, keep_logits=1))[:, -1]
                 q = probs_from_logits(logits, sampling)  # same shape
@@ -103,7 +108,7 @@ class ModelDraft(DraftSource):
         if on_device:
             self._runner.settle([row[:-1] for row in drafted])  # the last token was never fed
         # A graph captured in this call is, like catch-up, paid once and not by the draft's steps.
-        catchup += getattr(self._runner, "warmup_seconds", 0.0) - warmed
+        catchup += self._runner.warmup_seconds - warmed
         return Proposal(drafted, torch.stack(probs, dim=1), catchup)  # probs: [B, γ, V]
 
     def _window(self, contexts: Sequence[Sequence[int]]) -> list[int]:

@@ -66,7 +66,7 @@ class TrainedDraft(ModelDraft):
         tokens win. It is built at the request's first proposal: selecting its rows of the
         target's head costs milliseconds after a long prompt, which every request would otherwise
         pay even where the router never runs the draft."""
-        widen = self.prompt_vocab and not getattr(self._runner, "use_graphs", False)
+        widen = self.prompt_vocab and not self._runner.use_graphs
         self._head_tokens = [t for p in prompts for t in p] if widen else None
         self._head_pending = True
         super().begin(prompts)

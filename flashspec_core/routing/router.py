@@ -251,6 +251,8 @@ class BanditRouter(Router):
                 self._seed_expected(state.bandit)
 
     def _seed_expected(self, bandit: Bandit) -> None:
+        if not isinstance(bandit, ThompsonSampling):  # only Thompson sampling takes a prior mean
+            return
         for i, mean in self._expected.items():
             if i not in bandit.observed:
                 bandit.set_prior_mean(i, mean)
@@ -384,6 +386,7 @@ class BanditRouter(Router):
         if self._writes.active:  # the increments only a store needs
             deltas: dict[str, ArmDelta] = {}
             if ran is not None:
+                assert goodput is not None and seconds is not None  # measured whenever an arm ran
                 deltas[self._names[ran]] = ArmDelta(pulls=1, goodput_sum=goodput, seconds_sum=seconds)
             for i, _, _ in free:
                 deltas.setdefault(self._names[i], ArmDelta()).scored += 1
@@ -401,7 +404,7 @@ class BanditRouter(Router):
         with self._lock:
             self._writes.flush()
 
-    def verify_costs(self) -> dict[str, dict[int, tuple[float, int]]]:
+    def verify_costs(self) -> dict[str, dict[int, tuple[float | None, int]]]:
         """Per domain, tokens fed -> (the seconds a verify pass is priced at, passes kept): the
         cost model copy drafts are scored with, for benchmarks to print."""
         with self._lock:

@@ -44,7 +44,7 @@ class StoreWriter:
     def flush(self) -> None:
         """Write what is queued, one transaction per domain."""
         pending, self._queued, self._updates = self._queued, {}, 0
-        if not self.active:
+        if not self.active or self.store is None:
             return
         for domain, (steps, deltas, scale) in pending.items():
             try:
