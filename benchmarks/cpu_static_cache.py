@@ -148,8 +148,8 @@ def engine_rows(target, stock, pad, old, new, args) -> None:
     engines = {}
     for label, runner in (("engine, DynamicCache", old), ("engine, static", new)):
         engine = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), backend="hf")
-        runner.plan = engine._target_runner.plan  # the engine's calibration
-        engine._target_runner = runner  # the benchmark's swap: make_runner picks the static one
+        runner.plan = engine.runner.plan  # the engine's calibration
+        engine.runner = runner  # the benchmark's swap: make_runner picks the static one
         engines[label] = engine
     prompts = [engine.encode([s.messages], args.max_new_tokens)[0] for s in steps]
     prompts = sorted(prompts, key=len)[-args.prompts:]

@@ -79,7 +79,7 @@ def engine_runner(engine: SpecEngine, breakdown: dict, temperature: float, log: 
     """Runs one request on `engine`; adds its time split to `breakdown` and, if `log` is given, one
     row per request (domain, arms, prefill, steps, other) to `log`."""
 
-    runner = engine._target_runner
+    runner = engine.runner
 
     def run(ids: list[int], max_new: int) -> list[int]:
         # Seeded by the prompt, not by the call count: the router's engine runs more warm-up

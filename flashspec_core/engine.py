@@ -1,38 +1,42 @@
-"""The decode loop: draft, verify, roll back, stream, stop.
+"""The engine: exact speculative decoding for many requests at once, each step with its own draft.
 
-Each step the router picks an arm (a draft source and γ) from past steps only; the draft proposes,
-the target scores the proposal in one forward pass, `verify` accepts a prefix and appends the
-recovered or bonus token, and the target's cache rolls back to what was verified. The output is
-exactly the target's distribution whatever the arm; the arm only changes how fast it arrives.
+Each step the router picks every row's arm (a draft source and γ) from past steps only; the drafts
+propose, the target scores every row's proposal in one forward pass, `verify` accepts a prefix and
+appends the recovered or bonus token, and the target's cache rolls back to what was verified
+(step.py). Requests join and leave the running batch between steps (scheduler.py); callers wait on
+their own request's handle (handle.py). The output is exactly the target's distribution whatever
+the arms and whatever else is in the batch; they only change how fast it arrives.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flashspec_core.backends import make_runner, resolve_backend
+from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.calibration import Calibration, calibrate_runner
-from flashspec_core.constrained.constraint import Constraint
+from flashspec_core.constrained.grammar import Grammar
 from flashspec_core.drafts import DraftSource
+from flashspec_core.handle import RequestHandle
 from flashspec_core.models import LoadedModel, eos_ids, vocab_size
 from flashspec_core.processors.ngram_ban import json_punctuation_tokens
-from flashspec_core.processors.paths import PathProcessors
 from flashspec_core.processors.sampling import SamplingParams, request_generator, request_params
 from flashspec_core.prompts import PromptLike, encode_prompts, is_batch, prompt_text
-from flashspec_core.proposals import cut_to_lengths, step_proposal
-from flashspec_core.request import RequestState
+from flashspec_core.request import Request, Row
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.base import Router
 from flashspec_core.routing.domains import resolve_domain
 from flashspec_core.routing.priors import seed_router
+from flashspec_core.scheduler import MAX_QUEUE, MAX_ROWS, PREFILL_CHUNK, Scheduler
+from flashspec_core.step import Stepper
 from flashspec_core.stopping import RowOutput
-from flashspec_core.types import NO_DRAFT, Arm, StepRecord
-from flashspec_core.verify import BACKENDS, Backend, verify
+from flashspec_core.types import NO_DRAFT, Arm
+from flashspec_core.verify import BACKENDS, Backend
 
 
 class SpecEngine:
@@ -50,6 +54,9 @@ class SpecEngine:
         verify_backend: str = "auto",
         backend: str = "auto",
         calibrate: bool = True,
+        max_batch: int = MAX_ROWS,
+        max_queue: int = MAX_QUEUE,
+        prefill_chunk: int | None = PREFILL_CHUNK,
     ) -> None:
         """backend: where the target's forward runs ("hf", "cuda-graph", "llama.cpp"; "auto" picks
         CUDA graphs for a Llama-family model on a GPU and transformers otherwise; llama.cpp is
@@ -58,6 +65,9 @@ class SpecEngine:
         CPU in the cache folder) to pick the fastest kernel and seed the router's cost model.
         gammas: the γ of each draft's arms; None: `pool.default_gammas` (16 too on a GPU).
         router: a `Router` (routing/base.py) or a name from `routing.ROUTER_NAMES`.
+        max_batch: rows decoded together (each a cache slot); more wait in a queue of at most
+        `max_queue` requests, past which `submit` raises EngineBusy. prefill_chunk: prompt tokens fed
+        per scheduler turn while other rows decode (None: a whole prompt at once).
         """
         if gammas is None:
             from flashspec_core.pool import default_gammas
@@ -80,27 +90,45 @@ class SpecEngine:
         if not isinstance(router, Router):
             raise ValueError(f"router must be a Router (flashspec_core.routing.Router: subclass it for the defaults "
                              f"of what select/update do not cover) or a router name; got {type(router).__name__}")
-        self.router: Router = router
+        self._router: Router = router
         self.verify_backend: Backend = verify_backend  # type: ignore[assignment]  # checked against BACKENDS above
         self.eos_ids = eos_ids(target)
         self.context_window = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)
-        self._lock = threading.Lock()
-        self._owner: int | None = None
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.backend = resolve_backend(backend, target)
-        # Kept across requests: prefix reuse.
-        self._target_runner = make_runner(target, self.backend, pad, self.context_window)
+        runner = make_runner(target, self.backend, pad, self.context_window)  # kept across requests: prefix reuse
         self._device = target.model.get_output_embeddings().weight.device
         self._vocab = vocab_size(target.model)
-        self.calibration = self._calibrate(gammas) if calibrate else None
+        self.calibration = self._calibrate(runner, gammas) if calibrate else None
         # CUDA graphs of every width the arms feed, captured now, not mid-request
-        self._target_runner.warm([1] + [g + 1 for g in gammas])
+        runner.warm([1] + [g + 1 for g in gammas])
         self._json_tokens: torch.Tensor | None = None  # [V] bool, built on the first ban under a schema
+        self._stepper = Stepper(runner, self.drafts, router, self._vocab, self._device, self.verify_backend,
+                                self._json_punctuation)
+        self._scheduler = Scheduler(self._stepper, runner, self.drafts, router, max_batch, max_queue,
+                                    prefill_chunk)
 
-    def _calibrate(self, gammas: Sequence[int]) -> Calibration | None:
+    @property
+    def router(self) -> Router:
+        """Chooses every row's arm per step (routing/base.py); settable, to route another way."""
+        return self._router
+
+    @router.setter
+    def router(self, router: Router) -> None:
+        self._router = self._stepper.router = self._scheduler.router = router
+
+    @property
+    def runner(self) -> TargetRunner:
+        """What runs the target's forward (backends/base.py); settable, to run another runner."""
+        return self._stepper.runner
+
+    @runner.setter
+    def runner(self, runner: TargetRunner) -> None:
+        self._stepper.runner = self._scheduler.runner = runner
+
+    def _calibrate(self, runner: TargetRunner, gammas: Sequence[int]) -> Calibration | None:
         """Measured forward cost per width on this machine (cached): the kernel per width, and the
         router's starting cost model and priors. Only the CPU runners take part; a GPU's costs are learned."""
-        runner = self._target_runner
         cal = calibrate_runner(runner, self.target_model, self.backend, [1] + [g + 1 for g in gammas],
                                self.context_window)
         if cal is not None:
@@ -137,6 +165,8 @@ class SpecEngine:
         gammas: Sequence[int] | None = None,
         verify_backend: str = "auto",
         backend: str = "auto",
+        max_batch: int = MAX_ROWS,
+        max_queue: int = MAX_QUEUE,
     ) -> SpecEngine:
         """target: None (embedded default), a .gguf file, a local folder or a cached HF id.
 
@@ -147,7 +177,8 @@ class SpecEngine:
 
         loaded = load_target(target, device=device, dtype=dtype, load_in_4bit=load_in_4bit)
         pool = build_drafts(drafts, loaded, target, device=device, dtype=dtype)
-        return cls(loaded, pool, router=router, gammas=gammas, verify_backend=verify_backend, backend=backend)
+        return cls(loaded, pool, router=router, gammas=gammas, verify_backend=verify_backend, backend=backend,
+                   max_batch=max_batch, max_queue=max_queue)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -160,6 +191,11 @@ class SpecEngine:
     @property
     def model_name(self) -> str:
         return self._target.name
+
+    @property
+    def running(self) -> int:
+        """Rows in the running batch now."""
+        return self._scheduler.running
 
     def router_summary(self) -> dict[str, dict[str, dict[str, Any]]]:
         """Per-domain arm choices and goodput, as the router reports them."""
@@ -175,27 +211,46 @@ class SpecEngine:
         stop: str | Sequence[str] | None = None,
         domain: str | None = None,
         hint: str | None = None,
-        json_schema: dict | str | None = None,
+        json_schema: dict | str | Grammar | None = None,
+        timeout: float | None = None,
     ) -> GenerationResult | list[GenerationResult]:
-        """Generate for one prompt (str, chat messages or token ids) or a list of them as a batch.
+        """Generate for one prompt (str, chat messages or token ids) or a list of them.
 
+        The rows join the engine's running batch beside other callers' and leave it when done;
+        each has exactly the law it would have alone. A list's row i draws its samples from a
+        generator seeded with `sampling.seed + i` (its own draws, whatever runs beside it).
         json_schema: constrain the output to JSON valid against this schema (a forced tool call,
         structured output; {"type": "object"} for JSON mode): exactly the law of grammar-masked
-        decoding of the target, not its law conditioned on a valid output (README, "What is
-        exact"; flashspec_core.constrained, whose Grammar is also accepted).
+        decoding of the target, not its law conditioned on a valid output (docs/exactness.md;
+        flashspec_core.constrained, whose Grammar is also accepted).
+        timeout: seconds after which the request ends with TimeoutError (checked between steps).
         """
         batch = is_batch(prompt)
         prompts = cast("list[PromptLike]", list(prompt)) if batch else [cast(PromptLike, prompt)]  # is_batch told
-        if not prompts:
-            raise ValueError("prompt: the batch is empty; pass at least one prompt")
-        state: RequestState | None = None
-        for step_state, _ in self._run(prompts, max_new_tokens, sampling, stop, domain, hint, json_schema):
-            state = step_state
-        assert state is not None  # a request decodes at least one step
-        results = [
-            GenerationResult(r.text, list(r.token_ids), r.finish_reason or "length", s, prompt_tokens=s.prompt_tokens)
-            for r, s in zip(state.rows, state.stats)
-        ]
+        handle = self.submit(prompts, max_new_tokens, sampling, stop, domain, hint, json_schema, timeout=timeout)
+        results = handle.wait()
+        return results if batch else results[0]
+
+    async def agenerate(
+        self,
+        prompt: PromptLike | Sequence[PromptLike],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        stop: str | Sequence[str] | None = None,
+        domain: str | None = None,
+        hint: str | None = None,
+        json_schema: dict | str | Grammar | None = None,
+        timeout: float | None = None,
+    ) -> GenerationResult | list[GenerationResult]:
+        """`generate` for a coroutine: waits without holding a thread; cancelling it cancels the request."""
+        batch = is_batch(prompt)
+        prompts = cast("list[PromptLike]", list(prompt)) if batch else [cast(PromptLike, prompt)]  # is_batch told
+        handle = self.submit(prompts, max_new_tokens, sampling, stop, domain, hint, json_schema, timeout=timeout)
+        try:
+            results = await handle.wait_async()
+        finally:
+            if not handle.done:
+                handle.cancel()
         return results if batch else results[0]
 
     def stream(
@@ -206,227 +261,93 @@ class SpecEngine:
         stop: str | Sequence[str] | None = None,
         domain: str | None = None,
         hint: str | None = None,
-        json_schema: dict | str | None = None,
+        json_schema: dict | str | Grammar | None = None,
+        timeout: float | None = None,
     ) -> Iterator[StreamChunk]:
-        """Yield text as it is verified; the last chunk carries finish_reason and stats."""
+        """Yield text as it is verified; the last chunk carries finish_reason and stats. Closing
+        the stream early ends the request at the next step boundary."""
         if is_batch(prompt):
             raise ValueError("prompt: stream takes one prompt; use generate for a batch")
-        for state, new in self._run([prompt], max_new_tokens, sampling, stop, domain, hint, json_schema):
-            row = state.rows[0]
-            delta = row.take_delta()
-            if row.finished:
-                yield StreamChunk(delta, new[0], row.finish_reason, state.stats[0])
-            elif delta or new[0]:
-                yield StreamChunk(delta, new[0])
+        handle = self.submit([prompt], max_new_tokens, sampling, stop, domain, hint, json_schema, True, timeout)
+        try:
+            yield from handle
+        finally:
+            if not handle.done:
+                handle.cancel()
 
-    # ------------------------------------------------------------------------------ the loop
+    async def astream(
+        self,
+        prompt: PromptLike,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        stop: str | Sequence[str] | None = None,
+        domain: str | None = None,
+        hint: str | None = None,
+        json_schema: dict | str | Grammar | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """`stream` for a coroutine (no thread held between chunks)."""
+        if is_batch(prompt):
+            raise ValueError("prompt: stream takes one prompt; use generate for a batch")
+        handle = self.submit([prompt], max_new_tokens, sampling, stop, domain, hint, json_schema, True, timeout)
+        try:
+            async for chunk in handle:
+                yield chunk
+        finally:
+            if not handle.done:
+                handle.cancel()
+
+    def submit(
+        self,
+        prompts: Sequence[PromptLike],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        stop: str | Sequence[str] | None = None,
+        domain: str | None = None,
+        hint: str | None = None,
+        json_schema: dict | str | Grammar | None = None,
+        stream: bool = False,
+        timeout: float | None = None,
+    ) -> RequestHandle:
+        """Queue a request of one row per prompt and return its handle at once (`wait`, iterate,
+        `cancel`); what `generate` and `stream` do underneath. Bad input raises ValueError here,
+        before anything is queued; a full queue raises EngineBusy."""
+        if not prompts:
+            raise ValueError("prompt: the batch is empty; pass at least one prompt")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds or None; got {timeout!r}")
+        sampling, stops = request_params(max_new_tokens, sampling, stop)
+        encoded = self.encode(prompts, max_new_tokens)
+        constraints = None
+        if json_schema is not None:
+            from flashspec_core.constrained import as_grammar, constraint_for
+
+            grammar = as_grammar(json_schema, self.tokenizer, self._vocab, sorted(self.eos_ids))  # compiled once
+            constraints = [constraint_for(grammar, self.tokenizer, self._vocab, sorted(self.eos_ids), [p])
+                           for p in encoded]
+            hint = hint or "json"
+        request = Request(encoded, sampling, stops, max_new_tokens,
+                          resolve_domain(domain, hint, prompt_text(self.tokenizer, prompts[0])), constraints,
+                          RequestHandle(len(encoded), stream),
+                          deadline=None if timeout is None else time.monotonic() + timeout)
+        self._scheduler.submit([self._row(request, i) for i in range(len(encoded))])
+        return request.handle
+
+    def close(self) -> None:
+        """Stop the engine's scheduler: running and waiting requests fail with EngineClosed."""
+        self._scheduler.close()
 
     def encode(self, prompts: Sequence[PromptLike], max_new_tokens: int) -> list[list[int]]:
         """The token ids `generate` would decode from for each prompt (chat template applied);
         ValueError when one does not fit the context window with `max_new_tokens`."""
         return encode_prompts(self.tokenizer, prompts, self._vocab, max_new_tokens, self.context_window)
 
-    def _acquire(self) -> None:
-        if self._owner == threading.get_ident():
-            raise RuntimeError(
-                "this engine is still inside an unfinished stream in this thread; "
-                "exhaust or close() that stream before starting another request"
-            )
-        self._lock.acquire()
-        self._owner = threading.get_ident()
-
-    def _release(self) -> None:
-        self._owner = None
-        self._lock.release()
-
-    def _run(self, prompts: Sequence[PromptLike], max_new_tokens: int, sampling: SamplingParams | None,
-             stop: str | Sequence[str] | None, domain: str | None, hint: str | None,
-             json_schema: dict | str | None = None) -> Iterator[tuple[RequestState, list[list[int]]]]:
-        """Decode one request; yields its state and each row's new tokens after every step."""
-        sampling, stops = request_params(max_new_tokens, sampling, stop)
-        encoded = self.encode(prompts, max_new_tokens)
-        constraint = None
-        if json_schema is not None:
-            from flashspec_core.constrained import constraint_for
-
-            constraint = constraint_for(json_schema, self.tokenizer, self._vocab, sorted(self.eos_ids), encoded)
-            hint = hint or "json"
-        step_domain = resolve_domain(domain, hint, prompt_text(self.tokenizer, prompts[0]))
-        target = self._target_runner
-        # On CUDA graphs the router learns from a step while the GPU runs the next (its host work
-        # is then off the critical path); it selects one step behind, which exactness does not
-        # care about. Elsewhere it learns at once.
-        overlap = target.use_graphs and self._in_graph(sampling, constraint)
-        state = RequestState(
-            prompts=encoded,
-            rows=[RowOutput(self.tokenizer, self.eos_ids, stops, max_new_tokens) for _ in encoded],
-            stats=[GenerationStats(step_domain, prompt_tokens=len(p)) for p in encoded],
-            sampling=sampling,
-            domain=step_domain,
-            constraint=constraint,
-            generator=request_generator(sampling, self._device),
-            # A sampled step on graphs replays a graph of its exact width, so its proposal is cut
-            # to a warmed one (proposals.cut_to_lengths).
-            draft_lengths=tuple(w - 1 for w in target.widths) if overlap and not sampling.greedy else (),
-            overlap=overlap,
-        )
-        self._acquire()
-        try:
-            yield from self._decode(state)
-        finally:
-            self._release()
-
-    def _in_graph(self, sampling: SamplingParams, constraint: Constraint | None) -> bool:
-        """Whether steps may run forward and verification as one call of the runner (a CUDA-graph
-        replay): no logits processor between them, and the verify backend the graph runs (torch
-        ops for greedy steps, the Triton kernel for sampled ones) not pinned to another."""
-        pinned_ok = self.verify_backend == "auto" or (self.verify_backend == "triton" and not sampling.greedy)
-        return (sampling.repetition_penalty == 1.0 and not sampling.no_repeat_ngram_size
-                and constraint is None and pinned_ok)
-
-    def _decode(self, state: RequestState) -> Iterator[tuple[RequestState, list[list[int]]]]:
-        """Prefill, then steps until every row has finished; yields after each step."""
-        target = self._target_runner
-        target.begin(len(state.prompts))  # a single prompt reuses the previous request's common prefix
-        for d in self.drafts.values():
-            d.begin(state.prompts)
-            d.bind_constraint(state.constraint)
-        try:
-            self._prefill(state)
-            while any(state.active):
-                yield state, self._step(state)
-        except GeneratorExit:  # a stream closed early, between steps: the cache is consistent
-            raise
-        except BaseException:  # mid-forward: the cache may hold half a step; never reuse it
-            target.reset(1)
-            raise
-        finally:
-            self._learn(state.unlearned)
-            for d in self.drafts.values():
-                d.end(state.prompts, [r.token_ids for r in state.rows])
-            self.router.flush()
-
-    def _prefill(self, state: RequestState) -> None:
-        """Feed each whole prompt (past what the cache reuses) before the first step, timed apart
-        from the steps, and keep the logits after it for the first step: [B, 1, V].
-
-        The first token is scored from the prompt's own forward, as plain decoding scores it
-        (HF `generate` and llama.cpp alike): some kernels round a long batch differently from a
-        short one, so re-feeding the last prompt token with the first draft could break a
-        near-tie the other way. The router scores arms on decode steps only: a long prompt's
-        prefill would otherwise land on whichever arm the first step happened to pick.
-        """
-        target = self._target_runner
-        reused = [target.prefix_len(b, p) for b, p in enumerate(state.prompts)]
-        start = time.perf_counter()
-        state.first = target.forward_to(state.prompts, keep_logits=1)
-        seconds = time.perf_counter() - start
-        for st, n in zip(state.stats, reused):
-            st.cached_prompt_tokens = min(n, st.prompt_tokens - 1)
-            st.prefill_seconds = st.seconds = seconds
-        vocab, device = state.first.shape[-1], state.first.device
-        ban_under_schema = state.sampling.no_repeat_ngram_size and state.constraint is not None
-        exempt = self._json_punctuation(vocab, device) if ban_under_schema else None
-        state.processors = PathProcessors(state.sampling, state.constraint, state.prompts, vocab, device, exempt)
-
-    def _step(self, state: RequestState) -> list[list[int]]:
-        """One decode step of every unfinished row: draft, forward, processors along the path,
-        verify, commit, record. Returns each row's new tokens (empty for finished rows)."""
-        target = self._target_runner
-        active = state.active
-        arm = self.router.select(state.domain)
-        warmed = target.warmup_seconds
-        t0 = time.perf_counter()
-        drafts, draft_probs, catchup = step_proposal(
-            self.drafts.get(arm.draft), state.seqs, active, min(arm.gamma, state.remaining(active) - 1),
-            state.sampling, state.generator, self._vocab, self._device)
-        drafts, draft_probs = cut_to_lengths(drafts, draft_probs, state.draft_lengths)
-        t1 = time.perf_counter()
-        prefilled = state.first is not None
-        n_acc, out = self._forward_and_verify(state, drafts, draft_probs, active)
-        t2 = time.perf_counter()
-        self._learn(state.unlearned)  # when no graph ran it
-        context_row = active.index(True)
-        context_len = len(state.seqs[context_row])
-        new = self._commit(state, active, [o[: n + 1] for n, o in zip(n_acc, out)])
-        g = len(drafts[0])
-        record = StepRecord(
-            domain=state.domain,
-            arm=arm,
-            drafted=g * sum(active),
-            accepted=sum(n for n, a in zip(n_acc, active) if a),
-            emitted=sum(len(n) for n in new),
-            draft_seconds=t1 - t0,
-            verify_seconds=t2 - t1,
-            context_len=context_len,
-            sequence=state.seqs[context_row],
-            rows=sum(active),
-            catchup_seconds=catchup,
-            warmup_seconds=target.warmup_seconds - warmed,
-            draft_lengths=state.draft_lengths,
-            prefilled=prefilled,
-        )
-        state.unlearned.append(record)
-        if not state.overlap:
-            self._learn(state.unlearned)
-        for b in (b for b, a in enumerate(active) if a):
-            st = state.stats[b]
-            st.drafted += g
-            st.accepted += n_acc[b]
-            st.seconds += record.seconds
-            st.records.append(record)
-            st.host_seconds += time.perf_counter() - t2
-        return new
-
-    def _forward_and_verify(self, state: RequestState, drafts: list[list[int]], draft_probs: torch.Tensor | None,
-                            active: list[bool]) -> tuple[list[int], list[list[int]]]:
-        """Score every row's context + draft in one target forward and verify; host lists out:
-        accepted per row, and per row the accepted draft tokens then the recovered or bonus token.
-
-        drafts: B lists of g ids; draft_probs: [B, g, V] the draft's q, or None (one-hot). On the
-        first step the prefill's logits (`state.first`) score the first position, and the forward
-        feeds only the draft (see `_prefill`).
-        """
-        target, first, sampling = self._target_runner, state.first, state.sampling
-        state.first = None
-        if first is None and self._in_graph(sampling, state.constraint):
-            fused = target.verify_step(state.seqs, drafts, active, sampling, draft_probs, state.generator,
-                                       lambda: self._learn(state.unlearned))
-            if fused is not None:
-                return fused
-        g = len(drafts[0])
-        paths = [s + d for s, d in zip(state.seqs, drafts)]
-        if first is None:
-            logits = target.forward_to(paths, active, keep_logits=g + 1)
-        elif g:
-            logits = torch.cat([first, target.forward_to(paths, active, keep_logits=g).to(first.device)], dim=1)
-        else:
-            logits = first
-        draft_tokens = torch.tensor(drafts, dtype=torch.long).view(len(drafts), g).to(logits.device, non_blocking=True)
-        assert state.processors is not None  # set up by the prefill
-        logits = state.processors(logits, drafts, draft_tokens, active)
-        # A request's first step (the only eager one on CUDA graphs) verifies on torch ops unless
-        # pinned: Triton compiles its kernel per shape at first use, which the router would charge
-        # to the step's arm and verify width.
-        backend: Backend = "torch" if first is not None and self.verify_backend == "auto" else self.verify_backend
-        n_acc, out = verify(logits, draft_tokens, draft_probs, sampling, backend=backend, generator=state.generator)
-        return n_acc.tolist(), out.tolist()
-
-    def _commit(self, state: RequestState, active: list[bool], verified: list[list[int]]) -> list[list[int]]:
-        """Append each active row's verified tokens to its output (cut at EOS, its budget or a stop
-        string) and to what the processors read; returns the tokens kept per row."""
-        assert state.processors is not None  # set up by the prefill
-        new: list[list[int]] = [[] for _ in state.rows]
-        for b in (b for b, a in enumerate(active) if a):
-            new[b] = state.rows[b].append(verified[b])
-            state.seqs[b].extend(new[b])
-            state.processors.commit(b, new[b])
-        return new
-
-    def _learn(self, unlearned: list[StepRecord]) -> None:
-        """Hand the router the finished steps it has not learned from yet."""
-        while unlearned:
-            self.router.update(unlearned.pop(0))
+    def _row(self, request: Request, index: int) -> Row:
+        prompt = request.prompts[index]
+        return Row(request, index, slot=-1,
+                   output=RowOutput(self.tokenizer, self.eos_ids, request.stops, request.max_new_tokens),
+                   stats=GenerationStats(request.domain, prompt_tokens=len(prompt)),
+                   generator=request_generator(request.sampling, self._device, index), seq=list(prompt))
 
     def _json_punctuation(self, vocab: int, device: torch.device) -> torch.Tensor:
         """[V] bool on `device`: tokens the n-gram ban leaves alone under a JSON schema; built once."""

@@ -67,7 +67,7 @@ class StepRecord:
     # growing its cache): paid once by whichever step triggered it, not a cost of the step's arm.
     warmup_seconds: float = 0.0
     # The draft lengths this step's runner verifies as proposed, others being cut to the longest
-    # of them that fits (a sampled step on CUDA graphs, proposals.cut_to_lengths); () when any.
+    # of them that fits (a sampled step on CUDA graphs, proposals.cut_length); () when any.
     draft_lengths: tuple[int, ...] = ()
     # The request's first step: its first token was scored by the prefill's own forward, so its
     # pass fed only the drafted tokens (none for plain decoding) instead of drafted + 1.

@@ -1,21 +1,22 @@
 """One engine call as both adapters build it, what comes back, and the streamed and timed paths.
 
 An adapter turns a framework call into an `EngineCall` (prompt ids, decoding settings, the router
-decision) in the caller's context, then hands it to the batcher (`batching.py`, non-streaming
-calls) or streams it here; either way it gets an `Outcome` or the engine's chunks back and turns
-them into its framework's response objects.
+decision) in the caller's context, then runs or streams it here; either way it gets an `Outcome`
+or the engine's chunks back and turns them into its framework's response objects. Every call is
+its own engine request: concurrent calls (LangChain's `batch`/`abatch`, LangGraph branches,
+LlamaIndex's async fan-out) join the engine's running batch as they come, each with its own
+settings, and leave it when done.
 """
 from __future__ import annotations
 
-import json
-import time
+import asyncio
 from collections import Counter
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from flashspec_core import SamplingParams
-from flashspec_core.results import GenerationStats, StreamChunk
+from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import classify_prompt
 from flashspec_integrations.context import DomainDecision
 
@@ -36,8 +37,7 @@ class EngineCall:
 
     @property
     def hint(self) -> str | None:
-        """The hint the engine gets: the adapter's, else the classifier's label of this prompt, so a
-        batch (which shares one domain) only holds prompts of one label."""
+        """The hint the engine gets: the adapter's, else the classifier's label of this prompt."""
         if self.decision.domain is not None:
             return None
         return self.decision.hint or classify_prompt(self.prompt_text)
@@ -51,15 +51,6 @@ class EngineCall:
             kwargs["json_schema"] = self.json_schema
         return kwargs
 
-    def batch_key(self) -> Hashable:
-        """Calls with equal keys can share one engine batch (which shares every engine argument).
-        A seeded sampled call gets a key of its own: its draws must not depend on its batch-mates."""
-        if self.sampling.seed is not None and not self.sampling.greedy:
-            return ("alone", id(self))
-        schema = json.dumps(self.json_schema, sort_keys=True) if self.json_schema is not None else None
-        return (self.decision.domain, self.hint, self.max_new_tokens, self.sampling.model_dump_json(),
-                tuple(self.stop), schema)
-
 
 @dataclass
 class Outcome:
@@ -72,7 +63,6 @@ class Outcome:
     prompt_tokens: int
     seconds: float
     decision: DomainDecision
-    batch_size: int = 1
 
     @property
     def completion_tokens(self) -> int:
@@ -89,40 +79,76 @@ class Outcome:
             "domain_source": self.decision.source,
             "agent_node": self.decision.node,
             "finish_reason": self.finish_reason,
-            "batch_size": self.batch_size,
             "tokens_per_second": round(self.completion_tokens / self.seconds, 3) if self.seconds else 0.0,
         }
 
 
-def stream_call(engine: Any, call: EngineCall, timeout: float | None = None) -> Iterator[StreamChunk]:
-    """The engine's chunks for one call; TimeoutError once `timeout` seconds have passed."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    chunks = engine.stream(call.prompt_ids, **call.engine_kwargs())
+def _outcome(call: EngineCall, res: GenerationResult) -> Outcome:
+    return Outcome(call.prefix + res.text, list(res.token_ids), res.finish_reason, res.stats, res.prompt_tokens,
+                   res.stats.seconds if res.stats is not None else 0.0, call.decision)
+
+
+def _submit(engine: Any, calls: Sequence[EngineCall], timeout: float | None) -> list[Any]:
+    """Each call as its own engine request (its rows join the engine's running batch); if one is
+    refused (bad input, a full queue), the ones already queued are cancelled and the error raised."""
+    handles: list[Any] = []
     try:
-        for chunk in chunks:
-            yield chunk
-            if deadline is not None and chunk.finish_reason is None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"generation took longer than timeout={timeout} s; raise timeout or lower max_tokens")
+        for call in calls:
+            handles.append(engine.submit([call.prompt_ids], timeout=timeout, **call.engine_kwargs()))
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    return handles
+
+
+def run_calls(engine: Any, calls: Sequence[EngineCall], timeout: float | None = None,
+              max_retries: int = 0) -> list[Outcome]:
+    """Run `calls` side by side in the engine and wait for all of them (the first error is raised).
+    A call that runs past `timeout` seconds is tried again up to `max_retries` times."""
+    handles = _submit(engine, calls, timeout)
+    outcomes = []
+    for call, handle in zip(calls, handles):
+        for attempt in range(max_retries + 1):
+            try:
+                outcomes.append(_outcome(call, handle.wait()[0]))
+                break
+            except TimeoutError:
+                if attempt == max_retries:
+                    for other in handles:
+                        other.cancel()
+                    raise
+                handle = engine.submit([call.prompt_ids], timeout=timeout, **call.engine_kwargs())
+    return outcomes
+
+
+async def arun_calls(engine: Any, calls: Sequence[EngineCall], timeout: float | None = None,
+                     max_retries: int = 0) -> list[Outcome]:
+    """`run_calls` for a coroutine: waits without holding a thread; cancelling it cancels the calls."""
+    async def one(call: EngineCall, handle: Any) -> Outcome:
+        for attempt in range(max_retries + 1):
+            try:
+                return _outcome(call, (await handle.wait_async())[0])
+            except TimeoutError:
+                if attempt == max_retries:
+                    raise
+                handle = engine.submit([call.prompt_ids], timeout=timeout, **call.engine_kwargs())
+        raise AssertionError("unreachable")
+
+    handles = _submit(engine, calls, timeout)
+    try:
+        return list(await asyncio.gather(*(one(c, h) for c, h in zip(calls, handles))))
+    finally:
+        for handle in handles:
+            if not handle.done:
+                handle.cancel()
+
+
+def stream_call(engine: Any, call: EngineCall, timeout: float | None = None) -> Iterator[StreamChunk]:
+    """The engine's chunks for one call; TimeoutError once `timeout` seconds have passed (the
+    engine ends the request at its next step boundary, also during a long prefill)."""
+    chunks = engine.stream(call.prompt_ids, timeout=timeout, **call.engine_kwargs())
+    try:
+        yield from chunks
     finally:
         chunks.close()
-
-
-def run_streamed(engine: Any, call: EngineCall, timeout: float | None, max_retries: int = 0) -> Outcome:
-    """Run one call to the end through the stream (so it can be timed), retrying a timed-out
-    attempt up to `max_retries` times. Calls without a timeout go through the batcher instead."""
-    for attempt in range(max_retries + 1):
-        start = time.perf_counter()
-        text, ids, last = call.prefix, [], None
-        try:
-            for chunk in stream_call(engine, call, timeout):
-                text += chunk.text
-                ids.extend(chunk.token_ids)
-                last = chunk
-        except TimeoutError:
-            if attempt == max_retries:
-                raise
-            continue
-        return Outcome(text, ids, last.finish_reason or "length", last.stats, len(call.prompt_ids),
-                       time.perf_counter() - start, call.decision)
-    raise AssertionError("unreachable")

@@ -54,10 +54,6 @@ class FlashSpecFields(BaseModel):
 
     domain: str | None = Field(None, description="a fixed router domain for every call (run metadata and tags win)")
     domain_per_node: bool = Field(False, description="add the agent node to the domain hint as a sub-key")
-    batch_window: float = Field(
-        0.01, ge=0.0, le=1.0,
-        description="seconds to wait for concurrent calls to join an engine batch (0: start at once)",
-    )
 
     _resolved: Any = PrivateAttr(None)
     _resolve_lock: Any = PrivateAttr(default_factory=threading.Lock)

@@ -83,9 +83,9 @@ def normalize_tool_choice(choice: Any, tools: Sequence[Mapping], required: bool 
 
 
 def takes_json_schema(engine: Any) -> bool:
-    """Whether the engine decodes under a JSON schema (its `generate` takes `json_schema=`)."""
+    """Whether the engine decodes under a JSON schema (its `submit` takes `json_schema=`)."""
     try:
-        return "json_schema" in inspect.signature(engine.generate).parameters
+        return "json_schema" in inspect.signature(engine.submit).parameters
     except (TypeError, ValueError):
         return False
 

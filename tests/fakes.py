@@ -6,10 +6,11 @@
   whole path through the real engine (template, stop strings, streaming, batching, stats) in
   milliseconds. Its text is noise, so tests compare paths with each other and with the engine.
 - `ScriptedEngine`: replies from a script, for tests that need a model to say something specific
-  (a tool call, a JSON object); it has the engine's surface (`generate` for one prompt or a batch,
-  `stream`, `tokenizer`, `context_window`, `model_name`, `json_schema=`), records every call
-  (prompt text, domain, hint, the label the router would get from the engine's own
-  `resolve_domain`, stops, sampling, schema, batch size), and replies regardless of the schema.
+  (a tool call, a JSON object); it has the engine's surface (`submit`, `generate` for one prompt or
+  a batch, `stream`, `tokenizer`, `context_window`, `model_name`, `json_schema=`, `timeout=`),
+  records every call (prompt text, domain, hint, the label the router would get from the engine's
+  own `resolve_domain`, stops, sampling, schema, rows of its request), and replies regardless of
+  the schema.
 - `UnconstrainedEngine`: a ScriptedEngine without `json_schema=`, as a custom engine may be.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flashspec_core import SpecEngine
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
+from flashspec_core.handle import RequestHandle
 from flashspec_core.models import LoadedModel
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import resolve_domain
@@ -109,8 +111,19 @@ class ScriptedEngine:
         stats.records.append(StepRecord(label, Arm("prompt_lookup", 4), 4, 3, len(ids), 0.0, 0.0))
         return reply, ids, finish, stats
 
+    def submit(self, prompts, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None,
+               json_schema=None, stream=False, timeout=None) -> RequestHandle:
+        """A request answered at once: its handle is finished when returned."""
+        self.batches.append(len(prompts))
+        handle = RequestHandle(len(prompts), stream)
+        for i, p in enumerate(prompts):
+            reply, ids, finish, stats = self._answer(p, max_new_tokens, sampling, stop, domain, hint, json_schema,
+                                                     len(prompts))
+            handle.finish(i, GenerationResult(reply, ids, finish, stats, stats.prompt_tokens))
+        return handle
+
     def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None,
-               json_schema=None) -> Iterator[StreamChunk]:
+               json_schema=None, timeout=None) -> Iterator[StreamChunk]:
         reply, ids, finish, stats = self._answer(prompt, max_new_tokens, sampling, stop, domain, hint, json_schema, 0)
         pieces = [reply[i: i + 3] for i in range(0, len(reply), 3)] or [""]
         for i, piece in enumerate(pieces):
@@ -123,13 +136,8 @@ class ScriptedEngine:
     def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None,
                  json_schema=None):
         batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
-        prompts = list(prompt) if batch else [prompt]
-        self.batches.append(len(prompts))
-        outs = []
-        for p in prompts:
-            reply, ids, finish, stats = self._answer(p, max_new_tokens, sampling, stop, domain, hint, json_schema,
-                                                     len(prompts))
-            outs.append(GenerationResult(reply, ids, finish, stats, stats.prompt_tokens))
+        outs = self.submit(list(prompt) if batch else [prompt], max_new_tokens, sampling, stop, domain, hint,
+                           json_schema).wait()
         return outs if batch else outs[0]
 
 
@@ -137,7 +145,11 @@ class UnconstrainedEngine(ScriptedEngine):
     """A scripted engine without schema-constrained decoding (no `json_schema=`), as a custom engine
     passed as `engine=` may be: forced calls then get their opening written for them."""
 
-    def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None):
+    def submit(self, prompts, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, stream=False,
+               timeout=None) -> RequestHandle:
+        return super().submit(prompts, max_new_tokens, sampling, stop, domain, hint, None, stream, timeout)
+
+    def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, timeout=None):
         return super().stream(prompt, max_new_tokens, sampling, stop, domain, hint)
 
     def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None):

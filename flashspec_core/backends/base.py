@@ -33,7 +33,7 @@ class TargetRunner(Protocol):
     # with the GPU's work).
     use_graphs: bool = False
     # The widths (draft length + 1) a graphed runner was warmed for: greedy steps are padded up to
-    # one of them and sampled proposals cut to one (proposals.cut_to_lengths); () when any width runs.
+    # one of them and sampled proposals cut to one (proposals.cut_length); () when any width runs.
     widths: tuple[int, ...] = ()
     # Seconds of one-time work (capturing a graph, growing the cache) spent so far: whichever step
     # paid it is not charged for it (StepRecord.warmup_seconds).
@@ -47,6 +47,11 @@ class TargetRunner(Protocol):
     def reset(self, batch_size: int) -> None:
         """Drop every row's cache and hold `batch_size` empty rows (also after a failed forward,
         whose cache may hold half a step)."""
+        ...
+
+    def resize(self, rows: int) -> None:
+        """Hold `rows` rows from now on: the first min(rows, now) keep their caches (a running row
+        keeps its slot), added rows start empty. The scheduler sizes the batch to the rows it runs."""
         ...
 
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:

@@ -83,9 +83,13 @@ class StaticCachedModel(LinearKernels, GraphedModel):
         active = [True] * len(sequences) if active is None else list(active)
         with self._lock:
             chunks = self._plan(sequences, active, keep_logits)
-            width = max(len(c) for c in chunks)
-            host = self._host_inputs(chunks, width)  # [3, B, width]: ids, positions, drafts
-            start = max(len(h) for h in self.held)
+            # Only the span of active rows is computed: a scheduler's idle or prefilling rows
+            # around it would otherwise each cost a full row of the forward.
+            fed = [b for b, a in enumerate(active) if a] or [0]
+            lo, hi = fed[0], fed[-1] + 1
+            width = max(len(c) for c in chunks[lo:hi])
+            host = self._host_inputs(chunks, width)[:, lo:hi]  # [3, hi - lo, width]: ids, positions, drafts
+            start = max(len(h) for h in self.held[lo:hi])
             # From empty, one pass (SDPA's causal mask skips the blocks above the diagonal); after
             # a reused prefix, slices of CHUNK columns, so the explicit mask wastes only the
             # blocks above each slice's diagonal instead of above the whole feed's (one masked pass
@@ -93,11 +97,17 @@ class StaticCachedModel(LinearKernels, GraphedModel):
             step = width if start == 0 else CHUNK
             self._use_planned_kernel(min(width, step) * max(1, sum(active)))
             hidden = torch.cat([self.static.hidden(host[0, :, c:c + step], host[1, :, c:c + step],
-                                                   start + min(c + step, width))  # 1 + the largest position fed
-                                for c in range(0, width, step)], dim=1)  # [B, width, hidden]
-            ends = torch.tensor([max(len(c), keep_logits) for c in chunks])
-            cols = ends[:, None] - keep_logits + torch.arange(keep_logits)  # [B, keep_logits]
+                                                   start + min(c + step, width),  # 1 + the largest position fed
+                                                   first_row=lo)
+                                for c in range(0, width, step)], dim=1)  # [hi - lo, width, hidden]
+            ends = torch.tensor([max(len(c), keep_logits) for c in chunks[lo:hi]])
+            cols = ends[:, None] - keep_logits + torch.arange(keep_logits)  # [hi - lo, keep_logits]
             kept = hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1]))
             for b, chunk in enumerate(chunks):
                 self.held[b].extend(chunk)
-            return self.model.lm_head(kept)
+            logits = self.model.lm_head(kept)  # [hi - lo, keep_logits, V]
+            if (lo, hi) == (0, len(chunks)):
+                return logits
+            out = logits.new_empty((len(chunks), keep_logits, logits.shape[-1]))  # rows outside: meaningless
+            out[lo:hi] = logits
+            return out

@@ -96,6 +96,17 @@ class GraphedModel(TargetRunner):
             self._drop_graphs()
         self.held = [[] for _ in range(batch_size)]
 
+    def resize(self, rows: int) -> None:
+        """Feed `rows` rows; the first min(rows, now) keep their caches. Graphs of other row
+        counts stay (same tensors) unless the cache had to be reallocated for more rows."""
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1; got {rows}")
+        if rows == len(self.held) and rows == self.static.batch:
+            return
+        if self.static.use_rows(rows):
+            self._drop_graphs()  # captured on the old buffers
+        self.held = self.held[:rows] + [[] for _ in range(rows - len(self.held))]
+
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
         return common_prefix(self.held[row], sequence)
 

@@ -100,6 +100,23 @@ class CachedModel(LinearKernels, TargetRunner):
         self.held: list[list[int]] = [[] for _ in range(batch_size)]
         self.slot_mask = torch.zeros((batch_size, 0), dtype=torch.long, device=self.device)  # [B, S]
 
+    def resize(self, rows: int) -> None:
+        """Hold `rows` rows; the first min(rows, now) keep their caches, added rows start empty
+        (their cache columns copy row 0's and are masked out)."""
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1; got {rows}")
+        old = len(self.held)
+        if rows == old:
+            return
+        if self.cache.get_seq_length() == 0:
+            self.reset(rows)
+            return
+        keep = torch.tensor(list(range(min(rows, old))) + [0] * max(0, rows - old), device=self.device)
+        self.cache.reorder_cache(keep)
+        grown = self.slot_mask.new_zeros((max(0, rows - old), self.slot_mask.shape[1]))
+        self.slot_mask = torch.cat([self.slot_mask[:rows], grown])
+        self.held = self.held[:rows] + [[] for _ in range(rows - old)]
+
     def _rollback(self, keep: list[int]) -> None:
         """Keep the first keep[b] valid slots of each row; mask the rest, crop the common tail."""
         ends = []

@@ -163,6 +163,17 @@ class LlamaCppModel(TargetRunner):
         self._lc.llama_memory_clear(self._mem, True)
         self.held = [[] for _ in range(batch_size)]
 
+    def resize(self, rows: int) -> None:
+        """Hold `rows` rows (sequence ids); the first min(rows, now) keep their caches. More rows
+        than the context was created for re-create it (every row then starts empty)."""
+        if not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"rows must be in [1, {MAX_ROWS}] (llama.cpp's sequence limit); got {rows}")
+        if rows > self._max_batch:
+            self._make_context(rows)
+        for row in range(rows, len(self.held)):
+            self._rollback(row, 0)
+        self.held = self.held[:rows] + [[] for _ in range(rows - len(self.held))]
+
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
         return common_prefix(self.held[row], sequence)
 

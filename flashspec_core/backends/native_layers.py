@@ -133,15 +133,17 @@ class NativeLayers:
         return table
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor | None:
-        """x: [B, W, hidden] embeddings; cos, sin: [B, W, D]; positions: [B, W] long (row b of the
-        cache takes row b's tokens). Writes K/V at those positions; returns the final norm's output
-        [B, W, hidden], or None (having done nothing) when a projection's weight no longer is its
-        blocks' or the rotation covers part of a head only: the caller runs the torch forward."""
+                 positions: torch.Tensor, first_row: int = 0) -> torch.Tensor | None:
+        """x: [B, W, hidden] embeddings; cos, sin: [B, W, D]; positions: [B, W] long (row
+        first_row + b of the cache takes row b's tokens). Writes K/V at those positions; returns
+        the final norm's output [B, W, hidden], or None (having done nothing) when a projection's
+        weight no longer is its blocks' or the rotation covers part of a head only: the caller
+        runs the torch forward."""
         static = self.static
         bsz, width, hidden = x.shape
-        if static.keys[0].shape[0] < bsz:
-            raise ValueError(f"x: {bsz} rows fed, the cache holds {static.keys[0].shape[0]}")
+        if static.keys[0].shape[0] < first_row + bsz:
+            raise ValueError(f"x: rows {first_row}..{first_row + bsz - 1} fed, the cache holds "
+                             f"{static.keys[0].shape[0]}")
         if positions.device.type != "cpu" or int(positions.min()) < 0 or int(positions.max()) >= static.max_len:
             raise ValueError(f"positions: must lie in [0, {static.max_len}) on the CPU")
         if cos.shape[-1] != static.head_dim:  # a partial rotation: decode_layers.c rotates whole heads
@@ -149,6 +151,10 @@ class NativeLayers:
         table = self._current_table()
         if table is None:
             return None
+        if first_row:  # the caches' addresses (the table's last two columns) moved to that row
+            cache = static.keys[0]
+            table = table.clone()
+            table[:, -2:] += first_row * cache.stride(0) * cache.element_size()
         self.dims[6], self.dims[7] = static.max_len, width
         tokens = bsz * width
         x = x.reshape(tokens, hidden).contiguous().clone()  # [T, hidden], the residual stream in place

@@ -127,25 +127,26 @@ class StaticLlama(nn.Module):
         return self.model.get_output_embeddings().weight.dtype
 
     def resize(self, max_len: int, batch: int | None = None) -> None:
-        """Grow (or create) the cache to `max_len` slots per row, keeping what it holds; `batch`
-        reallocates it for exactly that many rows (emptied)."""
+        """Reallocate the cache for `max_len` slots per row and `batch` rows (default: as now),
+        keeping what the rows both shapes have hold in the slots both have."""
         rows = self.rows if batch is None else batch
         shape = (rows, self.n_kv, max_len, self.head_dim)
-        keep = min(self.max_len, max_len) if rows == self.rows else 0
+        keep, keep_rows = min(self.max_len, max_len), min(self.rows, rows)
         new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         for old, new in zip(self.keys + self.values, new_k + new_v):
-            if keep:
-                new[:, :, :keep].copy_(old[:, :, :keep])
+            if keep and keep_rows:
+                new[:keep_rows, :, :keep].copy_(old[:keep_rows, :, :keep])
         self.keys, self.values, self.max_len, self.rows = new_k, new_v, max_len, rows
         if batch is not None:
             self.batch = batch
 
     def use_rows(self, batch: int) -> bool:
         """Feed `batch` rows from now on: the first `batch` of those allocated, or, past them, a
-        cache reallocated for `batch` rows. Returns whether it was reallocated (tensors that
-        captured graphs read are then gone). Why keep the rows: a server's batches change size
-        from one call to the next, and each reallocation meant capturing every graph again."""
+        cache reallocated for `batch` rows (the rows it had keep their contents). Returns whether
+        it was reallocated (tensors that captured graphs read are then gone). Why keep the rows: a
+        server's batches change size from one step to the next, and each reallocation meant
+        capturing every graph again."""
         if batch <= self.rows:
             self.batch = batch
             return False
@@ -251,7 +252,9 @@ class StaticLlama(nn.Module):
             out = F.scaled_dot_product_attention(q, self.keys[i][:bsz], self.values[i][:bsz], attn_mask=mask,
                                                  scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
         else:
-            out = self._attend_live(q, self.keys[i][:bsz, :, :length], self.values[i][:bsz, :, :length], mask)
+            first = int(rows[0, 0])  # the cache row of this batch's row 0 (hidden's first_row)
+            live = slice(first, first + bsz)
+            out = self._attend_live(q, self.keys[i][live, :, :length], self.values[i][live, :, :length], mask)
         return attn.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
     def _live_mask(self, positions: torch.Tensor, length: int) -> torch.Tensor | str | None:
@@ -287,22 +290,28 @@ class StaticLlama(nn.Module):
         out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=self.scaling)
         return out.reshape(bsz, heads, width, d)
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, length: int | None = None,
+               first_row: int = 0) -> torch.Tensor:
         """The final norm's output [B, W, hidden] for ids, positions: [B, W] long (positions < max_len).
 
         length: attend only over the first `length` slots of every row (at least 1 + the largest
         position fed; positions then on the host), the CPU runner's setting, where reading all
         max_len slots per step costs bandwidth. None: all max_len slots, fixed shapes (graphs).
+        first_row: the cache row of ids' row 0 (rows first_row .. first_row + B - 1 are fed, the
+        others left alone: a scheduler prefills one row without computing the rest); with `length`.
         """
         inner = self.model.model
         bsz, width = ids.shape
+        if first_row and (length is None or first_row + bsz > self.batch):
+            raise ValueError(f"first_row: rows {first_row}..{first_row + bsz - 1} need `length` and at most "
+                             f"{self.batch} rows")
         x = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(x, positions)
         if self.native is not None and length is not None:
-            out = self.native(x, cos, sin, positions)  # the mask's rule (slots 0..position) is in C
+            out = self.native(x, cos, sin, positions, first_row)  # the mask's rule (slots 0..position) is in C
             if out is not None:
                 return out
-        rows = torch.arange(bsz, device=ids.device)[:, None].expand(bsz, width)
+        rows = torch.arange(first_row, first_row + bsz, device=ids.device)[:, None].expand(bsz, width)
         if length is not None:
             if self.fuse:
                 raise ValueError("length: the fused path attends over all max_len slots; use fuse=False")

@@ -67,6 +67,7 @@ class ModelDraft(DraftSource):
         if gamma <= 0:
             return Proposal([[] for _ in contexts])
         rows = [list(c[start:]) for c, start in zip(contexts, self._window(contexts))]
+        self._runner.resize(len(rows))  # row b of every call is row b of the runner
         head = self.head_ids
         tokens, probs = [], []
         catchup = 0.0
@@ -125,8 +126,9 @@ class ModelDraft(DraftSource):
         return self.starts[:len(contexts)]
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Rows start: their windows are set at their first proposal; the runner's rows keep their
+        caches, reused where a later call's rows share their prefix."""
         self.starts = []
-        self._runner.begin(len(prompts))
 
     def end(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
         """The cache stays for the next request's common prefix (CachedModel.begin)."""

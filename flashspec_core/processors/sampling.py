@@ -141,11 +141,13 @@ def request_params(max_new_tokens, sampling, stop) -> tuple[SamplingParams, tupl
     return sampling, stops
 
 
-def request_generator(sampling: SamplingParams, device: torch.device) -> torch.Generator:
-    """The one generator every random draw of a request takes from: seeded, or fresh."""
+def request_generator(sampling: SamplingParams, device: torch.device, row: int = 0) -> torch.Generator:
+    """The generator every random draw of one row of a request takes from: fresh, or seeded with
+    the request's seed + the row's index (mod 2**64), so row 0 of any request draws as a request of
+    one prompt with that seed does, and each row's draws do not depend on the rows beside it."""
     gen = torch.Generator(device=device)
     if sampling.seed is None:
         gen.seed()
     else:
-        gen.manual_seed(sampling.seed)
+        gen.manual_seed((sampling.seed + row) % 2**64)
     return gen

@@ -1,6 +1,6 @@
 """What ChatFlashSpec and FlashSpecLLM share on the LangChain side: LangChain's own fields (timeout,
 retries, streaming), the run context a call reads its domain from, call keywords, tracing
-parameters, and running engine calls (batched, or streamed when a timeout must be enforced).
+parameters, and running engine calls (each its own engine request; the engine ends one at its timeout).
 
 The shared fields (`target`, `drafts`, `max_tokens`, sampling, `domain`, ...) and the engine
 cache are `flashspec_integrations.settings`; the domain rules are `flashspec_integrations.context`.
@@ -16,8 +16,7 @@ from langchain_core.runnables.config import var_child_runnable_config
 from pydantic import Field
 
 from flashspec_integrations.async_bridge import aiter_in_thread
-from flashspec_integrations.batching import arun_calls, run_calls
-from flashspec_integrations.calls import EngineCall, Outcome, run_streamed
+from flashspec_integrations.calls import EngineCall, Outcome, arun_calls, run_calls
 from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
 from flashspec_integrations.settings import DECODING_KWARGS, FlashSpecFields
 
@@ -99,15 +98,11 @@ class LangChainParams(FlashSpecFields):
         return EngineCall(list(ids), max_new, sampling, stops, decision, text, prefix, json_schema)
 
     def _run(self, calls: Sequence[EngineCall]) -> list[Outcome]:
-        engine = self.get_engine()
-        if self.timeout is not None:
-            return [run_streamed(engine, c, self.timeout, self.max_retries) for c in calls]
-        return run_calls(engine, calls, self.batch_window)
+        return run_calls(self.get_engine(), calls, self.timeout, self.max_retries)
 
     async def _arun(self, calls: Sequence[EngineCall]) -> list[Outcome]:
-        if self.timeout is not None:
-            return await asyncio.to_thread(self._run, calls)
-        return await arun_calls(self.get_engine(), calls, self.batch_window)
+        engine = await asyncio.to_thread(self.get_engine)  # the first call loads the weights
+        return await arun_calls(engine, calls, self.timeout, self.max_retries)
 
     @staticmethod
     def _relay(chunks: Iterator[T], run_manager: Any) -> Iterator[T]:

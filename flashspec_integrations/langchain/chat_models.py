@@ -24,7 +24,6 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict
 
-from flashspec_integrations.batching import expect
 from flashspec_integrations.calls import EngineCall, Outcome, stream_call
 from flashspec_integrations.langchain._base import LangChainParams, usage
 from flashspec_integrations.langchain._messages import content_text, to_openai_dicts
@@ -83,8 +82,8 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
     format (`flashspec_integrations.prompts`). A forced tool choice or structured output is
     decoded under its JSON schema (`_output_constraint`), so it always parses; unforced calls are
     the model's choice and are parsed leniently, failures reported in `AIMessage.invalid_tool_calls`.
-    Calls without a timeout go through the engine's batcher: `batch`, `abatch` and concurrent
-    callers are decoded as engine batches.
+    `batch`, `abatch` and concurrent callers run side by side in the engine's running batch, each
+    call with its own settings.
     """
 
     # LangChain's base class ignores unknown arguments; a misspelt setting should fail instead.
@@ -265,7 +264,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        # Planned in a worker (the first call loads the weights); then waits on the batcher.
+        # Planned in a worker (the first call loads the weights); then waits on the engine.
         plan = await asyncio.to_thread(self._plan, messages, stop, run_manager, kwargs)
         return self._result(plan, (await self._arun([plan.call]))[0])
 
@@ -279,29 +278,12 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
     ) -> list[AIMessage]:
         """LangChain runs a chat model's `batch` as one `invoke` per input in a thread pool of
         `max_concurrency` threads (by default min(32, cores + 4)). Unless the caller set
-        `max_concurrency`, the pool here is as wide as the batch and the batcher is told how many
-        calls are coming, so the inputs are decoded as one engine batch per domain."""
+        `max_concurrency`, the pool here is as wide as the batch, so every input's call joins the
+        engine's running batch at once."""
         configs = get_config_list(config, len(inputs))
-        if any(c.get("max_concurrency") is not None for c in configs):
-            return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
-        configs = [{**c, "max_concurrency": len(inputs)} for c in configs]
-        with expect(len(inputs)):
-            return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
-
-    async def abatch(
-        self,
-        inputs: list[LanguageModelInput],
-        config: RunnableConfig | list[RunnableConfig] | None = None,
-        *,
-        return_exceptions: bool = False,
-        **kwargs: Any,
-    ) -> list[AIMessage]:
-        """`batch` for coroutines: the inputs' calls are announced to the batcher as one group."""
-        configs = get_config_list(config, len(inputs))
-        if any(c.get("max_concurrency") is not None for c in configs):
-            return await super().abatch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
-        with expect(len(inputs)):
-            return await super().abatch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
+        if all(c.get("max_concurrency") is None for c in configs):
+            configs = [{**c, "max_concurrency": len(inputs)} for c in configs]
+        return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
 
     def _chunks(self, plan: _Plan) -> Iterator[ChatGenerationChunk]:
         """Message chunks of one call; usage and stats come once, on the last chunk."""

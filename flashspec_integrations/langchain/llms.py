@@ -26,8 +26,8 @@ from flashspec_integrations.langchain._base import LangChainParams, usage
 class FlashSpecLLM(LangChainParams, BaseLLM):
     """A completion model: the prompt text goes to the target as is (no chat template).
 
-    `batch` (and concurrent callers) are decoded as engine batches, one per domain (a batch shares
-    one router domain); with `timeout` set, prompts run one by one so each can be timed.
+    `batch` (and concurrent callers) run side by side in the engine's running batch, each prompt
+    a request of its own (with its own domain, settings and `timeout`).
     """
 
     # LangChain's base class ignores unknown arguments; a misspelt setting should fail instead.

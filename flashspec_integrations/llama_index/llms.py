@@ -42,8 +42,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 
 from flashspec_integrations.async_bridge import aiter_in_thread
-from flashspec_integrations.batching import arun_calls, run_calls
-from flashspec_integrations.calls import EngineCall, stream_call
+from flashspec_integrations.calls import EngineCall, arun_calls, run_calls, stream_call
 from flashspec_integrations.context import JSON, REACT, TOOL, TOOL_RESULT
 from flashspec_integrations.llama_index._hints import chat_decision, completion_decision, template_scope
 from flashspec_integrations.llama_index._messages import to_openai_dicts
@@ -198,10 +197,11 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         return Request(self._engine_call(prompt, kwargs, decision, False, "", stops))
 
     def _run(self, req: Request):
-        return run_calls(self.get_engine(), [req.call], self.batch_window)[0]
+        return run_calls(self.get_engine(), [req.call])[0]
 
     async def _arun(self, req: Request):
-        return (await arun_calls(self.get_engine(), [req.call], self.batch_window))[0]
+        engine = await asyncio.to_thread(self.get_engine)  # the first call loads the weights
+        return (await arun_calls(engine, [req.call]))[0]
 
     def _stream(self, req: Request):
         return stream_call(self.get_engine(), req.call)

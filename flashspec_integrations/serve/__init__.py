@@ -9,7 +9,6 @@ import Ray:
 - `protocol`: the OpenAI request and response models (pydantic) and OpenAI-style errors;
 - `translate`: a request -> one engine call (prompt, tools, schema, domain), and the engine's
   output -> the reply (content, tool calls, stream deltas);
-- `batching`: requests that arrive together -> engine batches;
 - `stats`: router statistics shared by every replica through one SQLite ledger;
 - `deployment`: the Ray Serve deployment (FastAPI ingress) and `build_app` for config files;
 - `command`: the `flashspec-agents serve` entry.

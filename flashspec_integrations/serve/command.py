@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     parser.add_argument("--model-name", help="the model id clients send (default: the target's name)")
     parser.add_argument("--router-store", help="SQLite file of the router statistics the replicas share")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="requests decoded as one engine batch at most")
+    parser.add_argument("--max-batch-size", type=int, default=8, help="rows the engine decodes together; more wait for a slot")
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -1,11 +1,10 @@
 """The Ray Serve deployment: one engine per replica behind an OpenAI-compatible FastAPI app.
 
-Each replica loads the target once (on the GPU Ray gives it, else the CPU), routes with its own
-router merged with the others' through the shared ledger (`stats`), and decodes requests that
-arrive within `batch_wait_s` of each other as engine batches (`@serve.batch` collects them,
-`batching` groups them by setting). Streams run one at a time on the same engine, so a stream
-and a batch never interleave inside a decode step. Ray restarts a replica whose process dies;
-the proxy sends new requests to the live ones meanwhile.
+Each replica loads the target once (on the GPU Ray gives it, else the CPU) and routes with its
+own router merged with the others' through the shared ledger (`stats`). Every request, streamed
+or not, joins the engine's running batch at its next step with its own settings and leaves it
+when done (the engine's scheduler); nothing waits for a batch to fill or to finish. Ray restarts
+a replica whose process dies; the proxy sends new requests to the live ones meanwhile.
 
 `build_app(args)` is the application builder for Serve config files (`serve run config.yaml`,
 docs/serve.md); the CLI (`command.py`) calls it too.
@@ -26,9 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
-from flashspec_integrations.async_bridge import aiter_in_thread
 from flashspec_integrations.serve import protocol
-from flashspec_integrations.serve.batching import Decoded, decode_batch
 from flashspec_integrations.serve.protocol import APIError
 from flashspec_integrations.serve.stats import share_router
 from flashspec_integrations.serve.translate import DeltaStream, Plan, call_info, plan_call, reply_message
@@ -47,8 +44,7 @@ class ServeSettings(BaseModel):
     device: str | None = Field(None, description="None: the replica's GPU if Ray gave it one, else the CPU")
     router_store: str | None = Field(None, description="the shared router ledger (SQLite); None: the default store")
     sync_seconds: float = Field(2.0, ge=0, description="how often a replica merges the others' router statistics")
-    max_batch_size: int = Field(8, ge=1, description="requests decoded as one engine batch at most")
-    batch_wait_s: float = Field(0.01, ge=0, description="how long a batch waits for more requests")
+    max_batch_size: int = Field(8, ge=1, description="rows the engine decodes together; more wait for a slot")
     default_max_tokens: int = Field(512, gt=0, description="new tokens when a request sets no max_tokens")
     threads: int | None = Field(None, gt=0, description="torch CPU threads per replica; None: Ray's CPU share")
 
@@ -91,15 +87,20 @@ class FlashSpecServer:
         cpus = int(os.environ.get("OMP_NUM_THREADS") or 0)
         if self.settings.threads or cpus:
             torch.set_num_threads(self.settings.threads or cpus)
-        self.engine = SpecEngine.from_pretrained(self.settings.target, device=self.settings.device)
+        self.engine = SpecEngine.from_pretrained(self.settings.target, device=self.settings.device,
+                                                 max_batch=self.settings.max_batch_size)
         self.shared = share_router(self.engine, self.settings.router_store, self.settings.sync_seconds)
         self.model_name = self.settings.served_name()
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self._decode.set_max_batch_size(self.settings.max_batch_size)
-        self._decode.set_batch_wait_timeout_s(self.settings.batch_wait_s)
 
-    def _info(self, plan: Plan, stats: Any, rows: int) -> dict:
-        return {**call_info(plan, stats, rows), "replica": self.replica, "pid": os.getpid(), **self.shared.info()}
+    def _info(self, plan: Plan, stats: Any) -> dict:
+        return {**call_info(plan, stats, self.engine.running), "replica": self.replica, "pid": os.getpid(),
+                **self.shared.info()}
+
+    def _settings(self, plan: Plan) -> dict[str, Any]:
+        """The engine arguments of a planned request."""
+        return {"max_new_tokens": plan.max_new_tokens, "sampling": plan.sampling, "stop": list(plan.stop) or None,
+                "domain": plan.domain, "json_schema": plan.json_schema}
 
     def _plan(self, req: protocol.ChatCompletionRequest) -> Plan:
         if req.model != self.model_name:
@@ -122,48 +123,36 @@ class FlashSpecServer:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._events(plan, cid, include_usage), media_type="text/event-stream")
-        decoded = await self._decode(plan)
-        if isinstance(decoded, Exception):
-            return _error(_engine_error(decoded))
-        res = decoded.result
+        try:
+            await asyncio.to_thread(self.shared.sync)
+            res = await self.engine.agenerate(plan.prompt_ids, **self._settings(plan))
+        except Exception as exc:  # noqa: BLE001 - an OpenAI-style error for this request only
+            return _error(_engine_error(exc))
         message, finish, invalid = reply_message(plan, res.text, res.finish_reason)
-        info = self._info(plan, res.stats, decoded.rows)
+        info = self._info(plan, res.stats)
         if invalid:
             info["invalid_tool_calls"] = invalid
         body = protocol.completion(cid, self.model_name, message, finish,
                                    protocol.usage(len(plan.prompt_ids), len(res.token_ids)), info)
         return JSONResponse(body)
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def _decode(self, plans: list[Plan]) -> list[Decoded | Exception]:
-        """Requests that arrived together, decoded in as few engine batches as their settings allow."""
-        def work() -> list[Decoded | Exception]:
-            self.shared.sync()
-            return decode_batch(self.engine, plans)
-
-        return await asyncio.to_thread(work)
-
-    def _chunks(self, plan: Plan):
-        self.shared.sync()
-        yield from self.engine.stream(
-            plan.prompt_ids, max_new_tokens=plan.max_new_tokens, sampling=plan.sampling,
-            stop=list(plan.stop) or None, domain=plan.domain, json_schema=plan.json_schema)
-
     async def _events(self, plan: Plan, cid: str, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: the role, content or tool-call deltas, the finish (with the
         `flashspec` field), usage if asked, then [DONE]. A failure mid-stream is sent as an
-        `error` event (the status line has gone out already), never a silent end."""
+        `error` event (the status line has gone out already), never a silent end. A client that
+        disconnects closes this generator, which cancels the request at the engine's next step."""
         deltas = DeltaStream(plan)
         yield _sse(protocol.chunk(cid, self.model_name, {"role": "assistant", "content": ""}))
         try:
             tokens = 0
-            async for piece in aiter_in_thread(lambda: self._chunks(plan)):
+            await asyncio.to_thread(self.shared.sync)
+            async for piece in self.engine.astream(plan.prompt_ids, **self._settings(plan)):
                 tokens += len(piece.token_ids)
                 for delta in deltas.feed(piece.text, piece.finish_reason):
                     yield _sse(protocol.chunk(cid, self.model_name, delta))
                 if piece.finish_reason is not None:
                     finish = deltas.finish_reason(piece.finish_reason)
-                    info = self._info(plan, piece.stats, 1)
+                    info = self._info(plan, piece.stats)
                     yield _sse(protocol.chunk(cid, self.model_name, {}, finish, flashspec=info))
             if include_usage:
                 yield _sse(protocol.chunk(cid, self.model_name, None, usage=protocol.usage(len(plan.prompt_ids), tokens)))

@@ -58,14 +58,6 @@ class Plan:
     tool_names: tuple[str, ...]
     parse_tools: bool
 
-    def batch_key(self) -> tuple | None:
-        """Requests with equal keys can share one engine batch (it takes one setting of each);
-        None for a seeded request, which runs alone so that its seed reproduces its output."""
-        if self.sampling.seed is not None:
-            return None
-        schema = None if self.json_schema is None else json.dumps(self.json_schema, sort_keys=True)
-        return self.domain, self.sampling, self.stop, self.max_new_tokens, schema
-
 
 def _text(content: Any, at: str) -> str:
     """A message's content as text: a string, or the text of OpenAI content parts."""
@@ -228,7 +220,7 @@ class DeltaStream:
 
 def call_info(plan: Plan, stats: GenerationStats | None, rows: int) -> dict[str, Any]:
     """The `flashspec` response field: the call's domain and why, the arms its steps used, the
-    acceptance, and how many requests shared its engine batch."""
+    acceptance, and how many rows the engine's running batch held when it ended."""
     info = stats.as_dict() if stats is not None else {"domain": plan.domain}
     info["arms"] = dict(Counter(info.get("arms", ())))
     info.update(domain_source=plan.decision.source, agent_node=plan.decision.node, batch_rows=rows)

@@ -147,12 +147,13 @@ def test_suffix_cache_drafts_a_repeated_request(tiny_target):
     assert second.stats.accepted > first.stats.accepted and second.stats.steps < first.stats.steps
 
 
-def test_closing_a_stream_early_leaves_the_engine_usable(tiny_target, tiny_draft_model, refs):
+def test_a_request_inside_an_open_stream_runs_beside_it_and_closing_early_leaves_the_engine_usable(
+        tiny_target, tiny_draft_model, refs):
     engine = make_engine(tiny_target, Arm("model", 3), tiny_draft_model)
     stream = engine.stream(PROMPTS[0], max_new_tokens=24)
     next(stream)
-    with pytest.raises(RuntimeError, match="stream"):
-        engine.generate(PROMPTS[1], max_new_tokens=4)  # same thread, stream still open: refused, not a hang
+    # Same thread, stream still open: the request joins the running batch (no lock to deadlock on).
+    assert engine.generate(PROMPTS[1], max_new_tokens=24).token_ids == refs[1]
     stream.close()
     assert engine.generate(PROMPTS[0], max_new_tokens=24).token_ids == refs[0]
     assert [t for c in engine.stream(PROMPTS[1], max_new_tokens=24) for t in c.token_ids] == refs[1]
@@ -236,8 +237,12 @@ def test_a_single_prompt_reuses_the_previous_requests_prefix(tiny_target, tiny_d
     assert again.stats.cached_prompt_tokens == len(second) - 1
     assert again.token_ids == b.token_ids
     batch = engine.generate([second, first], max_new_tokens=12)
-    assert [r.stats.cached_prompt_tokens for r in batch] == [0, 0], "a batch starts from a fresh cache"
+    # Each row takes the free slot whose cache shares most with its prompt; the second gets a new one.
+    assert [r.stats.cached_prompt_tokens for r in batch] == [len(second) - 1, 0]
     assert [r.token_ids for r in batch] == [b.token_ids, a.token_ids]
+    again = engine.generate([first, second], max_new_tokens=12)
+    assert [r.stats.cached_prompt_tokens for r in again] == [len(first) - 1, len(second) - 1]
+    assert [r.token_ids for r in again] == [a.token_ids, b.token_ids]
 
 
 def test_a_request_that_fails_mid_forward_leaves_no_cache_behind(tiny_target, monkeypatch):
@@ -250,9 +255,9 @@ def test_a_request_that_fails_mid_forward_leaves_no_cache_behind(tiny_target, mo
     real_forward = mlp.forward
     calls = {"n": 0}
 
-    def failing_forward(*args, **kwargs):
+    def failing_forward(*args, **kwargs):  # the prefill runs; every step's forward fails
         calls["n"] += 1
-        if calls["n"] == 2:
+        if calls["n"] >= 2:
             raise RuntimeError("simulated failure inside the target forward")
         return real_forward(*args, **kwargs)
 

@@ -69,7 +69,7 @@ def _engine(backend: str, eos: int, router) -> SpecEngine:
     target = on_backend(tiny_loaded(VOCAB, seed=0, scale=SCALE, eos_id=eos), backend)
     draft = on_backend(tiny_llama(VOCAB, seed=1, scale=SCALE), backend)
     drafts = [ModelDraft(draft, name="model", pad_token_id=target.tokenizer.pad_token_id), PromptLookupDraft()]
-    return SpecEngine(target, drafts, router=router, verify_backend=backend)
+    return SpecEngine(target, drafts, router=router, verify_backend=backend, max_batch=ROWS // CALLS)
 
 
 def _generate(engine: SpecEngine, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> list[list[list[int]]]:
@@ -124,9 +124,9 @@ def test_the_engine_test_rejects_the_u_n_plant(torch_one_thread, monkeypatch):
     whose first step accepted two or three draft tokens can change, and only in law (p ≈ 1e-19).
     (With the model draft this test is weak against it, p ≈ 0.007: the verify-level test in
     tests/verify/test_joint_law.py is the one built for these bugs.)"""
-    from flashspec_core import engine as engine_module
+    from flashspec_core import step as step_module
 
-    monkeypatch.setattr(engine_module, "verify", planted_verify("u[n]"))
+    monkeypatch.setattr(step_module, "verify", planted_verify("u[n]"))
     (p_value,) = _single_pvalue("prompt_lookup", "torch", 0)
     assert p_value < ALPHA, f"the u[n] plant went unnoticed through the engine: p = {p_value:.3g}"
 

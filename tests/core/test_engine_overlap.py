@@ -72,17 +72,18 @@ def test_the_router_learns_each_step_once_in_order_one_step_late(tiny_target):
     expected = engine_with(tiny_target, plain_router).generate(PROMPT, max_new_tokens=20)
     router = Recording()
     engine = engine_with(tiny_target, router)
-    runner = engine._target_runner = GraphLike(engine._target_runner, router)
+    runner = engine.runner = GraphLike(engine.runner, router)
     result = engine.generate(PROMPT, max_new_tokens=20)
 
     assert result.token_ids == expected.token_ids
     assert router.learned == result.stats.records  # each step once, in order, all by the end
     assert len(plain_router.learned) == len(expected.stats.records)
-    # Step 0 scores the prefill's logits (no graph); step k >= 1 replays, and the router learns
-    # step k - 1 while it runs: it had learned k - 1 steps at launch and k once the GPU was waited on.
+    # Step 0 scores the prefill's logits (no graph) and is learned at once; step k >= 2 replays
+    # while the router learns step k - 1: it had learned k - 1 steps at launch (step 1: 1) and k
+    # once the GPU was waited on.
     steps = len(result.stats.records)
     assert steps > 3
-    assert runner.at_launch == list(range(0, steps - 1))
+    assert runner.at_launch == [1] + list(range(1, steps - 1))
     assert runner.after_wait == list(range(1, steps))
 
 
@@ -100,11 +101,11 @@ def test_without_graphs_the_router_learns_each_step_before_the_next(tiny_target)
 def test_a_failing_step_still_hands_the_router_the_steps_before_it(tiny_target, monkeypatch):
     router = Recording()
     engine = engine_with(tiny_target, router)
-    runner = engine._target_runner = GraphLike(engine._target_runner, router)
+    runner = engine.runner = GraphLike(engine.runner, router)
     real = GraphLike.verify_step
 
-    def failing(self, *args, **kwargs):
-        if len(self.at_launch) == 3:
+    def failing(self, *args, **kwargs):  # from the fourth replay on: the row fails alone too
+        if len(self.at_launch) >= 3:
             raise RuntimeError("simulated failure in a replay")
         return real(self, *args, **kwargs)
 
@@ -122,7 +123,7 @@ def test_sampled_steps_on_graphs_cut_proposals_to_warmed_widths(tiny_target):
     router.arms = (Arm("prompt_lookup", 4),)
     router.select = lambda domain: Arm("prompt_lookup", 4)
     engine = engine_with(tiny_target, router)
-    runner = engine._target_runner = GraphLike(engine._target_runner, router)
+    runner = engine.runner = GraphLike(engine.runner, router)
     runner.widths = (1, 3, 5)
     fed = []
     real = runner.verify_step

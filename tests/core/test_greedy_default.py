@@ -138,9 +138,9 @@ def test_greedy_is_token_identical_to_hf_generate(default_target, prompt_ids, re
     engine = SpecEngine(default_target, [draft] if draft else [], router=FixedRouter(arm), backend="hf",
                         calibrate=kernel is None)
     if kernel is not None:
-        if kernel not in engine._target_runner.kernels():
+        if kernel not in engine.runner.kernels():
             pytest.skip(f"{kernel} is not available on this machine")
-        engine._target_runner.use_kernel(kernel)  # no plan: it stays on for every forward
+        engine.runner.use_kernel(kernel)  # no plan: it stays on for every forward
     start = time.perf_counter()
     results = engine.generate(prompt_ids, max_new_tokens=MAX_NEW)
     record_property("engine_seconds", round(time.perf_counter() - start, 2))

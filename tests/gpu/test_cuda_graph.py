@@ -241,7 +241,7 @@ def test_engine_warms_its_widths_at_construction():
     target = LoadedModel(loaded.model.cuda(), loaded.tokenizer, loaded.name)
     engine = SpecEngine(target, [PromptLookupDraft()], router=FixedRouter(Arm("prompt_lookup", 4)),
                         backend="cuda-graph", gammas=(2, 4))
-    runner = engine._target_runner
+    runner = engine.runner
     assert runner.widths == (1, 3, 5) and runner.prefill_width > 5 and runner.captures == 4
     res = engine.generate([1, 2, 3, 4, 5, 1, 2, 3] * 40, max_new_tokens=30)  # a prompt of two pieces
     assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 4

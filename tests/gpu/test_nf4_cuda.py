@@ -58,7 +58,7 @@ def test_nf4_target_on_graphs_equals_its_own_generate(nf4, prompts, arm):
 
     assert nf4.model.get_output_embeddings().weight.device.type == "cuda"
     engine = SpecEngine(nf4, [PromptLookupDraft()], router=FixedRouter(arm))
-    assert engine.backend == "cuda-graph" and engine._target_runner.captures > 0
+    assert engine.backend == "cuda-graph" and engine.runner.captures > 0
     _check(engine, prompts, greedy_references(nf4.model, prompts, MAX_NEW), f"nf4 target, {arm}")
 
 

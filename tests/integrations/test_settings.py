@@ -16,7 +16,7 @@ CLASSES = [ChatFlashSpec, FlashSpecLLM, LlamaIndexLLM]
 SETTINGS = {"target": "org/some-model", "drafts": ["prompt_lookup", "suffix_cache"], "router": "ucb1",
             "device": "cpu", "max_tokens": 77, "temperature": 0.5, "top_k": 4, "top_p": 0.9, "seed": 3,
             "repetition_penalty": 1.2, "no_repeat_ngram_size": 3, "stop": ["\n\n"], "domain": "code",
-            "domain_per_node": True, "batch_window": 0.0}
+            "domain_per_node": True}
 
 
 def _invoke(model, **kwargs):

@@ -137,7 +137,7 @@ def test_the_engine_calibrates_its_cpu_runner_and_seeds_the_router(flashspec_cac
     engine = SpecEngine(loaded, [PromptLookupDraft()], router="thompson", gammas=(2, 4), backend="hf")
     cal = engine.calibration
     assert isinstance(cal, Calibration) and {1, 3, 5} <= set(cal.best)
-    assert engine._target_runner.plan is cal
+    assert engine.runner.plan is cal
     costs = engine.router._costs
     assert {w: costs.at_width(w) for w in cal.best} == cal.forward_seconds() and costs.context == cal.context
     for w, slope in cal.slopes.items():

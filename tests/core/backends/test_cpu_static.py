@@ -112,7 +112,7 @@ def test_engine_greedy_equals_hf_generate_on_long_prompts(torch_one_thread):
     stock = tiny_loaded(VOCAB, seed=2, layers=2, max_positions=2048).model  # the engine swaps its model's linears
     engine = SpecEngine(loaded, [PromptLookupDraft()], router=FixedRouter(Arm("prompt_lookup", 4)), backend="hf",
                         calibrate=False)
-    assert isinstance(engine._target_runner, StaticCachedModel)
+    assert isinstance(engine.runner, StaticCachedModel)
     rng = random.Random(4)
     motif = [rng.randrange(VOCAB - 1) for _ in range(12)]  # repeats, so prompt lookup drafts (and misses)
     prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] + motif * 3 for n in (900, 400, 30)]

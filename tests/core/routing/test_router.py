@@ -401,7 +401,7 @@ def test_on_flat_pass_costs_the_longest_copy_wins_every_step():
 
 def test_copy_drafts_are_scored_cut_as_the_step_would_have_cut_them():
     """A sampled step on CUDA graphs verifies only some draft lengths and cuts a proposal to the
-    longest of them that fits (proposals.cut_to_lengths): a copy draft's after-the-fact score
+    longest of them that fits (proposals.cut_length): a copy draft's after-the-fact score
     must be what that cut proposal would have emitted, not the uncut one."""
     script = list(range(300, 400))
     scored = {}

@@ -232,14 +232,17 @@ def test_async_paths_do_not_block_the_event_loop():
     assert ticks >= 40  # ~0.85 s of engine time ran while the loop kept ticking
 
 
-def test_batch_decodes_as_one_engine_batch_and_matches_single_calls():
-    model = ChatFlashSpec(engine=tiny_engine(), max_tokens=12, batch_window=0.2)  # a wide window: no flakes
+def test_batch_runs_side_by_side_in_the_engine_and_matches_single_calls(monkeypatch):
+    engine = tiny_engine()
+    model = ChatFlashSpec(engine=engine, max_tokens=40)
     prompts = [f"question {i}" for i in range(4)]
     alone = [model.invoke(p) for p in prompts]
+    widths: list[int] = []
+    real = engine._stepper.step
+    monkeypatch.setattr(engine._stepper, "step", lambda rows, slots: (widths.append(len(rows)), real(rows, slots))[1])
     together = model.batch(prompts)
     assert [m.content for m in together] == [m.content for m in alone]
-    assert [m.response_metadata["flashspec"]["batch_size"] for m in alone] == [1, 1, 1, 1]
-    assert [m.response_metadata["flashspec"]["batch_size"] for m in together] == [4, 4, 4, 4]
+    assert max(widths) >= 2, "the calls of a batch share the engine's decode steps"
 
 
 def test_real_engine_stream_matches_invoke_and_respects_stop():
@@ -251,44 +254,19 @@ def test_real_engine_stream_matches_invoke_and_respects_stop():
     assert json.dumps(model.invoke("hello").response_metadata["flashspec"]["arms"])
 
 
-def test_chat_batch_and_concurrent_ainvoke_reach_the_engine_as_one_batch():
+def test_chat_batch_and_concurrent_ainvoke_each_reach_the_engine_as_a_request_of_their_own():
     model, engine = chat(["ok"])
-    model.batch([f"q{i}" for i in range(5)])
-    assert engine.batches == [5] and {c["batch"] for c in engine.calls} == {5}
-    model.batch([f"q{i}" for i in range(4)], config={"max_concurrency": 2})  # the caller's pool: 2 at a time
-    assert max(engine.batches[1:]) <= 2
+    configs = [{}, {}, {"metadata": {"flashspec_domain": "code"}}]
+    assert [m.content for m in model.batch(["a", "b", "c"], config=configs)] == ["ok"] * 3
+    assert engine.batches == [1, 1, 1]
+    assert sorted(c["label"] for c in engine.calls) == ["chat", "chat", "code"]  # each call its own domain
 
     async def gathered():
         return await asyncio.gather(*(model.ainvoke(f"r{i}") for i in range(3)), model.abatch(["s0", "s1"]))
 
-    model = model.model_copy(update={"batch_window": 0.2})  # concurrent callers, not announced: a window
-    asyncio.run(gathered())
-    assert engine.batches[-1] == 5
-
-
-def test_batch_waits_for_every_input_however_late_its_thread(monkeypatch):
-    """A busy machine can start batch()'s threads far apart; the batcher is told how many come."""
-    model, engine = chat(["ok"])
-    plan = ChatFlashSpec._plan
-
-    def late_plan(self, messages, *args):
-        time.sleep(0.1 * int(messages[0].content[1:]))  # q0 at once ... q4 after 0.4 s
-        return plan(self, messages, *args)
-
-    monkeypatch.setattr(ChatFlashSpec, "_plan", late_plan)
-    model.batch([f"q{i}" for i in range(5)])
-    asyncio.run(model.abatch([f"q{i}" for i in range(5)]))
-    assert engine.batches == [5, 5]
-
-
-def test_calls_that_cannot_share_a_batch_run_apart():
-    """A batch shares every engine argument, so rows of other domains or lengths get batches of their own."""
-    model, engine = chat(["ok"])
-    model = model.model_copy(update={"batch_window": 0.2})
-    configs = [{}, {}, {"metadata": {"flashspec_domain": "code"}}]
-    model.batch(["a", "b", "c"], config=configs)
-    assert sorted(engine.batches) == [1, 2]
-    assert {c["label"]: c["batch"] for c in engine.calls} == {"chat": 2, "code": 1}
+    results = asyncio.run(gathered())
+    assert [m.content for m in results[:3]] + [m.content for m in results[3]] == ["ok"] * 5
+    assert engine.batches == [1] * 8
 
 
 def test_openai_penalties_are_accepted_at_zero_and_refused_with_the_fix_otherwise():

@@ -1,0 +1,249 @@
+"""Iteration-level scheduling: requests join the running batch between steps and leave it when done.
+
+One thread owns the device. Each turn of its loop it admits waiting requests into free slots (a
+slot is a runner row; a new row takes the free slot whose cache shares the longest prefix with its
+prompt, so an agent's next step reuses its last one's cache), feeds one piece of each new prompt,
+runs one decode step of every prefilled row (`step.Stepper`: each row with its own arm and
+settings), hands each request's new text to its handle, and retires rows that finished, were
+cancelled or ran out of time. A long prompt is fed in pieces of `prefill_chunk` tokens, one piece
+per turn, so the rows already decoding wait for at most one piece between their steps.
+
+Callers never touch the device: they submit a `Request` and read its `RequestHandle`. The queue of
+waiting requests is bounded; a full queue refuses with `EngineBusy` at once, so overload is an
+answer, not an unbounded wait.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from flashspec_core.backends.base import TargetRunner
+from flashspec_core.drafts.base import DraftSource
+from flashspec_core.handle import RequestCancelled
+from flashspec_core.request import Request, Row
+from flashspec_core.results import GenerationResult, StreamChunk
+from flashspec_core.routing.base import Router
+from flashspec_core.step import Stepper
+
+MAX_ROWS = 8  # rows decoded together by default (the engine's `max_batch`)
+MAX_QUEUE = 256  # requests waiting for a slot before `submit` refuses
+PREFILL_CHUNK = 512  # prompt tokens fed per turn of the loop while other rows decode
+IDLE_EXIT = 2.0  # seconds without work after which the loop's thread ends (a new request starts it again)
+
+
+class EngineBusy(RuntimeError):
+    """The engine's queue of waiting requests is full: retry later, or raise its `max_queue`."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed: it takes no more requests."""
+
+
+class Scheduler:
+    """The loop that owns the device: admits, prefills, steps and retires rows (see the module doc)."""
+
+    def __init__(self, stepper: Stepper, runner: TargetRunner, drafts: dict[str, DraftSource], router: Router,
+                 max_rows: int = MAX_ROWS, max_queue: int = MAX_QUEUE, prefill_chunk: int | None = PREFILL_CHUNK) -> None:
+        if max_rows < 1 or max_queue < 1:
+            raise ValueError(f"max_batch and max_queue must be >= 1; got {max_rows} and {max_queue}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 or None; got {prefill_chunk}")
+        self.stepper, self.runner, self.drafts, self.router = stepper, runner, drafts, router
+        self.max_rows, self.max_queue, self.prefill_chunk = max_rows, max_queue, prefill_chunk
+        self._waiting: deque[Row] = deque()  # rows waiting for a slot, in arrival order
+        self._cond = threading.Condition()
+        self._slots: list[Row | None] = [None]  # the runner's rows; None: free
+        self._warm: set[int] = set()  # free slots whose cache holds a finished row's tokens
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.steps = 0  # decode steps run (for benchmarks and tests)
+
+    # ------------------------------------------------------------------ callers' side
+
+    def submit(self, rows: list[Row]) -> None:
+        """Queue a request's rows; each joins the running batch as a slot frees up."""
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("the engine was closed; create a new one")
+            waiting = len({id(r.request) for r in self._waiting})
+            if waiting >= self.max_queue:
+                raise EngineBusy(f"{waiting} requests are waiting for a slot (max_queue={self.max_queue}); "
+                                 "retry later or raise max_queue")
+            self._waiting.extend(rows)
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="flashspec-scheduler", daemon=True)
+                self._thread.start()
+
+    def close(self) -> None:
+        """Stop taking requests; waiting and running ones fail with EngineClosed."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def running(self) -> int:
+        """Rows in the batch now."""
+        return sum(r is not None for r in self._slots)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._closed or self._waiting or self.running, IDLE_EXIT):
+                    self._thread = None  # idle: the thread ends (and with it its hold on the engine)
+                    return
+                if self._closed:
+                    self._shut_down()
+                    return
+                admitted = self._take_waiting()
+            try:
+                self._admit(admitted)
+                self._turn()
+            except Exception as exc:  # noqa: BLE001 - a bug must not leave callers waiting forever
+                self._fail_all(exc)
+
+    def _take_waiting(self) -> list[Row]:
+        """Under the lock: the waiting rows that fit in the free slots now (in arrival order)."""
+        free = self.max_rows - self.running
+        taken = []
+        while self._waiting and free:
+            row = self._waiting.popleft()
+            if row.request.handle.done:  # its request failed or was cancelled meanwhile
+                continue
+            taken.append(row)
+            free -= 1
+        return taken
+
+    def _admit(self, rows: list[Row]) -> None:
+        """Give each new row a slot: the free one whose cache shares most with its prompt, else a new one."""
+        now = time.monotonic()
+        rows = [r for r in rows if not self._refused(r, now)]
+        needed = self.running + len(rows)
+        if needed > len(self._slots):  # room for all of them at once, doubling (no resize per row)
+            grown = min(self.max_rows, max(needed, 2 * len(self._slots)))
+            self._slots.extend([None] * (grown - len(self._slots)))
+            self.runner.resize(grown)
+        free = [s for s, r in enumerate(self._slots) if r is None]
+        for row in rows:
+            reuse = {s: self.runner.prefix_len(s, row.prompt) for s in self._warm}
+            warm = max(reuse, key=lambda s: (reuse[s], -s), default=None)  # longest reuse, then lowest
+            best = warm if warm is not None and reuse[warm] > 0 else free[0]
+            free.remove(best)
+            self._warm.discard(best)
+            row.slot = best
+            self._slots[best] = row
+            for draft in self.drafts.values():
+                draft.begin([row.prompt])
+
+    def _refused(self, row: Row, now: float) -> bool:
+        """Whether `row`'s request was cancelled or ran out of time while it waited (and end it)."""
+        request = row.request
+        if request.handle.cancelled or request.expired(now):
+            request.handle.fail(self._ended(request, now))
+            return True
+        return False
+
+    def _turn(self) -> None:
+        """One turn: end what must end, feed a piece of each new prompt, step the decoding rows."""
+        now = time.monotonic()
+        ending = {id(r.request): r.request for r in self._rows() if r.request.handle.cancelled or r.request.expired(now)}
+        for request in ending.values():
+            self._end_request(request, self._ended(request, now))
+        slots = len(self._slots)
+        feeding = [r for r in self._rows() if r.processors is None]  # prompts not fully fed yet
+        if feeding:
+            try:
+                self.stepper.prefill(feeding, slots, self.prefill_chunk)
+            except Exception:  # noqa: BLE001 - find the request whose input fails; the others go on
+                self.runner.reset(slots)  # a failed forward may leave half a step in the cache
+                for row in feeding:
+                    if self._slots[row.slot] is not row:
+                        continue
+                    try:
+                        self.stepper.prefill([row], slots, self.prefill_chunk)
+                    except Exception as exc:  # noqa: BLE001
+                        self.runner.reset(slots)
+                        self._end_request(row.request, exc)
+        ready = [r for r in self._rows() if r.processors is not None and not r.finished]
+        if not ready:
+            return
+        try:
+            new = self.stepper.step(ready, slots)
+        except Exception:  # noqa: BLE001 - find the row that fails; the others go on
+            self.runner.reset(slots)
+            self._isolate(ready, slots)
+            return
+        self.steps += 1
+        for row, tokens in zip(ready, new):
+            self._deliver(row, tokens)
+
+    def _isolate(self, rows: list[Row], slots: int) -> None:
+        """After a failed step: step each row alone; a row that fails alone ends its request."""
+        for row in rows:
+            if self._slots[row.slot] is not row:
+                continue
+            try:
+                self._deliver(row, self.stepper.step([row], slots)[0])
+            except Exception as exc:  # noqa: BLE001
+                self.runner.reset(slots)
+                self._end_request(row.request, exc)
+
+    @staticmethod
+    def _ended(request: Request, now: float) -> BaseException:
+        """Why a cancelled or expired request ends."""
+        if request.handle.cancelled:
+            return RequestCancelled("the request was cancelled")
+        return TimeoutError("the request ran past its timeout; raise timeout or lower max_new_tokens")
+
+    def _rows(self) -> list[Row]:
+        return [r for r in self._slots if r is not None]
+
+    # ------------------------------------------------------------------ output
+
+    def _deliver(self, row: Row, tokens: list[int]) -> None:
+        """Post a row's new text to its handle; retire it when it finished."""
+        handle, output = row.request.handle, row.output
+        delta = output.take_delta() if handle.stream else ""
+        if output.finished:
+            stats = row.stats
+            handle.post(StreamChunk(delta, tokens, output.finish_reason, stats))
+            handle.finish(row.index, GenerationResult(output.text, list(output.token_ids), output.finish_reason or "length",
+                                                      stats, prompt_tokens=stats.prompt_tokens))
+            self._retire(row)
+        elif delta or tokens:
+            handle.post(StreamChunk(delta, tokens))
+
+    def _retire(self, row: Row) -> None:
+        """Free the row's slot (its cache stays for a later prompt sharing its prefix)."""
+        self._slots[row.slot] = None
+        self._warm.add(row.slot)
+        for draft in self.drafts.values():
+            draft.end([row.prompt], [row.output.token_ids])
+        self.stepper.learn()
+        self.router.flush()
+
+    def _end_request(self, request: Request, error: BaseException) -> None:
+        """End every row of `request` now; its readers get `error`."""
+        for row in self._rows():
+            if row.request is request:
+                self._retire(row)
+        request.handle.fail(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for row in self._rows():
+            self._end_request(row.request, error)
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for row in waiting:
+            row.request.handle.fail(error)
+
+    def _shut_down(self) -> None:
+        """Under the lock: fail everything still waiting or running."""
+        error = EngineClosed("the engine was closed while this request was running")
+        for row in [*self._rows(), *self._waiting]:
+            row.request.handle.fail(error)
+        self._slots = [None] * len(self._slots)
+        self._waiting.clear()

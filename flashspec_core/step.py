@@ -1,0 +1,294 @@
+"""One decode step of the running rows, each with its own settings: draft, forward, processors, verify, commit, record.
+
+Every row picks its own arm (the router's choice for its domain), so in one step a tool call may
+copy its arguments from the prompt while a chat row beside it decodes plainly. Drafts propose for
+the rows that chose them; the target scores every row's context and draft in one forward pass
+(rows with shorter drafts re-feed a few context tokens, which changes no logit's law); each row's
+logits go through its own processors (penalty, grammar mask, n-gram ban) and are verified with
+its own sampling settings and its own random draws. So each row's output law is what it would be
+alone, whatever else is in the batch and whichever arm it or its neighbours used.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flashspec_core.backends.base import TargetRunner
+from flashspec_core.drafts.base import DraftSource
+from flashspec_core.processors.paths import PathProcessors
+from flashspec_core.proposals import cut_length
+from flashspec_core.request import Row
+from flashspec_core.routing.base import Router
+from flashspec_core.types import NO_DRAFT, Arm, StepRecord
+from flashspec_core.verify import Backend, verify
+
+# The router learns from at most this many rows a step (in turn): its host work per row would
+# otherwise grow with the batch, and a few rows a step tell it as much about each domain's arms.
+LEARN_ROWS = 4
+
+
+@dataclass
+class Drafted:
+    """One row's proposal for this step."""
+
+    tokens: list[int]  # at most the row's γ ids
+    probs: torch.Tensor | None  # [g, V] on the target's device, or None (one-hot)
+    seconds: float  # the row's share of its draft call
+    catchup: float  # the part of `seconds` the draft spent catching up on unseen context
+
+
+class Stepper:
+    """Prefill and step rows on one target runner with a pool of drafts and a router."""
+
+    def __init__(self, runner: TargetRunner, drafts: Mapping[str, DraftSource], router: Router, vocab: int,
+                 device: torch.device, verify_backend: Backend,
+                 json_tokens: Callable[[int, torch.device], torch.Tensor]) -> None:
+        self.runner = runner
+        self.drafts = drafts
+        self.router = router
+        self.vocab = vocab
+        self.device = device
+        self.verify_backend = verify_backend
+        self._json_tokens = json_tokens  # [V] bool: what the n-gram ban spares under a schema
+        self._unlearned: list[StepRecord] = []
+        self._turn = 0  # which rows the router learns from next
+
+    # ------------------------------------------------------------------------------ prefill
+
+    def prefill(self, rows: Sequence[Row], slots: int, chunk: int | None = None) -> None:
+        """Feed the next piece of each row's prompt (at most `chunk` tokens; None: all of it) into
+        its slot, all in one forward, the runner holding `slots` rows. A row whose whole prompt is
+        fed keeps the logits after it for its first step (`row.first`, [1, V]) and gets its
+        processors.
+
+        The first token is scored from the prompt's own forward, as plain decoding scores it
+        (HF `generate` and llama.cpp alike): some kernels round a long batch differently from a
+        short one, so re-feeding the last prompt token with the first draft could break a
+        near-tie the other way.
+        """
+        runner = self.runner
+        seqs: list[list[int]] = [[] for _ in range(slots)]
+        active = [False] * slots
+        for row in rows:
+            prompt = row.prompt
+            if row.prefilled == 0:  # what the slot already holds of this prompt is reused
+                reused = min(runner.prefix_len(row.slot, prompt), len(prompt) - 1)
+                row.stats.cached_prompt_tokens = reused
+                row.prefilled = reused
+            row.prefilled = len(prompt) if chunk is None else min(len(prompt), row.prefilled + chunk)
+            seqs[row.slot], active[row.slot] = prompt[:row.prefilled], True
+        start = time.perf_counter()
+        logits = runner.forward_to(seqs, active, keep_logits=1)  # [slots, 1, V]
+        seconds = time.perf_counter() - start
+        for row in rows:
+            row.stats.prefill_seconds += seconds
+            row.stats.seconds += seconds
+            if row.prefilled < len(row.prompt):
+                continue
+            row.first = logits[row.slot]
+            vocab, device = row.first.shape[-1], row.first.device
+            ban_under_schema = row.sampling.no_repeat_ngram_size and row.constraint is not None
+            exempt = self._json_tokens(vocab, device) if ban_under_schema else None
+            row.processors = PathProcessors(row.sampling, row.constraint, [row.prompt], vocab, device, exempt)
+
+    # ------------------------------------------------------------------------------ a step
+
+    def step(self, rows: Sequence[Row], slots: int) -> list[list[int]]:
+        """One decode step of `rows` (each prefilled, unfinished, in its own slot of the `slots`
+        the runner holds). Returns each row's new tokens, in the order of `rows`."""
+        runner = self.runner
+        warmed = runner.warmup_seconds
+        t0 = time.perf_counter()
+        arms = [self.router.select(row.domain) for row in rows]
+        drafted = self._propose(rows, arms)
+        t1 = time.perf_counter()
+        prefilled = [row.first is not None for row in rows]
+        fused = self._fused(rows, arms, drafted, slots)
+        n_acc, out = fused if fused is not None else self._forward_and_verify(rows, drafted, slots)
+        t2 = time.perf_counter()
+        self.learn()  # when no graph ran it
+        new = []
+        for row, n, tokens in zip(rows, n_acc, out):
+            kept = row.output.append(tokens[: n + 1])
+            context_len = len(row.seq)
+            row.seq.extend(kept)
+            assert row.processors is not None  # set up by the prefill
+            row.processors.commit(0, kept)
+            new.append((kept, context_len))
+        verify_share = (t2 - t1) / len(rows)
+        warmup_share = (runner.warmup_seconds - warmed) / len(rows)
+        records = []
+        for row, arm, d, n, (kept, context_len), first in zip(rows, arms, drafted, n_acc, new, prefilled):
+            record = StepRecord(
+                domain=row.domain, arm=arm, drafted=len(d.tokens), accepted=n, emitted=len(kept),
+                draft_seconds=max(d.seconds, 1e-9), verify_seconds=verify_share, context_len=context_len,
+                sequence=row.seq, rows=1, catchup_seconds=min(d.catchup, max(d.seconds, 1e-9)),
+                warmup_seconds=warmup_share if warmup_share < verify_share else 0.0, draft_lengths=self._lengths(row),
+                prefilled=first)
+            records.append(record)
+            st = row.stats
+            st.drafted += len(d.tokens)
+            st.accepted += n
+            st.seconds += t2 - t0
+            st.records.append(record)
+        self._queue_learning(records)
+        if fused is None:
+            self.learn()
+        host = time.perf_counter() - t2
+        for row in rows:
+            row.stats.host_seconds += host
+        return [kept for kept, _ in new]
+
+    def learn(self) -> None:
+        """Hand the router the finished steps it has not learned from yet."""
+        while self._unlearned:
+            self.router.update(self._unlearned.pop(0))
+
+    def _queue_learning(self, records: list[StepRecord]) -> None:
+        """At most LEARN_ROWS of this step's records, taken in turn across steps."""
+        if len(records) <= LEARN_ROWS:
+            self._unlearned.extend(records)
+            return
+        start = self._turn % len(records)
+        self._unlearned.extend((records + records)[start:start + LEARN_ROWS])
+        self._turn += LEARN_ROWS
+
+    # ------------------------------------------------------------------------------ drafting
+
+    def _propose(self, rows: Sequence[Row], arms: Sequence[Arm]) -> list[Drafted]:
+        """Each row's proposal. Rows that chose the same draft are proposed for in one call,
+        except a row under a grammar (its draft reads that row's grammar state) or a sampled row
+        of a model draft (its draws come from the row's own generator)."""
+        out = [Drafted([], None, 0.0, 0.0) for _ in rows]
+        gammas = [min(arm.gamma, row.remaining - 1) for row, arm in zip(rows, arms)]
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i, (row, arm) in enumerate(zip(rows, arms)):
+            if arm.draft == NO_DRAFT or gammas[i] <= 0:
+                continue
+            draft = self.drafts[arm.draft]
+            own = row.constraint is not None or not (draft.deterministic or row.sampling.greedy)
+            shared = None if draft.deterministic else row.sampling.model_dump_json()
+            groups[(arm.draft, id(row) if own else shared)].append(i)
+        for (name, _), members in groups.items():
+            draft, lead = self.drafts[name], rows[members[0]]
+            draft.bind_constraint(lead.constraint if len(members) == 1 else None)
+            start = time.perf_counter()
+            proposal = draft.propose([rows[i].seq for i in members], max(gammas[i] for i in members),
+                                     lead.sampling, lead.generator if len(members) == 1 else None)
+            share = (time.perf_counter() - start) / len(members)
+            for j, i in enumerate(members):
+                tokens = list(proposal.tokens[j][:gammas[i]])
+                tokens = tokens[:cut_length(len(tokens), self._lengths(rows[i]))]
+                bad = sorted({t for t in tokens if not 0 <= t < self.vocab})
+                if bad:  # caught here: the target's embedding would meet the id before verify does
+                    raise ValueError(f"drafts: {name!r} proposed token ids {bad[:5]} outside the target's "
+                                     f"vocabulary [0, {self.vocab}); a draft must share the target's tokenizer")
+                probs = None if proposal.probs is None else proposal.probs[j, :len(tokens)].to(self.device)
+                out[i] = Drafted(tokens, probs, share, proposal.catchup_seconds / len(members))
+        return out
+
+    def _graphable(self, row: Row) -> bool:
+        """Whether `row`'s steps may run as one call of the runner (a CUDA-graph replay): no
+        processor between forward and verification, and the verify backend the graph runs (torch
+        ops for greedy steps, the Triton kernel for sampled ones) not pinned to another."""
+        sampling = row.sampling
+        pinned_ok = self.verify_backend == "auto" or (self.verify_backend == "triton" and not sampling.greedy)
+        return (self.runner.use_graphs and pinned_ok and row.constraint is None
+                and sampling.repetition_penalty == 1.0 and not sampling.no_repeat_ngram_size)
+
+    def _lengths(self, row: Row) -> tuple[int, ...]:
+        """The draft lengths `row`'s steps verify uncut, others being cut to the longest of them
+        that fits: a sampled step on CUDA graphs replays a graph of its exact width, so its
+        proposal is cut to a warmed one (proposals.cut_length); () when any length runs."""
+        if row.sampling.greedy or not self._graphable(row):
+            return ()
+        return tuple(w - 1 for w in self.runner.widths)
+
+    # ------------------------------------------------------------------------------ verifying
+
+    def _fused(self, rows: Sequence[Row], arms: Sequence[Arm], drafted: list[Drafted],
+               slots: int) -> tuple[list[int], list[list[int]]] | None:
+        """The step as one call of the runner (a CUDA-graph replay), where it can take it: every
+        slot's row stepping, no processor between forward and verification, one setting and one
+        draft length for all, and the verify backend the graph runs not pinned to another."""
+        runner, lead = self.runner, rows[0]
+        sampling = lead.sampling
+        if len(rows) != slots or any(r.first is not None or r.sampling != sampling for r in rows):
+            return None
+        if not self._graphable(lead):
+            return None
+        if not sampling.greedy and len(rows) > 1:  # each sampled row draws from its own generator
+            return None
+        lengths = {(len(d.tokens), d.probs is None) for d in drafted}
+        if len(lengths) != 1:
+            return None
+        ordered = sorted(range(len(rows)), key=lambda i: rows[i].slot)
+        tokens = [drafted[i].tokens for i in ordered]
+        probs = None if drafted[0].probs is None else torch.stack([drafted[i].probs for i in ordered])  # type: ignore[misc]
+        result = runner.verify_step([rows[i].seq for i in ordered], tokens, [True] * slots, sampling, probs,
+                                    lead.generator, self.learn)
+        if result is None:
+            return None
+        n_acc, out = [0] * len(rows), [[] for _ in rows]  # type: list[int], list[list[int]]
+        for k, i in enumerate(ordered):
+            n_acc[i], out[i] = result[0][k], result[1][k]
+        return n_acc, out
+
+    def _forward_and_verify(self, rows: Sequence[Row], drafted: list[Drafted],
+                            slots: int) -> tuple[list[int], list[list[int]]]:
+        """Score every row's context + draft in one target forward, process each row's logits
+        along its path and verify rows of one setting together; host lists out: accepted per row,
+        and per row the accepted draft tokens then the recovered or bonus token.
+
+        On a row's first step the prefill's logits (`row.first`) score its first position and the
+        forward scores only its draft (see `prefill`).
+        """
+        paths: list[list[int]] = [[] for _ in range(slots)]
+        active = [False] * slots
+        keep = 0
+        for row, d in zip(rows, drafted):
+            need = len(d.tokens) + (row.first is None)
+            if need:
+                paths[row.slot], active[row.slot] = row.seq + d.tokens, True
+                keep = max(keep, need)
+        scored = self.runner.forward_to(paths, active, keep_logits=keep) if keep else None  # [slots, keep, V]
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        processed = []
+        for i, (row, d) in enumerate(zip(rows, drafted)):
+            g = len(d.tokens)
+            if row.first is None:
+                assert scored is not None
+                logits = scored[row.slot, keep - g - 1:][None]  # [1, g+1, V]
+            elif g:
+                assert scored is not None
+                logits = torch.cat([row.first[None], scored[row.slot, keep - g:][None].to(row.first.device)], dim=1)
+            else:
+                logits = row.first[None]  # [1, 1, V]
+            draft_tokens = torch.tensor([d.tokens], dtype=torch.long).view(1, g).to(logits.device, non_blocking=True)
+            assert row.processors is not None  # set up by the prefill
+            processed.append((row.processors(logits, [d.tokens], draft_tokens, [True]), draft_tokens))
+            groups[(row.sampling.model_dump_json(), g, d.probs is None)].append(i)
+        n_acc, out = [0] * len(rows), [[] for _ in rows]  # type: list[int], list[list[int]]
+        for members in groups.values():
+            lead = rows[members[0]]
+            logits = torch.cat([processed[i][0] for i in members])  # [n, g+1, V]
+            tokens = torch.cat([processed[i][1] for i in members])  # [n, g]
+            probs = None if drafted[members[0]].probs is None else torch.stack(
+                [drafted[i].probs for i in members])  # type: ignore[misc]  # [n, g, V]
+            uniforms = None if lead.sampling.greedy else torch.cat([  # [n, g+1]: each row's own draws
+                torch.rand((1, tokens.shape[1] + 1), generator=rows[i].generator, device=logits.device)
+                for i in members])
+            # A row's first step verifies on torch ops unless pinned: Triton compiles its kernel per
+            # shape at first use, which the router would charge to the step's arm and width.
+            first = any(rows[i].first is not None for i in members)
+            backend: Backend = "torch" if first and self.verify_backend == "auto" else self.verify_backend
+            accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, uniforms, backend=backend)
+            for k, i in enumerate(members):
+                n_acc[i], out[i] = int(accepted[k]), tokens_out[k].tolist()
+        for row in rows:
+            row.first = None
+        return n_acc, out

@@ -1,0 +1,214 @@
+"""Continuous batching: requests join the running batch mid-flight with their own settings and arms,
+and each row's output is what it would be alone; cancellation, deadlines, back-pressure, shutdown.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+import torch
+from helpers import RandomRouter, tiny_llama
+
+from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
+from flashspec_core.engine import SpecEngine
+from flashspec_core.handle import RequestCancelled
+from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.routing.fixed import FixedRouter
+from flashspec_core.scheduler import EngineBusy, EngineClosed
+from flashspec_core.types import NO_DRAFT, Arm
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7], [8, 2, 8, 1, 8, 2, 8, 1, 8, 2], [6, 6, 6, 6, 1],
+           [5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4]]
+ARMS = [Arm(NO_DRAFT, 0), Arm("prompt_lookup", 2), Arm("prompt_lookup", 4), Arm("suffix_cache", 3),
+        Arm("model", 2), Arm("model", 4)]
+
+
+@torch.no_grad()
+def hf(loaded, prompt: list[int], max_new: int, penalty: float = 1.0) -> list[int]:
+    """HF `generate(do_sample=False)` on one prompt (with HF's repetition penalty): the reference."""
+    ids = torch.tensor([prompt])
+    out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                                repetition_penalty=penalty, pad_token_id=loaded.tokenizer.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+def engine_over(loaded, router, draft_model=None, **kwargs) -> SpecEngine:
+    drafts = [PromptLookupDraft(), SuffixCacheDraft()]
+    if draft_model is not None:
+        drafts.append(ModelDraft(draft_model, name="model", pad_token_id=loaded.tokenizer.pad_token_id))
+    return SpecEngine(loaded, drafts, router=router, verify_backend="torch", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    return tiny_llama(16, seed=1)
+
+
+def test_rows_joining_mid_flight_with_their_own_settings_and_arms_equal_hf_generate(tiny_target, draft_model):
+    """A stream starts alone; four requests with other budgets, stops and penalties join it after
+    its first steps; the router picks every row's arm at random each step. Greedy, every row is
+    HF's output for its prompt and settings."""
+    engine = engine_over(tiny_target, RandomRouter(ARMS, seed=3), draft_model)
+    settings = [dict(max_new_tokens=30), dict(max_new_tokens=12), dict(max_new_tokens=20, penalty=1.3),
+                dict(max_new_tokens=25), dict(max_new_tokens=18, penalty=1.1)]
+    expected = [hf(tiny_target, p, s["max_new_tokens"], s.get("penalty", 1.0)) for p, s in zip(PROMPTS, settings)]
+    widths: list[int] = []
+    real = engine._stepper.step
+    engine._stepper.step = lambda rows, slots: (widths.append(len(rows)), real(rows, slots))[1]
+
+    def sampling(s):
+        return SamplingParams(repetition_penalty=s.get("penalty", 1.0))
+
+    stream = engine.stream(PROMPTS[0], max_new_tokens=30)
+    first = [t for _ in range(3) for t in next(stream).token_ids]
+    handles = [engine.submit([p], s["max_new_tokens"], sampling(s)) for p, s in zip(PROMPTS[1:], settings[1:])]
+    rest = [t for chunk in stream for t in chunk.token_ids]
+    outputs = [first + rest] + [h.wait()[0].token_ids for h in handles]
+    assert outputs == expected
+    assert widths[0] == 1 and max(widths) >= 3, "the later requests joined the running batch"
+    arms = {str(a) for h in handles for a in h.results[0].stats.arms}
+    assert len(arms) >= 4, "rows used different arms"
+
+
+def test_a_seeded_sampled_row_draws_the_same_tokens_whatever_runs_beside_it(tiny_target):
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    alone = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 4)))
+    expected = alone.generate(PROMPTS[2], max_new_tokens=24, sampling=sampling).token_ids
+    crowded = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 4)))
+    others = [crowded.submit([p], 24, SamplingParams(temperature=0.7, seed=i)) for i, p in enumerate(PROMPTS)]
+    mine = crowded.submit([PROMPTS[2]], 24, sampling)
+    greedy = crowded.submit(PROMPTS[:3], 16)
+    assert mine.wait()[0].token_ids == expected
+    assert all(len(h.wait()[0].token_ids) for h in others) and len(greedy.wait()) == 3
+    # Row i of a seeded batch draws as a request seeded with seed + i.
+    batch = crowded.generate([PROMPTS[0], PROMPTS[2]], max_new_tokens=24, sampling=SamplingParams(temperature=1.0, seed=6))
+    assert batch[1].token_ids == expected
+
+
+def test_a_batch_wider_than_max_batch_runs_in_turns_and_reuses_slots(tiny_target):
+    engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 4)), max_batch=2)
+    prompts = PROMPTS * 2
+    results = engine.generate(prompts, max_new_tokens=10)
+    assert [r.token_ids for r in results] == [hf(tiny_target, p, 10) for p in prompts]
+    assert engine.running == 0 and len(engine._scheduler._slots) == 2
+
+
+def test_concurrent_threads_and_coroutines_share_the_engine(tiny_target):
+    engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 2)))
+    expected = [hf(tiny_target, p, 16) for p in PROMPTS]
+    out: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, engine.generate(PROMPTS[i], 16).token_ids))
+               for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[i] for i in range(len(PROMPTS))] == expected
+
+    async def main():
+        async def streamed(p):
+            return [t async for c in engine.astream(p, max_new_tokens=16) for t in c.token_ids]
+        return await asyncio.gather(*(engine.agenerate(p, 16) for p in PROMPTS), *(streamed(p) for p in PROMPTS))
+
+    results = asyncio.run(main())
+    assert [r.token_ids for r in results[:len(PROMPTS)]] == expected and results[len(PROMPTS):] == expected
+
+
+def test_cancelling_a_request_ends_its_rows_at_the_next_step_and_the_rest_go_on(tiny_target):
+    engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)))
+    long = engine.submit([PROMPTS[0]], 200, stream=True)
+    other = engine.submit([PROMPTS[1]], 40)
+    next(iter(long))
+    long.cancel()
+    with pytest.raises(RequestCancelled):
+        long.wait()
+    assert other.wait()[0].token_ids == hf(tiny_target, PROMPTS[1], 40)
+    stream = engine.stream(PROMPTS[3], max_new_tokens=200)  # closing a stream early cancels its request
+    next(stream)
+    stream.close()
+    deadline = time.monotonic() + 5
+    while engine.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.running == 0
+
+
+def test_a_timeout_ends_the_request_with_timeout_error_even_inside_a_long_prefill(tiny_target, monkeypatch):
+    engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), prefill_chunk=4)
+    real = engine._stepper.prefill
+
+    def slow(rows, slots, chunk=None):
+        time.sleep(0.05)
+        return real(rows, slots, chunk)
+
+    monkeypatch.setattr(engine._stepper, "prefill", slow)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="timeout"):
+        engine.generate(list(range(15)) * 8, max_new_tokens=20, timeout=0.1)  # a 120-token prompt: 30 pieces
+    assert time.monotonic() - started < 1.0
+    assert engine.generate(PROMPTS[1], max_new_tokens=8).token_ids == hf(tiny_target, PROMPTS[1], 8)
+
+
+def test_a_full_queue_refuses_at_once_and_a_closed_engine_refuses_everything(tiny_target):
+    engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), max_batch=1, max_queue=2)
+    running = engine.submit([PROMPTS[0]], 200, stream=True)
+    next(iter(running))  # admitted and decoding
+    waiting = [engine.submit([p], 4) for p in PROMPTS[1:3]]
+    with pytest.raises(EngineBusy, match="max_queue"):
+        engine.submit([PROMPTS[3]], 4)
+    engine.close()
+    for handle in [running, *waiting]:
+        with pytest.raises(EngineClosed):
+            handle.wait(timeout=5)
+    with pytest.raises(EngineClosed, match="closed"):
+        engine.generate(PROMPTS[0], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(timeout=0), "timeout"), (dict(timeout="1"), "timeout"),
+                                          (dict(max_batch=0), "max_batch"), (dict(prefill_chunk=0), "prefill_chunk")])
+def test_bad_settings_are_refused_naming_them(tiny_target, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        if "timeout" in kwargs:
+            engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0))).generate(PROMPTS[0], 4, **kwargs)
+        else:
+            engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), **kwargs)
+
+
+def test_a_failing_row_ends_its_own_request_only(tiny_target):
+    class Poisoned(PromptLookupDraft):
+        """Proposes an id outside the vocabulary for one prompt only (a broken draft)."""
+
+        def propose(self, contexts, gamma, sampling, generator=None):
+            proposal = super().propose(contexts, gamma, sampling, generator)
+            proposal.tokens = [[99] * gamma if c[:2] == [2, 7] else t for c, t in zip(contexts, proposal.tokens)]
+            return proposal
+
+    engine = SpecEngine(tiny_target, [Poisoned(name="poisoned")], router=FixedRouter(Arm("poisoned", 2)),
+                        verify_backend="torch")
+    handles = [engine.submit([p], 12) for p in PROMPTS]
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        handles[1].wait()
+    for i in (0, 2, 3, 4):
+        assert handles[i].wait()[0].token_ids == hf(tiny_target, PROMPTS[i], 12)
+
+
+def test_many_requests_of_random_settings_each_equal_their_solo_run(tiny_target):
+    """Property-style: random budgets, stop strings and penalties, submitted in random order while
+    others run; greedy, each equals the same request run alone on a fresh engine."""
+    rng = random.Random(0)
+    requests = [(rng.choice(PROMPTS), rng.randint(3, 20), rng.choice([1.0, 1.2]),
+                 rng.choice([None, ["t5"], ["t3 t"]])) for _ in range(12)]
+    solo = []
+    for prompt, n, penalty, stop in requests:
+        fresh = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 3)))
+        solo.append(fresh.generate(prompt, n, SamplingParams(repetition_penalty=penalty), stop=stop).text)
+    engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 3)), max_batch=4)
+    handles = []
+    for prompt, n, penalty, stop in requests:
+        handles.append(engine.submit([prompt], n, SamplingParams(repetition_penalty=penalty), stop))
+        time.sleep(rng.random() * 0.01)
+    assert [h.wait()[0].text for h in handles] == solo
