@@ -160,9 +160,9 @@ class Stepper:
     # ------------------------------------------------------------------------------ drafting
 
     def _propose(self, rows: Sequence[Row], arms: Sequence[Arm]) -> list[Drafted]:
-        """Each row's proposal. Rows that chose the same draft are proposed for in one call,
-        except a row under a grammar (its draft reads that row's grammar state) or a sampled row
-        of a model draft (its draws come from the row's own generator)."""
+        """Each row's proposal. Rows that chose the same draft (and, for a model draft, share a
+        sampling setting) are proposed for in one call, each row drawing from its own generator;
+        a row under a grammar has a call of its own (its draft reads that row's grammar state)."""
         out = [Drafted([], None, 0.0, 0.0) for _ in rows]
         gammas = [min(arm.gamma, row.remaining - 1) for row, arm in zip(rows, arms)]
         groups: dict[tuple, list[int]] = defaultdict(list)
@@ -170,15 +170,16 @@ class Stepper:
             if arm.draft == NO_DRAFT or gammas[i] <= 0:
                 continue
             draft = self.drafts[arm.draft]
-            own = row.constraint is not None or not (draft.deterministic or row.sampling.greedy)
+            # A model draft's q comes from one setting per call; its rows draw from their own generators.
             shared = None if draft.deterministic else row.sampling.model_dump_json()
-            groups[(arm.draft, id(row) if own else shared)].append(i)
+            groups[(arm.draft, id(row) if row.constraint is not None else shared)].append(i)
         for (name, _), members in groups.items():
             draft, lead = self.drafts[name], rows[members[0]]
             draft.bind_constraint(lead.constraint if len(members) == 1 else None)
             start = time.perf_counter()
+            generators = None if lead.sampling.greedy else [g for i in members if (g := rows[i].generator)]
             proposal = draft.propose([rows[i].seq for i in members], max(gammas[i] for i in members),
-                                     lead.sampling, lead.generator if len(members) == 1 else None)
+                                     lead.sampling, generators)
             share = (time.perf_counter() - start) / len(members)
             for j, i in enumerate(members):
                 tokens = list(proposal.tokens[j][:gammas[i]])

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 NO_DRAFT = "none"
+# A draft's random draws: one generator per row (each row's own: its draws then do not depend on
+# the rows beside it), one for every row, or None (fresh randomness).
+Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
 @dataclass(frozen=True)

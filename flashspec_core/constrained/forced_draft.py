@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from flashspec_core.constrained.constraint import Constraint, GrammarCursor
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.drafts.prompt_lookup import lookup_continuation
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import Proposal
+from flashspec_core.types import Generators, Proposal
 
 
 class GrammarForcedDraft(DraftSource):
@@ -51,7 +49,7 @@ class GrammarForcedDraft(DraftSource):
         contexts: Sequence[Sequence[int]],
         gamma: int,
         sampling: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> Proposal:
         constraint = self._constraint
         if constraint is None or gamma <= 0:

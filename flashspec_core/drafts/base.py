@@ -14,10 +14,8 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
-
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import Proposal
+from flashspec_core.types import Generators, Proposal
 
 if TYPE_CHECKING:
     from flashspec_core.constrained.constraint import Constraint
@@ -39,9 +37,10 @@ class DraftSource(Protocol):
         contexts: Sequence[Sequence[int]],
         gamma: int,
         sampling: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> Proposal:
-        """Up to `gamma` tokens continuing each row of `contexts` (prompt + verified output)."""
+        """Up to `gamma` tokens continuing each row of `contexts` (prompt + verified output).
+        generator: one per row, one for all rows, or None (see `types.Generators`)."""
         ...
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:

@@ -14,8 +14,8 @@ from transformers import PreTrainedModel
 
 from flashspec_core.backends import model_runner
 from flashspec_core.drafts.base import DraftSource
-from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
-from flashspec_core.types import Proposal
+from flashspec_core.processors.sampling import SamplingParams, probs_from_logits, sample_from_probs
+from flashspec_core.types import Generators, Proposal
 
 
 class ModelDraft(DraftSource):
@@ -62,7 +62,7 @@ class ModelDraft(DraftSource):
         contexts: Sequence[Sequence[int]],
         gamma: int,
         sampling: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> Proposal:
         if gamma <= 0:
             return Proposal([[] for _ in contexts])
@@ -95,7 +95,7 @@ class ModelDraft(DraftSource):
                 if sampling.greedy:
                     pick = q.argmax(-1)
                 else:
-                    pick = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+                    pick = _sample(q, generator)
                 token = pick if head is None else head[pick]  # [B]
                 tokens.append(token)
                 probs.append(q if head is None else self._full_q(q, head))
@@ -132,3 +132,12 @@ class ModelDraft(DraftSource):
 
     def end(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
         """The cache stays for the next request's common prefix (CachedModel.begin)."""
+
+
+def _sample(q: torch.Tensor, generator: Generators) -> torch.Tensor:
+    """One token per row of q [B, K]: with one generator per row, each row's from its own draw
+    (inverse CDF), so a row's tokens do not depend on the rows beside it. Returns [B] long."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(q, 1, generator=generator).squeeze(-1)
+    uniforms = torch.stack([torch.rand((), generator=g, device=g.device) for g in generator]).to(q.device)
+    return sample_from_probs(q, uniforms)

@@ -9,11 +9,9 @@ import threading
 from array import array
 from collections.abc import Sequence
 
-import torch
-
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import Proposal
+from flashspec_core.types import Generators, Proposal
 
 
 def _as_text(tokens: Sequence[int]) -> str | None:
@@ -110,7 +108,7 @@ class PromptLookupDraft(DraftSource):
         contexts: Sequence[Sequence[int]],
         gamma: int,
         sampling: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> Proposal:
         with self._lock:
             while len(self._mirrors) < len(contexts):

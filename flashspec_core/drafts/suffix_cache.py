@@ -10,11 +10,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import torch
-
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import Proposal
+from flashspec_core.types import Generators, Proposal
 
 
 class SuffixCacheDraft(DraftSource):
@@ -69,7 +67,7 @@ class SuffixCacheDraft(DraftSource):
         contexts: Sequence[Sequence[int]],
         gamma: int,
         sampling: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> Proposal:
         return Proposal([self.lookup(c, gamma) if gamma > 0 else [] for c in contexts])
 

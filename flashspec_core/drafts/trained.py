@@ -20,7 +20,7 @@ from flashspec_core.distill.model import DraftNetwork, IncompatibleDraft, load_d
 from flashspec_core.drafts.model import ModelDraft
 from flashspec_core.models import LoadedModel
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import Proposal
+from flashspec_core.types import Generators, Proposal
 
 WEIGHTS_DIR = Path(__file__).with_name("weights")
 
@@ -72,7 +72,7 @@ class TrainedDraft(ModelDraft):
         super().begin(prompts)
 
     def propose(self, contexts: Sequence[Sequence[int]], gamma: int, sampling: SamplingParams,
-                generator: torch.Generator | None = None) -> Proposal:
+                generator: Generators = None) -> Proposal:
         """ModelDraft.propose, once this request's head is set (see `begin`)."""
         if self._head_pending:
             net = self.network

@@ -1,0 +1,197 @@
+"""Many agent requests at once, in process: the engine's continuous batching against the same
+requests one after another and as one offline batch.
+
+A mix of the dev workload's steps (tool calls, RAG, code, chat; some streamed, some not; each with
+its own token budget, and some with a stop string or a repetition penalty) is run three ways on
+the same engine, greedy:
+
+- `sequential`: one request at a time, what a caller gets without concurrency;
+- `concurrent N`: N callers at once (threads: streams and plain calls), each request joining the
+  engine's running batch when its caller submits it and leaving when it finishes;
+- `offline batch`: every prompt in one `engine.generate` list with one shared setting (the largest
+  budget, no stop strings or penalties), the throughput ceiling of a fixed batch.
+
+Per mode: aggregate output tokens/s, time to first token and inter-token gap (p50/p99, streamed
+requests), and whether every request's output equals its sequential run (greedy: it must).
+
+    python benchmarks/concurrency.py --requests 8 --concurrency 1,4,8 --out bench_out/concurrency
+    python benchmarks/concurrency.py --device cuda --requests 64 --concurrency 1,16,64 --max-batch 64
+
+Prints the table (CPU model and threads, or the GPU) and writes results.json and concurrency.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flashspec_core import SamplingParams, SpecEngine
+from flashspec_core.backends.calibration import machine_line
+from flashspec_workloads.dev import dev_workload
+
+
+@dataclass
+class Job:
+    messages: list[dict]
+    domain: str
+    max_new_tokens: int
+    stream: bool
+    stop: list[str] | None
+    penalty: float
+
+
+@dataclass
+class Timed:
+    tokens: list[int] = field(default_factory=list)
+    start: float = 0.0
+    first: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    end: float = 0.0
+
+
+def jobs(n: int, seed: int, max_new_tokens: int) -> list[Job]:
+    """n requests of the dev workload with mixed settings (every other streamed, every third with a
+    stop string, every fourth with a repetition penalty, budgets between half and all of max)."""
+    steps = dev_workload(n_steps=n, seed=seed, max_new_tokens=max_new_tokens)
+    return [Job(s.messages, s.domain, max(8, max_new_tokens // 2 + (i * 7) % (max_new_tokens // 2 + 1)),
+                stream=i % 2 == 0, stop=["\n\n\n"] if i % 3 == 2 else None, penalty=1.1 if i % 4 == 3 else 1.0)
+            for i, s in enumerate(steps)]
+
+
+def run_one(engine: SpecEngine, job: Job, out: Timed) -> None:
+    sampling = SamplingParams(repetition_penalty=job.penalty)
+    hint = job.domain if job.domain in ("tool", "rag") else None  # what the adapters pass for these steps
+    out.start = time.perf_counter()
+    if job.stream:
+        last = out.start
+        for chunk in engine.stream(job.messages, job.max_new_tokens, sampling, job.stop, hint=hint):
+            now = time.perf_counter()
+            if chunk.token_ids:
+                if out.first is None:
+                    out.first = now - out.start
+                else:
+                    out.gaps.append((now - last) / len(chunk.token_ids))
+                last = now
+            out.tokens.extend(chunk.token_ids)
+    else:
+        res = engine.generate(job.messages, job.max_new_tokens, sampling, job.stop, hint=hint)
+        out.tokens = res.token_ids
+    out.end = time.perf_counter()
+
+
+def run_concurrent(engine: SpecEngine, work: list[Job], concurrency: int) -> tuple[list[Timed], float]:
+    """`concurrency` callers, each taking the next request when its last one ended."""
+    results = [Timed() for _ in work]
+    queue = list(range(len(work)))
+    lock = threading.Lock()
+
+    def caller() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i = queue.pop(0)
+            run_one(engine, work[i], results[i])
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=caller) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - start
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
+
+
+def summary(name: str, results: list[Timed], seconds: float, reference: list[list[int]] | None) -> dict:
+    tokens = sum(len(r.tokens) for r in results)
+    firsts = [r.first for r in results if r.first is not None]
+    gaps = [g for r in results for g in r.gaps]
+    return {"mode": name, "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+            "ttft_p50_ms": pct(firsts, 0.5), "ttft_p99_ms": pct(firsts, 0.99),
+            "itl_p50_ms": pct(gaps, 0.5), "itl_p99_ms": pct(gaps, 0.99),
+            "same_as_sequential": None if reference is None else sum(
+                r.tokens == ref for r, ref in zip(results, reference))}
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar([r["mode"] for r in rows], [r["tok_per_s"] for r in rows], color="#4c72b0")
+    ax.set_ylabel("output tokens/s (all requests)")
+    ax.set_title(title, fontsize=9)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--concurrency", default="1,4,8", help="comma-separated caller counts")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=8, help="the engine's max_batch")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench_out/concurrency")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    start = time.perf_counter()
+    engine = SpecEngine.from_pretrained(None, device=args.device, max_batch=args.max_batch)
+    work = jobs(args.requests, args.seed + 1, args.max_new_tokens)
+    for job in jobs(4, args.seed + 100, 16):  # warm-up (graphs, kernels, the router's first steps): untimed
+        run_one(engine, job, Timed())
+    warmup = time.perf_counter() - start
+
+    rows = []
+    sequential = [Timed() for _ in work]
+    t0 = time.perf_counter()
+    for job, timed in zip(work, sequential):
+        run_one(engine, job, timed)
+    rows.append(summary("sequential", sequential, time.perf_counter() - t0, None))
+    reference = [r.tokens for r in sequential]
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        results, seconds = run_concurrent(engine, work, concurrency)
+        rows.append(summary(f"concurrent {concurrency}", results, seconds, reference))
+    longest = max(j.max_new_tokens for j in work)
+    t0 = time.perf_counter()
+    batch = engine.generate([j.messages for j in work], max_new_tokens=longest)
+    seconds = time.perf_counter() - t0
+    rows.append({"mode": "offline batch", "tokens": sum(len(r.token_ids) for r in batch), "seconds": seconds,
+                 "tok_per_s": sum(len(r.token_ids) for r in batch) / seconds, "ttft_p50_ms": float("nan"),
+                 "ttft_p99_ms": float("nan"), "itl_p50_ms": float("nan"), "itl_p99_ms": float("nan"),
+                 "same_as_sequential": None})
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else machine_line()
+    title = (f"{len(work)} agent requests, greedy, budgets {min(j.max_new_tokens for j in work)}-{longest}; {device}; "
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads; warm-up {warmup:.1f} s")
+    print(title)
+    print(f"{'mode':<16}{'tokens':>8}{'s':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  same")
+    for r in rows:
+        print(f"{r['mode']:<16}{r['tokens']:>8}{r['seconds']:>8.2f}{r['tok_per_s']:>9.1f}{r['ttft_p50_ms']:>10.0f}"
+              f"{r['ttft_p99_ms']:>8.0f}{r['itl_p50_ms']:>9.0f}{r['itl_p99_ms']:>8.0f}  "
+              f"{'' if r['same_as_sequential'] is None else str(r['same_as_sequential']) + '/' + str(len(work))}")
+    (out / "results.json").write_text(json.dumps({"title": title, "machine": platform.node(), "rows": rows,
+                                                   "args": vars(args)}, indent=1))
+    plot(rows, out / "concurrency.png", title)
+
+
+if __name__ == "__main__":
+    main()
