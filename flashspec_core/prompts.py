@@ -6,18 +6,18 @@ the model sees exactly the format it was trained on.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 from transformers import PreTrainedTokenizerBase
 
 PromptLike = str | Sequence[dict] | Sequence[int]
 
 
-def _is_messages(obj: Any) -> bool:
+def _is_messages(obj: Any) -> TypeGuard[Sequence[dict]]:
     return isinstance(obj, (list, tuple)) and len(obj) > 0 and all(isinstance(m, dict) for m in obj)
 
 
-def _is_ids(obj: Any) -> bool:
+def _is_ids(obj: Any) -> TypeGuard[Sequence[int]]:
     return isinstance(obj, (list, tuple)) and len(obj) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in obj)
 
 
@@ -34,7 +34,8 @@ def render_messages(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict]
             raise ValueError(f"prompt: message {i} has no 'role'; chat messages are dicts with 'role' and 'content'")
     if tokenizer.chat_template is None:
         raise ValueError("prompt: chat messages need a tokenizer with a chat template; pass a string instead")
-    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **template_kwargs)
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **template_kwargs)
+    return cast(str, text)  # tokenize=False: the rendered string
 
 
 def prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: PromptLike) -> str:
@@ -44,7 +45,7 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: PromptLike) -> str:
     if _is_messages(prompt):
         return "\n".join(str(m.get("content") or "") for m in prompt)
     if _is_ids(prompt):
-        return tokenizer.decode(list(prompt))
+        return cast(str, tokenizer.decode(list(prompt)))  # one sequence: one string
     return ""
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -28,8 +29,8 @@ class RowOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int]) -> str:
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one string
 
     def append(self, new_tokens: Sequence[int]) -> list[int]:
         """Add a step's verified tokens; return the ones kept (cut at EOS, length or a stop string)."""

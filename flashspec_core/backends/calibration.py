@@ -20,14 +20,18 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.models import cache_root, vocab_size
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CALIBRATION_FILE = "calibration.json"
 PREFILL_WIDTH = 128  # the prefill chunk timed alongside the decode widths
@@ -193,8 +197,9 @@ def measure(runner: TargetRunner, widths: Sequence[int], key: str, vocab: int, r
     return cal
 
 
-def _time_forwards(runner: TargetRunner, prefix: list[int], widths: Sequence[int], kernels, vocab: int,
-                   gen: torch.Generator, reps: int) -> dict[str, dict[int, float]]:
+def _time_forwards(runner: TargetRunner, prefix: list[int], widths: Sequence[int],
+                   kernels: Callable[[int], Sequence[str]], vocab: int, gen: torch.Generator,
+                   reps: int) -> dict[str, dict[int, float]]:
     """Kernel -> width -> median seconds of a forward feeding `width` random tokens after `prefix`,
     for each kernel of `kernels(width)`.
 
@@ -240,7 +245,7 @@ def calibrate(runner: TargetRunner, model_key: str, backend: str, widths: Sequen
     return cal
 
 
-def calibrate_runner(runner: TargetRunner, model: torch.nn.Module, backend: str, widths: Sequence[int],
+def calibrate_runner(runner: TargetRunner, model: PreTrainedModel, backend: str, widths: Sequence[int],
                      context_window: int) -> Calibration | None:
     """The engine's calibration of `runner` (over `model`) at the decode `widths`, within the
     model's context window; None for a runner without kernels to time or off the CPU (a GPU's

@@ -22,6 +22,8 @@ their own kernels), and only where this torch build has oneDNN.
 """
 from __future__ import annotations
 
+from typing import Literal, TypeGuard, cast, overload
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,7 +48,7 @@ class KernelChoice:
     calibrated choice for its width.
     """
 
-    def __init__(self, name: str = PACKED):
+    def __init__(self, name: str = PACKED) -> None:
         self.name = name
 
 
@@ -58,7 +60,7 @@ class PackedLinear(nn.Module):
     the blocks `use_blocks` attached (checked to hold this very weight), while the weight is unchanged.
     """
 
-    def __init__(self, linear: nn.Linear, choice: KernelChoice | None = None):
+    def __init__(self, linear: nn.Linear, choice: KernelChoice | None = None) -> None:
         super().__init__()
         self.choice = choice or KernelChoice()
         self.weight = linear.weight  # [out, in]
@@ -74,8 +76,10 @@ class PackedLinear(nn.Module):
         """Compute from `blocks` under the BLOCKS kernel; the caller checked they hold this weight."""
         self._blocks = (self.weight, self._version(self.weight), blocks)
 
+    # Shadows nn.Module._version, the int format version that state_dict() records per module (so a
+    # PackedLinear's state_dict metadata holds this function): hence the override mypy reports.
     @staticmethod
-    def _version(w: torch.Tensor) -> int:
+    def _version(w: torch.Tensor) -> int:  # type: ignore[override]
         return -1 if w.is_inference() else w._version  # inference tensors keep no version
 
     def blocks(self) -> BlockWeight | None:
@@ -109,7 +113,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def _swappable(module: nn.Module) -> bool:
+def _swappable(module: nn.Module) -> TypeGuard[nn.Linear]:
     """A plain fp32 CPU `nn.Linear` (subclasses such as bitsandbytes' Linear4bit have their own kernel)."""
     if type(module) is not nn.Linear:
         return False
@@ -134,7 +138,20 @@ def use_packed_linear(model: nn.Module) -> KernelChoice | None:
     return choice if (swaps or existing) else None
 
 
-def project(x: torch.Tensor, layers: tuple[nn.Module, ...], stacked: bool = False):
+@overload
+def project(x: torch.Tensor, layers: tuple[nn.Module, ...], stacked: Literal[False] = False) -> list[torch.Tensor]: ...
+
+
+@overload
+def project(x: torch.Tensor, layers: tuple[nn.Module, ...], stacked: Literal[True]) -> torch.Tensor: ...
+
+
+@overload
+def project(x: torch.Tensor, layers: tuple[nn.Module, ...], stacked: bool) -> torch.Tensor | list[torch.Tensor]: ...
+
+
+def project(x: torch.Tensor, layers: tuple[nn.Module, ...],
+            stacked: bool = False) -> torch.Tensor | list[torch.Tensor]:
     """[layer(x) for layer in layers] (`stacked`: concatenated along the last dim), in one block-kernel
     call when all of them run from GGUF blocks.
 
@@ -161,11 +178,13 @@ def _stacked_blocks(layers: tuple[nn.Module, ...]) -> tuple[list[BlockWeight], B
     blocks = [layer.blocks() if isinstance(layer, PackedLinear) and layer.bias is None else None for layer in layers]
     if any(b is None for b in blocks):
         return None
+    present = cast("list[BlockWeight]", blocks)  # none is None (checked above)
     cached = first.__dict__.get("_stacked")
     if cached is None or len(cached[0]) != len(blocks) or any(a is not b for a, b in zip(cached[0], blocks)):
-        if len({b.kind for b in blocks}) != 1:
+        if len({b.kind for b in present}) != 1:
             return None
-        weight = BlockWeight(blocks[0].kind, torch.cat([b.qs for b in blocks]), torch.cat([b.scales for b in blocks]),
-                             sum(b.out_features for b in blocks), blocks[0].in_features)
-        cached = first.__dict__["_stacked"] = (blocks, weight)
+        weight = BlockWeight(present[0].kind, torch.cat([b.qs for b in present]),
+                             torch.cat([b.scales for b in present]), sum(b.out_features for b in present),
+                             present[0].in_features)
+        cached = first.__dict__["_stacked"] = (present, weight)
     return cached

@@ -127,9 +127,12 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     return q.view(bsz, n_kv, (n_q // n_kv) * width, head_dim)
 
 
-def _check_rope(qkv, cos, sin, k_cache, v_cache, rows, positions, n_q: int, n_kv: int, d: int) -> None:
+def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, n_q: int, n_kv: int,
+                d: int) -> None:
     """rope_and_cache's arguments (same shapes): a wrong shape would make the kernel read and write
-    out of bounds, so it is refused here, naming the argument."""
+    out of bounds, so it is refused here, naming the argument. qkv: [B, W, (n_q + 2 n_kv) * d];
+    cos, sin: [B, W, d]; k_cache, v_cache: [B_cache, n_kv, S, d]; rows, positions: [B, W]."""
     if d % 2 or n_kv < 1 or n_q % n_kv:
         raise ValueError(f"head_dim must be even and n_q a multiple of n_kv; got {d}, {n_q}, {n_kv}")
     if qkv.dim() != 3:
@@ -152,11 +155,15 @@ def _check_rope(qkv, cos, sin, k_cache, v_cache, rows, positions, n_q: int, n_kv
 
 
 # ---------------------------------------------------------------------------------- kernels
+# Arguments are annotated `tl.tensor` (what a non-constexpr argument is inside a kernel: a pointer
+# or a scalar). Not `int` or `float`: Triton reads those annotations as fixed i32 / fp32 types and
+# would stop specialising on the values.
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, N, stride_x, stride_d, stride_s, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr: tl.tensor, d_ptr: tl.tensor, w_ptr: tl.tensor, sum_ptr: tl.tensor,
+                         out_ptr: tl.tensor, N: tl.tensor, stride_x: tl.tensor, stride_d: tl.tensor,
+                         stride_s: tl.tensor, eps: tl.tensor, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr) -> None:
     """One row: sum = x + d (stored in x's dtype), out = w * (sum * rsqrt(mean(sum^2) + eps)).to(dtype)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -174,7 +181,8 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, N, stride_x, str
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, INTER, stride_gu, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr: tl.tensor, out_ptr: tl.tensor, INTER: tl.tensor, stride_gu: tl.tensor,
+                     BLOCK: tl.constexpr) -> None:
     """One block of one row: out = (silu(gate) rounded to the dtype) * up, as torch rounds it."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -187,7 +195,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, INTER, stride_gu, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _head_rms_norm(x, xr, heads, cols, qn_ptr, kn_ptr, eps, NQ, D):
+def _head_rms_norm(x: tl.tensor, xr: tl.tensor, heads: tl.tensor, cols: tl.tensor, qn_ptr: tl.tensor,
+                   kn_ptr: tl.tensor, eps: tl.tensor, NQ: tl.tensor, D: tl.tensor) -> tuple[tl.tensor, tl.tensor]:
     """Qwen3's per-head RMSNorm of the [HP, DP] tile x and of its rotate-half partner tile xr.
 
     Query heads take q_norm's weights, the others k_norm's (v heads' results are not used).
@@ -207,13 +216,19 @@ def _head_rms_norm(x, xr, heads, cols, qn_ptr, kn_ptr, eps, NQ, D):
 
 
 @triton.jit
-def _rope_cache_kernel(qkv_ptr, stride_qkv_b, stride_qkv_w,  # [B, W, (NQ + 2 NKV) * D]
-                       cos_ptr, sin_ptr, stride_cb, stride_cw, stride_sb, stride_sw,  # [B, W, D]
-                       rows_ptr, pos_ptr, stride_rb, stride_rw, stride_pb, stride_pw,  # [B, W] int
-                       k_ptr, v_ptr, stride_kb, stride_kh, stride_ks, S,  # [B_cache, NKV, S, D], shared strides
-                       q_ptr,  # [B, NQ, W, D] out, contiguous
-                       qn_ptr, kn_ptr, eps,  # [D] per-head norm weights, read when HAS_NORM
-                       W, NQ, NKV, D, HP: tl.constexpr, DP: tl.constexpr, HAS_NORM: tl.constexpr):
+def _rope_cache_kernel(qkv_ptr: tl.tensor, stride_qkv_b: tl.tensor,
+                       stride_qkv_w: tl.tensor,  # [B, W, (NQ + 2 NKV) * D]
+                       cos_ptr: tl.tensor, sin_ptr: tl.tensor, stride_cb: tl.tensor, stride_cw: tl.tensor,
+                       stride_sb: tl.tensor, stride_sw: tl.tensor,  # [B, W, D]
+                       rows_ptr: tl.tensor, pos_ptr: tl.tensor, stride_rb: tl.tensor, stride_rw: tl.tensor,
+                       stride_pb: tl.tensor, stride_pw: tl.tensor,  # [B, W] int
+                       k_ptr: tl.tensor, v_ptr: tl.tensor, stride_kb: tl.tensor, stride_kh: tl.tensor,
+                       stride_ks: tl.tensor, S: tl.tensor,  # [B_cache, NKV, S, D], shared strides
+                       q_ptr: tl.tensor,  # [B, NQ, W, D] out, contiguous
+                       qn_ptr: tl.tensor, kn_ptr: tl.tensor,  # [D] per-head norm weights, read when HAS_NORM
+                       eps: tl.tensor,
+                       W: tl.tensor, NQ: tl.tensor, NKV: tl.tensor, D: tl.tensor, HP: tl.constexpr, DP: tl.constexpr,
+                       HAS_NORM: tl.constexpr) -> None:
     """One token (b, w): every head of its qkv row as one [HP, DP] tile, in one pass.
 
     rotate_half(x)[j] is -x[j + D/2] for j < D/2 and x[j - D/2] after, so each element's partner

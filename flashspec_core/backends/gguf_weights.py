@@ -11,6 +11,7 @@ kernels. The block kernel (`blockq.py`) then computes with exactly the model's w
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,8 +20,9 @@ from flashspec_core.backends.blockq import BLOCK, BLOCK_BYTES, KINDS, BlockWeigh
 from flashspec_core.backends.cpu_linear import PackedLinear
 
 
-def _name_map(reader, model: nn.Module):
-    """gguf-py's HF-name -> GGUF-name map for this file's architecture, or None if it has none."""
+def _name_map(reader: Any, model: nn.Module) -> Any:
+    """gguf-py's HF-name -> GGUF-name map (a `gguf.TensorNameMap`) for this file's architecture, or
+    None if it has none. reader: a `gguf.GGUFReader`."""
     import gguf
 
     field = reader.fields.get("general.architecture")
@@ -33,8 +35,9 @@ def _name_map(reader, model: nn.Module):
     return None if arch is None or layers is None else gguf.get_tensor_name_map(arch, layers)
 
 
-def _tensor_for(name: str, model: nn.Module, names, tensors: dict):
-    """The GGUF tensor of module `name`: the mapped one, or the token embedding for a tied head."""
+def _tensor_for(name: str, model: Any, names: Any, tensors: dict[str, Any]) -> Any:
+    """The GGUF tensor (a `gguf.ReaderTensor`) of module `name`: the mapped one, or the token embedding
+    for a tied head. model: the HF model; names: `_name_map`'s map; tensors: the file's, by name."""
     mapped = names.get_name(f"{name}.weight", try_suffixes=(".weight",))
     if mapped in tensors:
         return tensors[mapped]
@@ -56,10 +59,10 @@ def match_rows(blocks: BlockWeight, weight: torch.Tensor) -> BlockWeight | None:
     if torch.equal(values.view(torch.int32), weight.view(torch.int32)):
         return blocks
     index = {row.numpy().tobytes(): i for i, row in enumerate(values)}
-    order = [index.get(row.numpy().tobytes()) for row in weight.detach()]
-    if None in order:
+    rows = [index.get(row.numpy().tobytes()) for row in weight.detach()]
+    if None in rows:
         return None
-    order = torch.tensor(order)
+    order = torch.tensor(rows)  # [out]: the block row of each weight row
     return BlockWeight(blocks.kind, blocks.qs[order].contiguous(), blocks.scales[order].contiguous(),
                        blocks.out_features, blocks.in_features)
 

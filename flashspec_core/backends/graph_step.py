@@ -6,12 +6,17 @@ small tensor per row.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from flashspec_core.backends.static_llama import StaticLlama
 from flashspec_core.models import vocab_size
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.verify.reference import PAD
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 
 class GraphStep:
@@ -23,9 +28,10 @@ class GraphStep:
     before each replay; its width is exactly γ + 1 (a padded draft slot would be a token to test).
     """
 
-    def __init__(self, static: StaticLlama, batch: int, width: int, pool, start: int,
+    def __init__(self, static: StaticLlama, batch: int, width: int, pool: _POOL_HANDLE | None, start: int,
                  sampling: SamplingParams | None = None, one_hot: bool = True) -> None:
-        """start: the first slot that warm-up and capture write to (they run the forward for
+        """pool: the memory pool the capture goes into (`torch.cuda.graph_pool_handle()`);
+        start: the first slot that warm-up and capture write to (they run the forward for
         real): no row may hold a token from there to start + width."""
         dev = static.device
         self.sampling = sampling
@@ -33,7 +39,7 @@ class GraphStep:
         self.positions = torch.full((batch, width), start, dtype=torch.long, device=dev)
         self.positions += torch.arange(width, device=dev)
         self.drafts = torch.zeros((batch, max(width - 1, 0)), dtype=torch.long, device=dev)
-        self.q = None  # [B, W - 1, V] float32: a model draft's q (sampled steps only)
+        self.q: torch.Tensor | None = None  # [B, W - 1, V] float32: a model draft's q (sampled steps only)
         if sampling is not None and not one_hot and width > 1:
             self.q = torch.zeros((batch, width - 1, vocab_size(static.model)), dtype=torch.float32, device=dev)
         self.seed = torch.zeros(1, dtype=torch.long, device=dev)  # the kernel's Philox seed
@@ -77,6 +83,7 @@ class GraphStep:
         self.positions.copy_(host[1], non_blocking=True)
         self.drafts.copy_(host[2, :, : width - 1], non_blocking=True)
         if self.q is not None:
+            assert q is not None  # a step captured for a model draft's q is replayed with one
             self.q.copy_(q)
         if seed is not None:
             self.seed.copy_(seed)

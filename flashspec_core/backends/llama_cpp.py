@@ -22,6 +22,8 @@ import ctypes
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,8 +80,8 @@ class LlamaCppModel(TargetRunner):
         self.n_threads = n_threads or torch.get_num_threads()
         self.device = torch.device("cpu")
         self.path = path
-        self._ctx = None
-        self._batch = None
+        self._ctx: Any = None  # llama_context_p
+        self._batch: Any = None  # llama_batch
         self._max_batch = 0
         self._make_context(max(1, max_batch))
 
@@ -252,6 +254,11 @@ class LlamaCppModel(TargetRunner):
 # so they are passed over for the next-best variant the CPU supports (AVX-512 BF16/VNNI there).
 _AMX_VARIANTS = ("sapphirerapids",)
 
+# What `load_cpu_backends` loaded ("variant", once it ran: it runs once per process) and what
+# `_quiet_logs` installed ("callback", kept alive: C holds only the pointer; "done").
+_cpu_backends: dict[str, str | None] = {}
+_logs: dict[str, Any] = {}
+
 
 def load_cpu_backends() -> str | None:
     """Load llama.cpp's CPU backend: with a portable build (GGML_BACKEND_DL, one library per ISA
@@ -260,24 +267,24 @@ def load_cpu_backends() -> str | None:
     llama-cpp-python loads none, so this does what llama.cpp's tools do at start, in the folder
     pip installs the variants into. A build without variants has its CPU backend built in.
     Returns the variant's name (e.g. "zen4", "haswell"), or None when there are none to load."""
-    if hasattr(load_cpu_backends, "variant"):
-        return load_cpu_backends.variant
+    if "variant" in _cpu_backends:
+        return _cpu_backends["variant"]
     import llama_cpp as lc
 
-    load_cpu_backends.variant = None
+    _cpu_backends["variant"] = None
     package = Path(lc.__file__).parent
     # pip puts the variants in site-packages/bin (CMake's default BINDIR); some builds put them
     # beside the other libraries.
     folders = (package.parent / "bin", package / "lib")
     variants = sorted(p for folder in folders for p in folder.glob("libggml-cpu-*.so"))
-    scores = {}
+    scores: dict[Path, int] = {}
     for path in variants:
         if any(name in path.name for name in _AMX_VARIANTS):
             continue
         lib = ctypes.CDLL(str(path))
         lib.ggml_backend_score.restype = ctypes.c_int
         scores[path] = lib.ggml_backend_score()  # 0: this CPU lacks an instruction it needs
-    best = max(scores, key=scores.get, default=None)
+    best = max(scores, key=scores.__getitem__, default=None)
     if best is None or scores[best] <= 0:
         return None
     ggml = ctypes.CDLL(str(package / "lib" / "libggml.so.0"))  # the copy libllama links (its soname)
@@ -285,19 +292,19 @@ def load_cpu_backends() -> str | None:
     ggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
     if not ggml.ggml_backend_load(str(best).encode()):
         raise RuntimeError(f"llama.cpp could not load its CPU backend {best}")
-    load_cpu_backends.variant = best.stem.removeprefix("libggml-cpu-")
-    return load_cpu_backends.variant
+    _cpu_backends["variant"] = best.stem.removeprefix("libggml-cpu-")
+    return _cpu_backends["variant"]
 
 
-def _quiet_logs(lc) -> None:
-    """Silence llama.cpp's load-time chatter on stderr unless FLASHSPEC_LLAMA_LOG=1."""
-    if os.environ.get("FLASHSPEC_LLAMA_LOG") == "1" or getattr(_quiet_logs, "done", False):
+def _quiet_logs(lc: ModuleType) -> None:
+    """Silence llama.cpp's load-time chatter on stderr unless FLASHSPEC_LLAMA_LOG=1. lc: llama_cpp."""
+    if os.environ.get("FLASHSPEC_LLAMA_LOG") == "1" or _logs.get("done", False):
         return
 
     @lc.llama_log_callback
-    def _drop(level, text, user_data):  # noqa: ARG001 - the C signature
+    def _drop(level: int, text: bytes, user_data: int | None) -> None:  # noqa: ARG001 - the C signature
         return None
 
-    _quiet_logs.callback = _drop  # keep a reference: C holds only the pointer
+    _logs["callback"] = _drop  # keep a reference: C holds only the pointer
     lc.llama_log_set(_drop, ctypes.c_void_p(0))
-    _quiet_logs.done = True
+    _logs["done"] = True

@@ -16,26 +16,27 @@ attention biases (Qwen2); the others keep the torch forward.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
-from torch import nn
 
 from flashspec_core.backends import blockq
 from flashspec_core.backends.blockq import KINDS, BlockWeight
 from flashspec_core.backends.cpu_linear import PackedLinear, _stacked_blocks
-from flashspec_core.backends.static_llama import _RMS_NORMS, _eps
+from flashspec_core.backends.static_llama import _RMS_NORMS, StaticLlama, _eps
 
 NATIVE = "gguf-native"
 CHUNK = 128  # cache slots per attention work item: 32 KB of keys and values per kv head
 
 
-def _projections(layer: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
+def _projections(layer: Any) -> tuple[tuple[Any, ...], ...]:
+    """A decoder layer's projection modules (nn.Linear or PackedLinear), grouped as `_weights` runs them."""
     attn, mlp = layer.self_attn, layer.mlp
     return ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
             (mlp.down_proj,))
 
 
-def eligible(static) -> bool:
+def eligible(static: StaticLlama) -> bool:
     """Whether `static`'s (a StaticLlama) model can run in `decode_layers.c` now: fp32 on the CPU,
     SiLU-gated MLP, transformers' RMSNorms, no q/k norms, and every projection of every layer a
     PackedLinear with blocks, of one kind within q|k|v and within gate|up."""
@@ -64,7 +65,7 @@ class NativeLayers:
     `StaticLlama.hidden`. Call only while the model's kernel choice is BLOCKS (the stacked q|k|v
     and gate|up blocks are the ones `cpu_linear.project` builds and caches under it)."""
 
-    def __init__(self, static, lib: ctypes.CDLL | None = None, chunk: int = CHUNK):
+    def __init__(self, static: StaticLlama, lib: ctypes.CDLL | None = None, chunk: int = CHUNK) -> None:
         """chunk: cache slots per attention work item (see decode_layers.c's `attend`); tests make it
         small so that short contexts span several chunks."""
         self.static = static
@@ -83,7 +84,7 @@ class NativeLayers:
     def _weights(self) -> list[BlockWeight] | None:
         """Per layer: stacked q|k|v, o, stacked gate|up, down; None when a projection no longer runs
         from its blocks (its weight was replaced or edited)."""
-        out = []
+        out: list[BlockWeight] = []
         for layer in self.static.layers:
             for group in _projections(layer):
                 if len(group) > 1:  # one stacked product: blocks of one kind
@@ -127,6 +128,7 @@ class NativeLayers:
             row += [static.keys[i].data_ptr(), static.values[i].data_ptr()]
             rows.append(row)
         table = torch.tensor(rows, dtype=torch.int64)
+        assert self.lib is not None  # eligible() checked that the kernel library loads
         if table.shape[1] != self.lib.decode_layers_slots():
             raise RuntimeError("decode_layers.c's table layout and native_layers.py's disagree")
         self._table, self._held, self._stamp = table, held, (objects, versions)
@@ -163,6 +165,7 @@ class NativeLayers:
         sin = sin.reshape(tokens, -1).contiguous()
         out = torch.empty_like(x)  # [T, hidden]
         threads = torch.get_num_threads()
+        assert self.lib is not None  # eligible() checked that the kernel library loads
         work = torch.empty(self.lib.decode_layers_work(self.dims.data_ptr(), tokens, threads))
         norm = static.model.model.norm.weight
         ptrs = [t.data_ptr() for t in (table, self.dims, self.fdims, x)]

@@ -30,12 +30,16 @@ from __future__ import annotations
 import importlib.util
 import sys
 from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flashspec_core.backends.cpu_linear import project
+
+if TYPE_CHECKING:
+    from flashspec_core.backends.native_layers import NativeLayers
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 CAUSAL = "causal"  # `_live_mask`: every row starts empty, SDPA's own causal mask
@@ -62,8 +66,9 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """norm(x) for x [..., hidden]: `F.rms_norm`'s one kernel for transformers' RMSNorm classes in
     fp32 (their forward is six; the results are the same bit for bit, tests/backends checks), else
     the module itself."""
-    if type(norm).__name__ in _RMS_NORMS and x.dtype == torch.float32 == norm.weight.dtype:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, _eps(norm))
+    weight: Any = norm.weight  # [hidden] (a Tensor attribute of the norm module)
+    if type(norm).__name__ in _RMS_NORMS and x.dtype == torch.float32 == weight.dtype:
+        return F.rms_norm(x, (x.shape[-1],), weight, _eps(norm))
     return norm(x)
 
 
@@ -83,6 +88,15 @@ def supports(model: nn.Module) -> bool:
     return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and hasattr(layers[0], "mlp")
 
 
+class _FusedWeights(TypedDict):
+    """One layer's concatenated weights (`StaticLlama._fuse`)."""
+
+    qkv: torch.Tensor  # [(H + 2 H_kv) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2 H_kv) * D]
+    gate_up: torch.Tensor  # [2I, hidden]
+    gate_up_bias: torch.Tensor | None  # [2I]
+
+
 class StaticLlama(nn.Module):
     """model: an HF Llama-family causal LM (its weights are shared, not copied).
 
@@ -92,27 +106,29 @@ class StaticLlama(nn.Module):
     to None to compare the two).
     """
 
-    def __init__(self, model: nn.Module, max_len: int, batch: int = 1, fuse: bool = False):
+    def __init__(self, model: nn.Module, max_len: int, batch: int = 1, fuse: bool = False) -> None:
         super().__init__()
         if not supports(model):
             raise ValueError(f"model: {type(model).__name__} is not a Llama-family model this forward supports")
-        self.model = model
-        inner = model.model
-        self.layers = inner.layers
-        cfg = model.config
+        hf: Any = model  # HF submodules are reached by name (model.model.layers[i].self_attn...): Any
+        self.model = hf
+        inner = hf.model
+        self.layers = inner.layers  # nn.ModuleList of decoder layers
+        cfg = hf.config
         attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
-        self.scaling = attn.scaling
-        self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.head_dim: int = attn.head_dim
+        self.n_heads: int = cfg.num_attention_heads
+        self.n_kv: int = cfg.num_key_value_heads
+        self.scaling: float = attn.scaling
+        self._rope: Any = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.batch = batch  # rows the forward feeds: the first `batch` of the `rows` allocated
         self.rows = 0
         self.fuse = fuse
-        self._fused: list[dict[str, torch.Tensor | None]] = [self._fuse(layer) for layer in self.layers] if fuse else []
+        self._fused: list[_FusedWeights] = [self._fuse(layer) for layer in self.layers] if fuse else []
         self.ops = _fused_ops(self.device) if fuse else None
-        self._silu = cfg.hidden_act in ("silu", "swish")  # what fused_ops.silu_mul computes
-        self.native = None  # a NativeLayers the CPU runner sets: hidden() then runs the layers natively
+        self._silu: bool = cfg.hidden_act in ("silu", "swish")  # what fused_ops.silu_mul computes
+        # a NativeLayers the CPU runner sets: hidden() then runs the layers natively
+        self.native: NativeLayers | None = None
         self.max_len = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -155,7 +171,7 @@ class StaticLlama(nn.Module):
 
     @staticmethod
     @torch.no_grad()
-    def _fuse(layer: nn.Module) -> dict[str, torch.Tensor | None]:
+    def _fuse(layer: Any) -> _FusedWeights:
         """Concatenated q|k|v and gate|up weights (and biases) of one layer: a copy, made once."""
         attn, mlp = layer.self_attn, layer.mlp
         biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
@@ -167,7 +183,7 @@ class StaticLlama(nn.Module):
             "gate_up_bias": None if mlp_biases[0] is None else torch.cat(mlp_biases),
         }
 
-    def _add_norm(self, norm: nn.Module, x: torch.Tensor,
+    def _add_norm(self, norm: Any, x: torch.Tensor,
                   delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)) for x, delta [B, W, hidden]: one kernel where Triton runs."""
         if self.ops is not None:
@@ -175,9 +191,10 @@ class StaticLlama(nn.Module):
         x = x if delta is None else x + delta
         return x, F.rms_norm(x, (x.shape[-1],), norm.weight, _eps(norm))
 
-    def _rope_and_cache(self, i: int, attn: nn.Module, qkv: torch.Tensor, cos, sin, rows,
-                        positions) -> torch.Tensor:
+    def _rope_and_cache(self, i: int, attn: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """fused_ops.rope_and_cache's contract in torch ops. qkv: [B, W, (H + 2 H_kv) * D];
+        cos, sin: [B, W, D]; rows, positions: [B, W];
         returns q [B, H_kv, G*W, D] (query head h = kv*G + g at row g*W + w of kv head kv)."""
         bsz, width, _ = qkv.shape
         d, nq, nkv = self.head_dim, self.n_heads, self.n_kv
@@ -191,9 +208,10 @@ class StaticLlama(nn.Module):
         self.values[i][rows, :, positions] = v.to(self.dtype)
         return q.reshape(bsz, nkv, nq // nkv * width, d)
 
-    def _attend_fused(self, i: int, layer: nn.Module, h: torch.Tensor, cos, sin, rows, positions,
-                      mask) -> torch.Tensor:
-        """`_attend` in fewer kernels. mask: [B, 1, G*W, S] (query rows packed per kv head)."""
+    def _attend_fused(self, i: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`_attend` in fewer kernels. h: [B, W, hidden]; cos, sin: [B, W, D]; rows, positions: [B, W];
+        mask: [B, 1, G*W, S] (query rows packed per kv head)."""
         attn, w = layer.self_attn, self._fused[i]
         bsz, width, _ = h.shape
         d, nq, nkv = self.head_dim, self.n_heads, self.n_kv
@@ -201,7 +219,7 @@ class StaticLlama(nn.Module):
         if self.ops is None:
             q = self._rope_and_cache(i, attn, qkv, cos, sin, rows, positions)
         else:
-            norms = {}
+            norms: dict[str, Any] = {}
             if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotation, in the same kernel
                 norms = {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "norm_eps": _eps(attn.q_norm)}
             q = self.ops.rope_and_cache(qkv, cos, sin, self.keys[i][:bsz], self.values[i][:bsz], rows, positions,
@@ -211,7 +229,7 @@ class StaticLlama(nn.Module):
         out = out.reshape(bsz, nq, width, d).transpose(1, 2).reshape(bsz, width, nq * d)
         return attn.o_proj(out)
 
-    def _mlp_fused(self, i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def _mlp_fused(self, i: int, layer: Any, h: torch.Tensor) -> torch.Tensor:
         """The MLP from one gate|up product. h: [B, W, hidden]."""
         gate_up = F.linear(h, self._fused[i]["gate_up"], self._fused[i]["gate_up_bias"])  # [B, W, 2I]
         if self.ops is not None and self._silu:
@@ -219,8 +237,10 @@ class StaticLlama(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
-    def _layers_fused(self, x: torch.Tensor, cos, sin, rows, positions, mask) -> torch.Tensor:
-        """Every layer and the final norm on the fused path; x: [B, W, hidden], mask: [B, 1, G*W, S].
+    def _layers_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+                      positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Every layer and the final norm on the fused path; x: [B, W, hidden], cos, sin: [B, W, D],
+        rows, positions: [B, W], mask: [B, 1, G*W, S].
 
         Each norm also does the residual add before it, so the loop carries the residual stream x
         and the normed input h of the next block; returns the final norm's output [B, W, hidden].
@@ -234,10 +254,11 @@ class StaticLlama(nn.Module):
             x, h = self._add_norm(norms[2 * i + 2], x, self._mlp_fused(i, layer, h))
         return h
 
-    def _attend(self, i: int, layer: nn.Module, h: torch.Tensor, cos, sin, rows, positions, mask,
+    def _attend(self, i: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | str | None,
                 length: int | None = None) -> torch.Tensor:
-        """One attention block. h: [B, W, hidden]; positions, rows: [B, W]; mask: [B, 1, W, S], or with
-        `length` what `_live_mask` returns (over the first `length` slots).
+        """One attention block. h: [B, W, hidden]; cos, sin: [B, W, D]; positions, rows: [B, W];
+        mask: [B, 1, W, S], or with `length` what `_live_mask` returns (over the first `length` slots).
 
         q, k and v come from one stacked product where the layers run from GGUF blocks (else three,
         concatenated), and q and k are rotated together (`_rope_and_cache`): element for element
@@ -248,8 +269,9 @@ class StaticLlama(nn.Module):
         qkv = project(h, (attn.q_proj, attn.k_proj, attn.v_proj), stacked=True)  # [B, W, (H + 2 H_kv) * D]
         q = self._rope_and_cache(i, attn, qkv, cos, sin, rows, positions)  # [B, H_kv, G*W, D]
         q = q.reshape(bsz, self.n_heads, width, self.head_dim)  # [B, H, W, D] (the packing is a reshape)
-        if length is None:
-            out = F.scaled_dot_product_attention(q, self.keys[i][:bsz], self.values[i][:bsz], attn_mask=mask,
+        if length is None:  # mask: the boolean [B, 1, W, S] tensor
+            out = F.scaled_dot_product_attention(q, self.keys[i][:bsz], self.values[i][:bsz],
+                                                 attn_mask=cast(torch.Tensor, mask),
                                                  scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
         else:
             first = int(rows[0, 0])  # the cache row of this batch's row 0 (hidden's first_row)
@@ -275,19 +297,23 @@ class StaticLlama(nn.Module):
         mask = torch.zeros(seen.shape, dtype=self.dtype).masked_fill_(~seen, float("-inf"))
         return mask.unsqueeze(1).repeat(1, 1, self.n_heads // self.n_kv, 1)
 
-    def _attend_live(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
+    def _attend_live(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor | str | None) -> torch.Tensor:
         """Attention over the live slices keys, values: [B, H_kv, L, D] (views of the cache, not copied).
 
-        q: [B, H, W, D]; returns [B, H, W, D]. The query heads of each key/value head are packed as
-        extra query rows (as transformers does for one query token with a mask), so grouped heads
-        need no copy of the keys; on the CPU this beat SDPA's `enable_gqa` by ~30% per layer.
+        q: [B, H, W, D]; mask: what `_live_mask` returns; returns [B, H, W, D]. The query heads of
+        each key/value head are packed as extra query rows (as transformers does for one query token
+        with a mask), so grouped heads need no copy of the keys; on the CPU this beat SDPA's
+        `enable_gqa` by ~30% per layer.
         """
         if mask is CAUSAL:
             return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling,
                                                   enable_gqa=self.n_heads != self.n_kv)
         bsz, heads, width, d = q.shape
         packed = q.reshape(bsz, self.n_kv, heads // self.n_kv * width, d)  # row g*W + w of kv head
-        out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=self.scaling)
+        # mask: None or the additive tensor here (CAUSAL returned above)
+        out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=cast("torch.Tensor | None", mask),
+                                             scale=self.scaling)
         return out.reshape(bsz, heads, width, d)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, length: int | None = None,
@@ -305,13 +331,14 @@ class StaticLlama(nn.Module):
         if first_row and (length is None or first_row + bsz > self.batch):
             raise ValueError(f"first_row: rows {first_row}..{first_row + bsz - 1} need `length` and at most "
                              f"{self.batch} rows")
-        x = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(x, positions)
+        x: torch.Tensor = inner.embed_tokens(ids)  # [B, W, hidden]
+        cos, sin = inner.rotary_emb(x, positions)  # [B, W, D] each
         if self.native is not None and length is not None:
             out = self.native(x, cos, sin, positions, first_row)  # the mask's rule (slots 0..position) is in C
             if out is not None:
                 return out
         rows = torch.arange(first_row, first_row + bsz, device=ids.device)[:, None].expand(bsz, width)
+        mask: torch.Tensor | str | None
         if length is not None:
             if self.fuse:
                 raise ValueError("length: the fused path attends over all max_len slots; use fuse=False")
@@ -321,16 +348,17 @@ class StaticLlama(nn.Module):
             mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, W, S]
         if self.fuse:
             # Additive, once per forward: given booleans, SDPA converts them in every layer (2 kernels).
-            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-            mask = mask.repeat(1, 1, self.n_heads // self.n_kv, 1)  # [B, 1, G*W, S], row g*W + w
-            return self._layers_fused(x, cos, sin, rows, positions, mask)
+            seen = cast(torch.Tensor, mask)  # length is None here: the boolean [B, 1, W, S] above
+            additive = torch.zeros(seen.shape, dtype=x.dtype, device=x.device).masked_fill_(~seen, float("-inf"))
+            additive = additive.repeat(1, 1, self.n_heads // self.n_kv, 1)  # [B, 1, G*W, S], row g*W + w
+            return self._layers_fused(x, cos, sin, rows, positions, additive)
         for i, layer in enumerate(self.layers):
             x = x + self._attend(i, layer, rms_norm(layer.input_layernorm, x), cos, sin, rows, positions, mask, length)
             x = x + self._mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
         return rms_norm(inner.norm, x)
 
     @staticmethod
-    def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(mlp: Any, h: torch.Tensor) -> torch.Tensor:
         """transformers' Llama MLP, down(act(gate(h)) * up(h)), with gate and up from one block-kernel
         call where they run from GGUF blocks (`cpu_linear.project`). h: [B, W, hidden]."""
         if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):

@@ -9,7 +9,7 @@ tool_schema.py turns tool definitions into the schema of one forced call.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from flashspec_core.constrained.constraint import Constraint, GrammarCursor, allowed_from_bitmask
@@ -22,7 +22,7 @@ def constraint_for(
     json_schema: dict | str | Grammar,
     tokenizer: Any,
     vocab_size: int,
-    stop_ids: Sequence[int],
+    stop_ids: Collection[int],
     prompts: Sequence[Sequence[int]],
 ) -> Constraint:
     """The engine's entry point: one request's Constraint from its `json_schema=` argument."""

@@ -41,7 +41,7 @@ def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
 class GrammarCursor:
     """A row's matcher positioned at some context; everything accepted through it is undone on exit."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._scratch = torch.empty((1, bitmask_width(vocab_size)), dtype=torch.int32)

@@ -23,14 +23,14 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 try:
     import xgrammar as xgr
 except ImportError:  # pragma: no cover - exercised only without the optional dependency
-    xgr = None
+    xgr = None  # type: ignore[assignment]  # the optional extra: require_xgrammar() says so before use
 
 INSTALL_HINT = "pip install 'flashspec-agents[grammar]'"
 JSON_SEPARATORS = (", ", ": ")
@@ -87,7 +87,7 @@ class _CompilerCache:
         # tokenizer class need not be hashable.
         self._by_id: dict[int, tuple[weakref.ref, dict]] = {}
 
-    def get(self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]):
+    def get(self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> xgr.GrammarCompiler:
         with self._lock:
             entry = self._by_id.get(id(tokenizer))
             if entry is None or entry[0]() is not tokenizer:
@@ -126,7 +126,7 @@ def _schema_text(schema: dict | str) -> str:
 
 
 def compile_json_schema(
-    schema: dict | str, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]
+    schema: dict | str, tokenizer: Any, vocab_size: int, stop_ids: Collection[int]
 ) -> Grammar:
     """Compile a JSON schema (dict or JSON text) for an HF tokenizer; ValueError naming `json_schema`."""
     require_xgrammar()
@@ -144,7 +144,7 @@ def compile_json_schema(
     return Grammar(compiled, vocab_size, stops, "json_schema")
 
 
-def as_grammar(spec: dict | str | Grammar, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Grammar:
+def as_grammar(spec: dict | str | Grammar, tokenizer: Any, vocab_size: int, stop_ids: Collection[int]) -> Grammar:
     """The engine's `json_schema=` argument as a compiled Grammar (a Grammar passes through)."""
     if isinstance(spec, Grammar):
         if spec.vocab_size != vocab_size:

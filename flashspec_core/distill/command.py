@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,8 +34,8 @@ def _continuations(opts: DistillOptions, loaded: LoadedModel, prompts: TokenSet,
     train_prompts = prompts.select(opts.domain, "train")
     if opts.max_prompts is not None:
         train_prompts = train_prompts.take(opts.max_prompts)
-    common = dict(max_new_tokens=opts.gen_tokens, eos_ids=eos, pad_token_id=pad, batch_size=opts.gen_batch,
-                  seed=opts.seed, progress=opts.progress)
+    common: dict[str, Any] = dict(max_new_tokens=opts.gen_tokens, eos_ids=eos, pad_token_id=pad,
+                                  batch_size=opts.gen_batch, seed=opts.seed, progress=opts.progress)
     start = time.perf_counter()
     out = continue_prompts(loaded.model, dev, sample_fraction=0.0, **common)
     left = None if opts.gen_time is None else max(1.0, opts.gen_time - (time.perf_counter() - start))

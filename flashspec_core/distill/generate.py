@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from tqdm import tqdm
@@ -49,7 +50,7 @@ def continue_prompts(
     if not 0.0 <= sample_fraction <= 1.0:
         raise ValueError(f"sample_fraction must be in [0, 1]; got {sample_fraction}")
     eos = frozenset(int(e) for e in eos_ids)
-    device = target.get_input_embeddings().weight.device
+    device = cast(torch.Tensor, target.get_input_embeddings().weight).device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts.seqs[i]))
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     rng = random.Random(seed)
@@ -70,7 +71,8 @@ def continue_prompts(
             mask[r, width - len(seq):] = 1
         sample = rng.random() < sample_fraction
         kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-        gen = target.generate(
+        lm: Any = target  # `generate` comes from the model class's GenerationMixin, not PreTrainedModel
+        gen = lm.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
             pad_token_id=pad_token_id, eos_token_id=sorted(eos), **kwargs)
         new = gen[:, width:].tolist()

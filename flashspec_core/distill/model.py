@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -45,7 +46,7 @@ def embedding_fingerprint(target: PreTrainedModel) -> torch.Tensor:
     Robust to quantisation (a Q4 GGUF and its float original agree to well under 5 %), unlike a hash.
     Returns [FINGERPRINT_ROWS] float32 on CPU.
     """
-    weight = target.get_input_embeddings().weight
+    weight = cast(torch.Tensor, target.get_input_embeddings().weight)  # [V, H]
     rows = torch.linspace(0, weight.shape[0] - 1, FINGERPRINT_ROWS).long().to(weight.device)
     return weight.detach()[rows].float().norm(dim=-1).cpu()
 
@@ -62,6 +63,8 @@ class DraftNetwork(nn.Module):
     target's output embedding. Its logits are over `head_ids` only: [..., len(head_ids)].
     """
 
+    vocab_ids: torch.Tensor  # [K] the trained subset (a buffer)
+
     def __init__(
         self,
         target: PreTrainedModel,
@@ -69,12 +72,12 @@ class DraftNetwork(nn.Module):
         vocab_ids: Sequence[int] | torch.Tensor,
         init_layers: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
-    ):
+    ) -> None:
         super().__init__()
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int; got {num_layers!r}")
         target_layers = decoder_layers(target)
-        emb = target.get_input_embeddings().weight
+        emb = cast(torch.Tensor, target.get_input_embeddings().weight)  # [V, H]
         device, dtype = emb.device, dtype or emb.dtype
         self.target_vocab = target_vocab(target)
         ids = torch.as_tensor(vocab_ids, dtype=torch.long).unique()  # sorted: argmax ties match the target's

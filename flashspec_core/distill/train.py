@@ -54,7 +54,8 @@ class TrainResult:
         return self.history[-1] if self.history else {}
 
 
-def make_batch(data: TokenSet, rows: list[int], pad_token_id: int, max_len: int, device: torch.device):
+def make_batch(data: TokenSet, rows: list[int], pad_token_id: int, max_len: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids [B, T], attention mask [B, T], loss mask [B, T] and the batch's prompt tokens.
 
     The loss mask marks positions whose next token is part of the target's continuation (the last
@@ -117,7 +118,8 @@ def _batch_rows(step: int, batches: list[list[int]], seed: int) -> list[int]:
     return batches[int(torch.randperm(len(batches), generator=gen)[j])]
 
 
-def _save_checkpoint(path: Path, network: DraftNetwork, optim, step: int, seconds: float, history, cfg) -> None:
+def _save_checkpoint(path: Path, network: DraftNetwork, optim: torch.optim.Optimizer, step: int, seconds: float,
+                     history: list[dict[str, float]], cfg: TrainConfig) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"step": step, "seconds": seconds, "history": history, "config": asdict(cfg),
                 "state": network.trainable_state(), "optim": optim.state_dict(),

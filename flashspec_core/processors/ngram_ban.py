@@ -27,13 +27,17 @@ position's last size - 1 tokens, and the window's last token is banned where the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _JSON_PUNCTUATION = frozenset('"{}[]:,')
 
 
-def json_punctuation_tokens(tokenizer, vocab_size: int) -> torch.Tensor:
+def json_punctuation_tokens(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> torch.Tensor:
     """[V] bool: the token ids whose text contains JSON punctuation (exempt under a schema)."""
     exempt = torch.zeros(vocab_size, dtype=torch.bool)
     for i, text in enumerate(tokenizer.batch_decode([[i] for i in range(min(vocab_size, len(tokenizer)))])):

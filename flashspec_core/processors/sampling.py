@@ -14,6 +14,9 @@ round ties into existence (24.0 and 24.125 both become 18.5 under a penalty of 1
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -30,20 +33,21 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     temperature: float = Field(
-        0.0, ge=0.0, le=MAX_TEMPERATURE,
+        default=0.0, ge=0.0, le=MAX_TEMPERATURE,
         description=f"0 means greedy; otherwise in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]",
     )
-    top_k: int = Field(0, ge=0, description="0 disables; otherwise keep the k most likely tokens")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]; 1 disables")
+    top_k: int = Field(default=0, ge=0, description="0 disables; otherwise keep the k most likely tokens")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]; 1 disables")
     seed: int | None = Field(
-        None, ge=0, lt=2**64, description="seeds every random draw of a request; an int in [0, 2**64), None for fresh"
+        default=None, ge=0, lt=2**64,
+        description="seeds every random draw of a request; an int in [0, 2**64), None for fresh",
     )
     repetition_penalty: float = Field(
-        1.0, ge=MIN_PENALTY, le=MAX_PENALTY,
+        default=1.0, ge=MIN_PENALTY, le=MAX_PENALTY,
         description="HF's CTRL penalty on tokens already in the sequence; 1 disables (penalty.py)",
     )
     no_repeat_ngram_size: int = Field(
-        0, ge=0, description="ban tokens that would repeat an n-gram of the output; 0 disables (ngram_ban.py)"
+        default=0, ge=0, description="ban tokens that would repeat an n-gram of the output; 0 disables (ngram_ban.py)"
     )
 
     @field_validator("temperature")
@@ -124,7 +128,8 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return torch.where(crossed.any(-1), first, last)
 
 
-def request_params(max_new_tokens, sampling, stop) -> tuple[SamplingParams, tuple[str, ...]]:
+def request_params(max_new_tokens: int, sampling: SamplingParams | dict[str, Any] | None,
+                   stop: str | Sequence[str] | None) -> tuple[SamplingParams, tuple[str, ...]]:
     """A request's checked length limit, sampling (None and dicts accepted) and stop strings;
     ValueError naming the argument otherwise."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:

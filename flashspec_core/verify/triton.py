@@ -153,11 +153,11 @@ def verify_triton(
     elif drafts.stride(-1) != 1:
         drafts = drafts.contiguous()
     one_hot = draft_probs is None or gamma == 0
-    q = logits if one_hot else draft_probs
+    q = logits if one_hot or draft_probs is None else draft_probs  # (one_hot covers None; the test narrows)
     if q.stride(-1) != 1:
         q = q.contiguous()
     has_u = uniforms is not None and not sampling.greedy
-    u = uniforms.to(torch.float32) if has_u else n_acc.view(bsz, 1)
+    u = uniforms.to(torch.float32) if has_u and uniforms is not None else n_acc.view(bsz, 1)
     if u.stride(-1) != 1:
         u = u.contiguous()
     seed_from_ptr = False

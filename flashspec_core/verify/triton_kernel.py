@@ -34,8 +34,10 @@ WS_SLOTS = 4
 
 
 @triton.jit
-def _stop_row_masses(logits_row, q_row, draft_tok, offs, V, m_row, log_z, inv_t, temperature,
-                     rejected, ONE_HOT: tl.constexpr, RECIP: tl.constexpr):
+def _stop_row_masses(logits_row: tl.tensor, q_row: tl.tensor, draft_tok: tl.tensor, offs: tl.tensor, V: tl.tensor,
+                     m_row: tl.tensor, log_z: tl.tensor, inv_t: tl.tensor, temperature: tl.tensor,
+                     rejected: tl.tensor, ONE_HOT: tl.constexpr,
+                     RECIP: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
     """p and the residual max(0, p - q) (p itself at the bonus row) on one tile of the stopping row.
 
     logits_row: pointer to [V] logits of the stopping row; q_row: pointer to [V] draft probs of
@@ -60,26 +62,32 @@ def _stop_row_masses(logits_row, q_row, draft_tok, offs, V, m_row, log_z, inv_t,
 
 @triton.jit(do_not_specialize=["seed", "use_step", "B", "G", "NC", "TILES", "NT", "LAG"])
 def verify_kernel(
-    logits_ptr, stride_lb, stride_lg,  # [B, G+1, V] bf16/fp16/fp32, last dim contiguous
-    draft_ptr, stride_db,  # [B, G] int64
-    q_ptr, stride_qb, stride_qg,  # [B, G, V] draft probs (any float), unused when ONE_HOT
-    u_ptr, stride_ub,  # [B, G+1] float32 uniforms, unused unless HAS_U
-    seed_ptr,  # [1] int64 seed on the device, used when SEED_FROM_PTR
-    seed,  # host seed, used otherwise
-    use_step,  # 1: mix the per-sequence step counter into the Philox offset (graph replays)
-    ws_ptr,  # [1 + WS_SLOTS * B] int32 persistent, self-resetting counters
-    fs_ptr,  # float32 scratch: partial max [B, G+1, NC], partial sum [B, G+1, NC], stop [B, 3], then at
-    # the next even index (8-byte aligned) the float64 tile masses [B, NT, 2]
-    is_ptr,  # int32 scratch: partial argmax [B, G+1, NC], partial bad flag [B, G+1, NC], stop [B, 2]
-    n_acc_ptr,  # [B] int64 out
-    tokens_ptr,  # [B, G+1] int64 out
-    temperature, inv_t,  # float32 T and 1/T: RECIP multiplies by 1/T like torch on CUDA
-    exp2_scale,  # float32 log2(e) / T, for the partial sums
-    B, G, V, NC, TILES, NT, LAG,
+    # Arguments are annotated `tl.tensor` (a pointer or a scalar inside a kernel), not int or float:
+    # Triton reads those annotations as fixed i32 / fp32 types and would stop specialising on them.
+    logits_ptr: tl.tensor, stride_lb: tl.tensor, stride_lg: tl.tensor,  # [B, G+1, V] bf16/fp16/fp32,
+    # last dim contiguous
+    draft_ptr: tl.tensor, stride_db: tl.tensor,  # [B, G] int64
+    q_ptr: tl.tensor, stride_qb: tl.tensor, stride_qg: tl.tensor,  # [B, G, V] draft probs (any float),
+    # unused when ONE_HOT
+    u_ptr: tl.tensor, stride_ub: tl.tensor,  # [B, G+1] float32 uniforms, unused unless HAS_U
+    seed_ptr: tl.tensor,  # [1] int64 seed on the device, used when SEED_FROM_PTR
+    seed: tl.tensor,  # host seed, used otherwise
+    use_step: tl.tensor,  # 1: mix the per-sequence step counter into the Philox offset (graph replays)
+    ws_ptr: tl.tensor,  # [1 + WS_SLOTS * B] int32 persistent, self-resetting counters
+    fs_ptr: tl.tensor,  # float32 scratch: partial max [B, G+1, NC], partial sum [B, G+1, NC], stop [B, 3],
+    # then at the next even index (8-byte aligned) the float64 tile masses [B, NT, 2]
+    is_ptr: tl.tensor,  # int32 scratch: partial argmax [B, G+1, NC], partial bad flag [B, G+1, NC],
+    # stop [B, 2]
+    n_acc_ptr: tl.tensor,  # [B] int64 out
+    tokens_ptr: tl.tensor,  # [B, G+1] int64 out
+    temperature: tl.tensor, inv_t: tl.tensor,  # float32 T and 1/T: RECIP multiplies by 1/T like torch
+    # on CUDA
+    exp2_scale: tl.tensor,  # float32 log2(e) / T, for the partial sums
+    B: tl.tensor, G: tl.tensor, V: tl.tensor, NC: tl.tensor, TILES: tl.tensor, NT: tl.tensor, LAG: tl.tensor,
     BLOCK: tl.constexpr, GP: tl.constexpr, NCP: tl.constexpr, NTP: tl.constexpr,
     GREEDY: tl.constexpr, ONE_HOT: tl.constexpr, HAS_U: tl.constexpr,
     SEED_FROM_PTR: tl.constexpr, RECIP: tl.constexpr,
-):
+) -> None:
     rows = G + 1
     r1 = rows * NC  # phase-1 programs per sequence
     r2 = NT  # phase-2 programs per sequence (0 when greedy)
@@ -196,11 +204,14 @@ def verify_kernel(
 
 
 @triton.jit
-def _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, stride_qb, stride_qg,
-            u_ptr, stride_ub, seed_ptr, seed, use_step, ws_b, part_m, part_s, part_idx, part_bad, stop_f,
-            stop_i, n_acc_ptr, tokens_ptr, temperature, inv_t, exp2_scale, r1,
+def _accept(b: tl.tensor, G: tl.tensor, V: tl.tensor, NC: tl.tensor, seq_logits: tl.tensor, stride_lg: tl.tensor,
+            draft_ptr: tl.tensor, stride_db: tl.tensor, q_ptr: tl.tensor, stride_qb: tl.tensor,
+            stride_qg: tl.tensor, u_ptr: tl.tensor, stride_ub: tl.tensor, seed_ptr: tl.tensor, seed: tl.tensor,
+            use_step: tl.tensor, ws_b: tl.tensor, part_m: tl.tensor, part_s: tl.tensor, part_idx: tl.tensor,
+            part_bad: tl.tensor, stop_f: tl.tensor, stop_i: tl.tensor, n_acc_ptr: tl.tensor, tokens_ptr: tl.tensor,
+            temperature: tl.tensor, inv_t: tl.tensor, exp2_scale: tl.tensor, r1: tl.tensor,
             GP: tl.constexpr, NCP: tl.constexpr, GREEDY: tl.constexpr, ONE_HOT: tl.constexpr,
-            HAS_U: tl.constexpr, SEED_FROM_PTR: tl.constexpr, RECIP: tl.constexpr):
+            HAS_U: tl.constexpr, SEED_FROM_PTR: tl.constexpr, RECIP: tl.constexpr) -> None:
     """Last phase-1 program of sequence b: combine partials, run the acceptance tests.
 
     Reads the [G+1, NC] partials of sequence b and the [G] draft tokens; greedy writes the
@@ -274,10 +285,12 @@ def _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, str
 
 
 @triton.jit
-def _sample(b, G, V, NT, masses, logits_row, q_row, draft_tok, draft_ptr, stride_db, m_row, log_z,
-            s_row, rejected, stop_f, stop_i, ws_b, n_acc_ptr, tokens_ptr, temperature, inv_t,
+def _sample(b: tl.tensor, G: tl.tensor, V: tl.tensor, NT: tl.tensor, masses: tl.tensor, logits_row: tl.tensor,
+            q_row: tl.tensor, draft_tok: tl.tensor, draft_ptr: tl.tensor, stride_db: tl.tensor, m_row: tl.tensor,
+            log_z: tl.tensor, s_row: tl.tensor, rejected: tl.tensor, stop_f: tl.tensor, stop_i: tl.tensor,
+            ws_b: tl.tensor, n_acc_ptr: tl.tensor, tokens_ptr: tl.tensor, temperature: tl.tensor, inv_t: tl.tensor,
             BLOCK: tl.constexpr, GP: tl.constexpr, NTP: tl.constexpr, ONE_HOT: tl.constexpr,
-            RECIP: tl.constexpr):
+            RECIP: tl.constexpr) -> None:
     """Last phase-2 program of sequence b: inverse CDF over the [NT] tile masses, then one tile.
 
     Mirrors sample_from_probs: the first token with mass whose cumulative mass exceeds u * total,
