@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field

@@ -112,7 +112,7 @@ class CachedModel(LinearKernels, TargetRunner):
             self.reset(rows)
             return
         keep = torch.tensor(list(range(min(rows, old))) + [0] * max(0, rows - old), device=self.device)
-        self.cache.reorder_cache(keep)
+        self.cache.reorder_cache(keep)  # type: ignore[arg-type]  # a long tensor: what LongTensor means
         grown = self.slot_mask.new_zeros((max(0, rows - old), self.slot_mask.shape[1]))
         self.slot_mask = torch.cat([self.slot_mask[:rows], grown])
         self.held = self.held[:rows] + [[] for _ in range(rows - old)]
