@@ -50,8 +50,9 @@ from flashspec_integrations.serve.translate import DeltaStream, Plan, call_info,
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEPLOYMENT_NAME = "FlashSpecServer"
 # Ray Serve sends a replica up to max_in_flight + this many requests at once, so that overload
-# reaches the replica's own count and gets its 429 (the extra ones are answered at once).
-ONGOING_HEADROOM = 16
+# reaches the replica's own count and gets its 429 (the extra ones are answered at once); its
+# proxy queues a bounded number more (a 503 past them) while every slot is taken.
+ONGOING_HEADROOM = 32
 logger = logging.getLogger("flashspec.serve")
 
 
@@ -245,8 +246,8 @@ class FlashSpecServer:
 
 def _queues(settings: ServeSettings) -> dict[str, int]:
     """Ray Serve's own bounds, set from the replica's in-flight limit (`admission`)."""
-    return {"max_ongoing_requests": settings.max_in_flight + ONGOING_HEADROOM,
-            "max_queued_requests": settings.max_in_flight}
+    ongoing = settings.max_in_flight + ONGOING_HEADROOM
+    return {"max_ongoing_requests": ongoing, "max_queued_requests": 4 * ongoing}
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

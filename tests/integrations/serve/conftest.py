@@ -12,7 +12,7 @@ API_KEY = "test-key-7f3a9c"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_IN_FLIGHT = 4  # per replica
 MAX_TOKENS = 64  # the operator's cap: anything a fuzzed request asks for decodes in seconds
-TEST_DOMAINS = ["code-test", "share-test", "kill-test", "load-test"]
+TEST_DOMAINS = ["code-test", "share-test", "kill-test", "load-test", "disconnect-test", "disconnect-full"]
 
 
 def _free_port() -> int:
