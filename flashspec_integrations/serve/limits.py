@@ -7,8 +7,9 @@ Every limit has a default an exposed server can live with and a `flashspec-agent
 
 - the body's size (`guards.BodySizeLimit`, an ASGI middleware: it reads at most the limit);
 - counts: messages, tools, stop strings (and their length);
-- each JSON schema (`response_format` and every tool's `parameters`): size as compact JSON and
-  nesting depth, measured without recursion;
+- each JSON schema (`response_format` and every tool's `parameters`, and all of them together
+  when a call is forced over every tool): size as compact JSON and nesting depth, measured
+  without recursion (compile time grows steeply with size: BENCHMARKS.md);
 - the prompt's raw characters (message text and tool definitions) against
   `max_prompt_tokens * prompt_chars_per_token`: a prompt longer than that cannot fit, so it is
   refused before tokenizing; the token count itself is checked exactly after (`translate`);
@@ -47,7 +48,7 @@ class Limits(BaseModel):
     max_tools: int = Field(128, gt=0, description="tools in one request")
     max_stop: int = Field(16, gt=0, description="stop strings in one request")
     max_stop_chars: int = Field(256, gt=0, description="characters in one stop string")
-    max_schema_bytes: int = Field(32 << 10, gt=0, description="a JSON schema's size as compact JSON "
+    max_schema_bytes: int = Field(16 << 10, gt=0, description="a JSON schema's size as compact JSON "
                                                              "(response_format, each tool's parameters)")
     max_schema_depth: int = Field(32, gt=0, description="nesting levels of a JSON schema document")
     max_prompt_tokens: int | None = Field(None, gt=0, description="prompt tokens (default: the model's "
@@ -84,7 +85,8 @@ def schema_depth(schema: Any) -> int:
     return deepest
 
 
-def _check_schema(schema: Any, field: str, limits: Limits) -> None:
+def _check_schema(schema: Any, field: str, limits: Limits) -> int:
+    """The schema's size as compact JSON, once its depth and size are within the limits."""
     depth = schema_depth(schema)
     if depth > limits.max_schema_depth:
         raise APIError(400, f"{field}: the schema nests {depth} levels deep; this server takes at most "
@@ -93,6 +95,7 @@ def _check_schema(schema: Any, field: str, limits: Limits) -> None:
     if size > limits.max_schema_bytes:
         raise APIError(400, f"{field}: the schema is {size} bytes as compact JSON; this server takes at "
                             f"most {limits.max_schema_bytes} (--max-schema-bytes)", field)
+    return size
 
 
 def _count(items: Any, limit: int, field: str, flag: str) -> None:
@@ -134,9 +137,12 @@ def check_request(req: ChatCompletionRequest, limits: Limits, context_window: in
     fmt = req.response_format
     if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
         _check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema", limits)
-    for i, tool in enumerate(req.tools or ()):
-        if tool.function.parameters is not None:
-            _check_schema(tool.function.parameters, f"tools[{i}].function.parameters", limits)
+    sizes = [_check_schema(tool.function.parameters, f"tools[{i}].function.parameters", limits)
+             for i, tool in enumerate(req.tools or ()) if tool.function.parameters is not None]
+    if req.tool_choice == "required" and sum(sizes) > limits.max_schema_bytes:
+        raise APIError(400, f"tools: a forced call (tool_choice 'required') is decoded under one schema of every "
+                            f"tool's parameters, {sum(sizes)} bytes; this server compiles at most "
+                            f"{limits.max_schema_bytes} (--max-schema-bytes): name one tool instead", "tools")
     known = limits.known_domains()
     _check_domain(req.domain, "domain", known)
     _check_domain((req.metadata or {}).get(context.METADATA_DOMAIN_KEY),

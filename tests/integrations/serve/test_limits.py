@@ -40,6 +40,8 @@ def tool(parameters: dict) -> dict:
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": nested(20)}}}, Limits(),
      "response_format.json_schema.schema", "nests 41 levels deep; this server takes at most 32"),
     ({"tools": [tool({"type": "object"}), tool(nested(20))]}, Limits(), "tools[1].function.parameters", "--max-schema-depth"),
+    ({"tools": [tool({"enum": ["x" * 100] * 30})] * 2, "tool_choice": "required"}, Limits(max_schema_bytes=5000),
+     "tools", "a forced call (tool_choice 'required') is decoded under one schema"),
     ({"tools": [tool({"enum": ["x" * 100] * 100})]}, Limits(max_schema_bytes=5000), "tools[0].function.parameters",
      "bytes as compact JSON; this server takes at most 5000"),
     ({"domain": "Made-Up"}, Limits(), "domain", "'Made-Up' is not a router domain of this server"),
