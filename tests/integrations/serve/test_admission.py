@@ -48,6 +48,18 @@ def test_a_slow_plan_is_a_400_and_a_plan_that_cannot_start_a_503():
     async def scenario() -> None:
         planner = Planner(timeout_s=0.2, workers=1)
         assert await planner.run(lambda: 7) == 7
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        await planner.run(lambda: time.sleep(0.15))  # CPU work of a plan: the event loop runs on
+        ticker.cancel()
+        assert ticks >= 5, ticks
         release = threading.Event()
         with pytest.raises(APIError) as slow:
             await planner.run(lambda: release.wait(5))  # starts, then runs past the limit
