@@ -128,10 +128,10 @@ def test_a_client_leaving_mid_stream_ends_its_row_and_frees_its_slot(service, he
 
 
 def test_heavy_requests_leave_the_replicas_responsive(service, headers):
-    """One chat message of 20,000 newlines once took 39 s to answer, one of 80,000 ended in a 500
-    after 115 s and got its replica killed (its event loop too busy for the health check); a schema
-    slow to compile held the loop as long. Now each is answered (the 80,000 newlines are 20,030
-    tokens, past the context window: a 400) and the health route answers throughout. (That the
+    """One chat message of 80,000 newlines once ended in a 500 after 115 s and got its replica
+    killed (its event loop too busy for the health check); a schema slow to compile held the loop
+    as long. Now each is answered (the newlines are 20,030 tokens, past the context window: a 400)
+    and the health route answers throughout. (That the
     planning leaves the event loop free is shown in test_admission: Ray's proxy routes around a
     replica that does not answer, so a check through it cannot tell.)"""
     url = service[0]
@@ -146,7 +146,6 @@ def test_heavy_requests_leave_the_replicas_responsive(service, headers):
         async with httpx.AsyncClient(timeout=120, headers=headers) as http:
             start = time.monotonic()
             heavy = [asyncio.create_task(timed(http, body)) for body in (
-                chat("\n" * 20_000, "load-test", max_tokens=2, seed=1),
                 chat("\n" * 80_000, "load-test", max_tokens=2, seed=3),
                 chat("Any word.", "load-test", max_tokens=2, seed=2, response_format=slow_schema))]
             latencies = []
@@ -160,12 +159,11 @@ def test_heavy_requests_leave_the_replicas_responsive(service, headers):
     timings, latencies, seconds = asyncio.run(run())
     replies = [reply for reply, _ in timings]
     statuses = [r.status_code for r in replies]
-    assert statuses[:2] == [200, 400] and statuses[2] in (200, 400), [r.text[:300] for r in replies]
-    assert "context window" in replies[1].json()["error"]["message"]
+    assert statuses[0] == 400 and statuses[1] in (200, 400), [r.text[:300] for r in replies]
+    assert "context window" in replies[0].json()["error"]["message"]
     assert max(latencies) < 2.0, latencies
-    print(f"\nheavy: 20,000 and 80,000 newlines and a slow schema answered {statuses} in "
-          f"{', '.join(f'{t:.1f}' for _, t in timings)} s (the first: "
-          f"{replies[0].json()['usage']['prompt_tokens']} prompt tokens); "
+    print(f"\nheavy: 80,000 newlines and a slow schema answered {statuses} in "
+          f"{', '.join(f'{t:.1f}' for _, t in timings)} s; "
           f"{len(latencies)} health checks meanwhile, the slowest {max(latencies) * 1000:.0f} ms")
 
 
