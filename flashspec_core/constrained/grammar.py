@@ -20,7 +20,7 @@ mode (no properties or items beyond the schema's). The stop tokens are the engin
 EOS is allowed exactly where the grammar accepts.
 
 Compile time grows with a schema's shape (an object of n optional properties costs about n**3:
-see BENCHMARKS.md), so a caller that takes schemas from others passes `timeout_s`: the compile
+BENCHMARKS.md, "Serving: safety under bad input and load"), so a caller that takes schemas from others passes `timeout_s`: the compile
 then runs on one of two worker threads (xgrammar releases the GIL while it compiles) and the
 caller gets a ValueError when the limit passes. A compile cannot be interrupted: it finishes on
 its thread and its result lands in the cache, so at most two such compiles run at a time and a

@@ -16,11 +16,12 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
-
-from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from typing import TYPE_CHECKING
 
 from flashspec_integrations.serve.protocol import APIError
+
+if TYPE_CHECKING:  # Starlette is imported where a response is sent: the CLI imports this module
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 API_KEY_ENV = "FLASHSPEC_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
@@ -49,6 +50,13 @@ def _state(scope: Scope, name: str) -> object:
     return getattr(app.state, name, None) if app is not None else None
 
 
+async def _send_error(error: APIError, scope: Scope, receive: Receive, send: Send,
+                      headers: dict[str, str] | None = None) -> None:
+    from starlette.responses import JSONResponse
+
+    await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
+
+
 def _path(scope: Scope) -> str:
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
@@ -73,7 +81,7 @@ class APIKeyMiddleware:
         why = "no API key was given" if not header else "the API key is not this server's"
         error = APIError(401, f"{why}; send the server's key as 'Authorization: Bearer <key>' (the openai "
                               "client's api_key)", kind="invalid_request_error", code="invalid_api_key")
-        await JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        await _send_error(error, scope, receive, send, {"WWW-Authenticate": "Bearer"})
 
 
 class BodySizeLimit:
@@ -118,4 +126,4 @@ class BodySizeLimit:
     async def _refuse(limit: int, scope: Scope, receive: Receive, send: Send) -> None:
         error = APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
                               "(--max-body-bytes); send less", code="request_too_large")
-        await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+        await _send_error(error, scope, receive, send)
