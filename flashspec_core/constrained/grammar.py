@@ -40,7 +40,7 @@ from typing import Any
 try:
     import xgrammar as xgr
 except ImportError:  # pragma: no cover - exercised only without the optional dependency
-    xgr = None
+    xgr = None  # type: ignore[assignment]
 
 INSTALL_HINT = "pip install 'flashspec-agents[grammar]'"
 JSON_SEPARATORS = (", ", ": ")
@@ -109,7 +109,7 @@ class _CompilerCache:
         with self._lock:
             return sum(c.get_cache_size_bytes() for _, per in self._by_id.values() for c in per.values())
 
-    def get(self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]):
+    def get(self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
         with self._lock:
             entry = self._by_id.get(id(tokenizer))
             if entry is None or entry[0]() is not tokenizer:
