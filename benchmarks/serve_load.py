@@ -108,6 +108,12 @@ def bodies(n: int, max_new_tokens: int | None, seed: int, steps_file: str | None
              "temperature": 0} for s in steps]
 
 
+def auth_headers() -> dict[str, str]:
+    """The server's key, when it was started with one ($FLASHSPEC_API_KEY, which `start` reads too)."""
+    key = os.environ.get("FLASHSPEC_API_KEY")
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 async def attempt(client: httpx.AsyncClient, url: str, body: dict, timeout: float) -> dict | str:
     """One request: the response body, or what went wrong (no answer within `timeout` included)."""
     try:
@@ -147,7 +153,7 @@ async def run_level(base: str, work: list[dict], replicas: int, concurrency: int
     for body in work:
         queue.put_nowait(body)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=None, limits=limits, headers=auth_headers()) as client:
         async def worker() -> None:
             while not queue.empty():
                 await one(client, base + "/chat/completions", queue.get_nowait(), level, timeout, retries)
@@ -182,7 +188,7 @@ async def kill_run(base: str, work: list[dict], concurrency: int, timeout: float
     # Ray restarts the replica; wait for it (bounded) and read what its router started from.
     restarted = next((i for i in level.infos if i["pid"] not in known), None) if killed else None
     deadline = time.monotonic() + 240
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with httpx.AsyncClient(timeout=timeout, headers=auth_headers()) as client:
         while killed and restarted is None and time.monotonic() < deadline:
             probe = Level(2, 1, 1, 0.0, 0)
             await one(client, base + "/chat/completions", work[0], probe, timeout, 0)

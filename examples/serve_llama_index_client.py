@@ -2,11 +2,12 @@
 call and structured output, plus the server's per-call router statistics read with `openai`.
 
     flashspec-agents serve --replicas 2          # in another shell; needs the 'serve' extra
-    python examples/serve_llama_index_client.py --base-url http://127.0.0.1:8000/v1
+    FLASHSPEC_API_KEY=<the server's key> python examples/serve_llama_index_client.py --base-url http://127.0.0.1:8000/v1
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 from llama_index.core.llms import ChatMessage
 from llama_index.core.prompts import PromptTemplate
@@ -30,8 +31,9 @@ class Landmark(BaseModel):
     country: str = Field(description="the country")
 
 
-def main(base_url: str, max_tokens: int = 48) -> dict:
-    llm = OpenAILike(api_base=base_url, api_key="not-needed", model=MODEL, is_chat_model=True,
+def main(base_url: str, api_key: str | None = None, max_tokens: int = 48) -> dict:
+    api_key = api_key or os.environ.get("FLASHSPEC_API_KEY") or "none"  # the server's --api-key
+    llm = OpenAILike(api_base=base_url, api_key=api_key, model=MODEL, is_chat_model=True,
                      is_function_calling_model=True, context_window=8192, temperature=0, max_tokens=max_tokens)
     question = [ChatMessage(role="user", content="Write one sentence about speculative decoding.")]
     reply = llm.chat(question)
@@ -41,7 +43,7 @@ def main(base_url: str, max_tokens: int = 48) -> dict:
     calls = llm.get_tool_calls_from_response(response, error_on_no_tool_call=True)
     where = llm.structured_predict(Landmark, PromptTemplate("Where is {landmark}?"), landmark="the Eiffel tower")
     # The `flashspec` field of a response: the call's domain, the arms its steps used, the replica.
-    raw = OpenAI(base_url=base_url, api_key="not-needed").chat.completions.create(
+    raw = OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Write a Python function fibonacci(n)."}], max_tokens=16, temperature=0)
     stats = raw.model_extra["flashspec"]
     print("chat:    ", reply.message.content)
@@ -55,4 +57,6 @@ def main(base_url: str, max_tokens: int = 48) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    main(parser.parse_args().base_url)
+    parser.add_argument("--api-key", help="the server's key (default: $FLASHSPEC_API_KEY)")
+    args = parser.parse_args()
+    main(args.base_url, args.api_key)

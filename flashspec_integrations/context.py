@@ -35,7 +35,7 @@ default a per-node split would only fragment statistics that the kind already se
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,11 +71,32 @@ _RAG_PHRASES = (
     "using only the context",
     "answer using the documents",
 )
-# A "Context:" (or "Documents:", "Sources:") heading and a "Question:" heading in the same prompt.
-_CONTEXT_HEADING = re.compile(r"(?:^|\n)\s*(?:context|documents?|sources?|retrieved documents)\s*:", re.I)
-_QUESTION_HEADING = re.compile(r"(?:^|\n)\s*(?:question|query)\s*:", re.I)
+# A "Context:" (or "Documents:", "Sources:") heading and a "Question:" heading in the same prompt,
+# and the ReAct labels, each at the start of a line (after spaces). Searched in the lower-cased
+# text from the label on (`_line_start_matches`), in linear time: the former patterns,
+# `(?:^|\n)\s*label\s*:`, let `\s*` run across newlines, so n newlines cost n tries of up to n
+# characters each (one chat message of 20,000 newlines took 22 s to classify).
+_CONTEXT_HEADING = re.compile(r"(?:context|documents?|sources?|retrieved documents)[^\S\n]*:")
+_QUESTION_HEADING = re.compile(r"(?:question|query)[^\S\n]*:")
+_REACT_LINES = re.compile(r"(thought|action input|action|observation)[^\S\n]*:")
 
-_REACT_LINES = re.compile(r"(?:^|\n)\s*(thought|action|action input|observation)\s*:", re.I)
+
+def _line_start_matches(pattern: re.Pattern[str], low: str) -> Iterator[re.Match[str]]:
+    """The matches of `pattern` in `low` with nothing but spaces before them on their line.
+
+    Each pattern starts with a literal word, so `re` skips to candidates at C speed; whether a
+    candidate starts its line is read from the text between it and the previous candidate only
+    (a candidate after another on the same line never does), so the whole scan is linear.
+    """
+    previous_end = 0
+    for match in pattern.finditer(low):
+        start = match.start()
+        newline = low.rfind("\n", previous_end, start)
+        if newline >= 0 or previous_end == 0:
+            before = low[newline + 1:start]
+            if not before or before.isspace():
+                yield match
+        previous_end = match.end()
 
 
 def normalize_role(role: Any) -> str:
@@ -91,14 +112,20 @@ def is_rag_prompt(text: str) -> bool:
     low = text.lower()
     if any(p in low for p in _RAG_PHRASES):
         return True
-    return _CONTEXT_HEADING.search(text) is not None and _QUESTION_HEADING.search(text) is not None
+    return (next(_line_start_matches(_CONTEXT_HEADING, low), None) is not None
+            and next(_line_start_matches(_QUESTION_HEADING, low), None) is not None)
 
 
 def is_react_prompt(text: str) -> bool:
     """True for a ReAct prompt: at least three of the Thought/Action/Action Input/Observation labels."""
     if not isinstance(text, str):
         raise ValueError(f"text must be a str, got {type(text).__name__}")
-    return len({m.group(1).lower() for m in _REACT_LINES.finditer(text)}) >= 3
+    labels: set[str] = set()
+    for match in _line_start_matches(_REACT_LINES, text.lower()):
+        labels.add(match.group(1))
+        if len(labels) >= 3:
+            return True
+    return False
 
 
 def _label(value: Any, source: str) -> str | None:

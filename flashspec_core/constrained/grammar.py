@@ -6,7 +6,8 @@ and a realistic nested tool-call schema, CPU; see docs/constrained.md for the nu
 - speed: it precomputes per-state token masks at compile time, so filling one 49k-token mask and
   advancing the matcher costs a few microseconds per token, several times less than llguidance
   and far less than outlines-core (which also builds a regex index per schema first).
-  Compilation is cached per (tokenizer, schema).
+  Compilation is cached per (tokenizer, schema), in at most `DEFAULT_CACHE_LIMIT_BYTES` per
+  tokenizer (`set_cache_limit`; xgrammar evicts the least recently used grammars past it).
 - features speculation needs, built in: `rollback` (masks are computed along a draft path and then
   undone), `fork`, and `find_jump_forward_tokens` (the tokens the grammar forces, which the
   grammar-forced draft proposes).
@@ -17,6 +18,13 @@ Defaults: JSON is compiled compact with `", "` and `": "` separators and no free
 small model given free whitespace can spend its whole budget on newlines), and in xgrammar's strict
 mode (no properties or items beyond the schema's). The stop tokens are the engine's EOS ids, so
 EOS is allowed exactly where the grammar accepts.
+
+Compile time grows with a schema's shape (an object of n optional properties costs about n**3:
+BENCHMARKS.md, "Serving: safety under bad input and load"), so a caller that takes schemas from others passes `timeout_s`: the compile
+then runs on one of two worker threads (xgrammar releases the GIL while it compiles) and the
+caller gets a ValueError when the limit passes. A compile cannot be interrupted: it finishes on
+its thread and its result lands in the cache, so at most two such compiles run at a time and a
+later call waits for a thread within its own limit.
 """
 from __future__ import annotations
 
@@ -24,6 +32,8 @@ import json
 import threading
 import weakref
 from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +44,7 @@ except ImportError:  # pragma: no cover - exercised only without the optional de
 
 INSTALL_HINT = "pip install 'flashspec-agents[grammar]'"
 JSON_SEPARATORS = (", ", ": ")
+DEFAULT_CACHE_LIMIT_BYTES = 256 << 20
 
 
 def require_xgrammar() -> None:
@@ -83,11 +94,22 @@ class _CompilerCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.limit_bytes = DEFAULT_CACHE_LIMIT_BYTES
         # id(tokenizer) -> (weak reference, {(V, stop ids): compiler}); keyed by id because a
         # tokenizer class need not be hashable.
         self._by_id: dict[int, tuple[weakref.ref, dict]] = {}
 
-    def get(self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> xgr.GrammarCompiler:
+    def set_limit(self, limit_bytes: int) -> None:
+        """Compilers built from now on cache at most `limit_bytes`; the present ones are dropped."""
+        with self._lock:
+            self.limit_bytes = limit_bytes
+            self._by_id = {}
+
+    def size_bytes(self) -> int:
+        with self._lock:
+            return sum(c.get_cache_size_bytes() for _, per in self._by_id.values() for c in per.values())
+
+    def get(self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
         with self._lock:
             entry = self._by_id.get(id(tokenizer))
             if entry is None or entry[0]() is not tokenizer:
@@ -99,11 +121,26 @@ class _CompilerCache:
                 info = xgr.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
                 )
-                per[key] = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+                per[key] = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True,
+                                               cache_limit_bytes=self.limit_bytes)
             return per[key]
 
 
 _compilers = _CompilerCache()
+_compile_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flashspec-grammar")
+
+
+def set_cache_limit(limit_bytes: int) -> None:
+    """Bound the compiled-grammar cache of each tokenizer to `limit_bytes` (default
+    `DEFAULT_CACHE_LIMIT_BYTES`); grammars compiled before are dropped."""
+    if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0:
+        raise ValueError(f"limit_bytes must be a positive int; got {limit_bytes!r}")
+    _compilers.set_limit(limit_bytes)
+
+
+def cache_size_bytes() -> int:
+    """The bytes the compiled-grammar caches hold now, summed over tokenizers."""
+    return _compilers.size_bytes()
 
 
 def _schema_text(schema: dict | str) -> str:
@@ -126,21 +163,39 @@ def _schema_text(schema: dict | str) -> str:
 
 
 def compile_json_schema(
-    schema: dict | str, tokenizer: Any, vocab_size: int, stop_ids: Collection[int]
+    schema: dict | str, tokenizer: Any, vocab_size: int, stop_ids: Collection[int], timeout_s: float | None = None
 ) -> Grammar:
-    """Compile a JSON schema (dict or JSON text) for an HF tokenizer; ValueError naming `json_schema`."""
+    """Compile a JSON schema (dict or JSON text) for an HF tokenizer; ValueError naming `json_schema`.
+
+    timeout_s: the longest the caller waits for the compile (None: as long as it takes); see the
+    module docstring for what happens to a compile that runs past it.
+    """
     require_xgrammar()
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds or None; got {timeout_s!r}")
     text = _schema_text(schema)
     stops = tuple(sorted(set(int(s) for s in stop_ids)))
     if not stops:
         raise ValueError("json_schema: the model has no EOS token, so a constrained row could never end")
     compiler = _compilers.get(tokenizer, vocab_size, stops)
+
+    def compile_() -> Any:
+        try:
+            return compiler.compile_json_schema(
+                text, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"json_schema: xgrammar cannot compile this schema: {exc}") from exc
+
+    if timeout_s is None:
+        return Grammar(compile_(), vocab_size, stops, "json_schema")
     try:
-        compiled = compiler.compile_json_schema(
-            text, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
-        )
-    except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"json_schema: xgrammar cannot compile this schema: {exc}") from exc
+        compiled = _compile_threads.submit(compile_).result(timeout=timeout_s)
+    except FutureTimeout:
+        raise ValueError(
+            f"json_schema: compiling the schema took longer than {timeout_s:g} s; simplify it (fewer "
+            "optional properties, alternatives or nesting levels)"
+        ) from None
     return Grammar(compiled, vocab_size, stops, "json_schema")
 
 

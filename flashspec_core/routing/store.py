@@ -17,6 +17,8 @@ Failure policy, chosen so that routing state can never stop generation:
 - a write that finds the store locked past the timeout keeps its increments in memory and adds
   them to the next write, which tries without waiting until one gets through (a warning says so
   once): a busy moment in another process neither stalls every step nor loses the update;
+- a read that fails is a cold start for `load` (a warning, no statistics) and an error for `read`,
+  whose callers merge what is new since their last read and must not take a failure for "empty";
 - a location that cannot be written (read-only directory, no permission) or a file written by a
   newer schema gives a warning and an in-memory store for this process (`persistent` is False):
   routing still learns, it just does not survive a restart. Set FLASHSPEC_CACHE_DIR or pass a
@@ -372,28 +374,32 @@ class RouterStore:
             raise
         self._pending.clear()
 
-    def load(self) -> dict[str, DomainStats]:
+    def read(self) -> dict[str, DomainStats]:
         """Everything in the store, by domain (written increments only, not those still pending).
 
-        A store that cannot be read gives a warning and nothing: a cold start, never an error.
+        Raises sqlite3.Error when the store cannot be read: a reader that merges what is new since
+        its last read must tell a failed read from an empty store (`load` cannot).
         """
         out: dict[str, DomainStats] = {}
         with self._lock:
-            try:
-                for domain, steps, scale in self._conn.execute(
-                    "SELECT domain, steps, scale FROM domain_stats"
-                ):
-                    out[domain] = DomainStats(steps=steps, scale=scale)
-                for row in self._conn.execute(
-                    "SELECT domain, arm, pulls, scored, reward_n, reward_sum, reward_sumsq, "
-                    "goodput_sum, seconds_sum FROM arm_stats"
-                ):
-                    out.setdefault(row[0], DomainStats()).arms[row[1]] = ArmDelta(*row[2:])
-            except sqlite3.Error as exc:
-                warnings.warn(f"router store {self.path} could not be read ({exc}); starting cold",
-                              StoreUnavailable, stacklevel=2)
-                return {}
+            for domain, steps, scale in self._conn.execute("SELECT domain, steps, scale FROM domain_stats"):
+                out[domain] = DomainStats(steps=steps, scale=scale)
+            for row in self._conn.execute(
+                "SELECT domain, arm, pulls, scored, reward_n, reward_sum, reward_sumsq, "
+                "goodput_sum, seconds_sum FROM arm_stats"
+            ):
+                out.setdefault(row[0], DomainStats()).arms[row[1]] = ArmDelta(*row[2:])
         return out
+
+    def load(self) -> dict[str, DomainStats]:
+        """`read`, for a warm start: a store that cannot be read gives a warning and nothing (a
+        cold start, never an error)."""
+        try:
+            return self.read()
+        except sqlite3.Error as exc:
+            warnings.warn(f"router store {self.path} could not be read ({exc}); starting cold",
+                          StoreUnavailable, stacklevel=2)
+            return {}
 
     def close(self) -> None:
         with self._lock:

@@ -10,6 +10,10 @@ import Ray:
 - `translate`: a request -> one engine call (prompt, tools, schema, domain), and the engine's
   output -> the reply (content, tool calls, stream deltas);
 - `stats`: router statistics shared by every replica through one SQLite ledger;
+- `guards`: the API key and the body size (ASGI middlewares); `limits`: what one request may ask,
+  checked before any heavy work (and the CLI's flags); `planning`: planning off the event loop
+  with a time limit; `admission`: the in-flight limit (429) and deadlines; `errors`: OpenAI's
+  error shape, 500s with a request id only; `health`: the health check;
 - `deployment`: the Ray Serve deployment (FastAPI ingress) and `build_app` for config files;
 - `command`: the `flashspec-agents serve` entry.
 """

@@ -5,14 +5,23 @@
 Each replica gets one GPU when the cluster has GPUs, else an equal share of the CPUs (with as many
 torch threads). The process stays in the foreground; Ctrl-C shuts the deployment down. For a
 multi-host cluster use a Serve config file instead (docs/serve.md).
+
+The limits' flags (`--max-messages`, ...) are made from `limits.Limits`, whose fields say what
+each bounds and its default; binding beyond loopback without an API key prints a warning.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import sys
 import threading
 from typing import Any
+
+from pydantic import ValidationError
+
+from flashspec_integrations.serve.guards import API_KEY_ENV, is_loopback, resolve_api_key
+from flashspec_integrations.serve.limits import Limits
 
 APP_NAME = "flashspec"
 
@@ -25,6 +34,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", help="the model id clients send (default: the target's name)")
     parser.add_argument("--router-store", help="SQLite file of the router statistics the replicas share")
     parser.add_argument("--max-batch-size", type=int, default=8, help="rows the engine decodes together; more wait for a slot")
+    parser.add_argument("--api-key", help=f"clients must send it as a Bearer token (default: ${API_KEY_ENV}; "
+                                          "none: no key, for loopback only)")
+    parser.add_argument("--max-in-flight", type=int, default=64,
+                        help="requests in flight per replica; past it a 429 with Retry-After (default 64)")
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds from a request's arrival to its reply's end; past it a 504 (default 300)")
+    limits = parser.add_argument_group("limits of one request (docs/serve.md)")
+    for name, field in Limits.model_fields.items():
+        flag, shown = "--" + name.replace("_", "-"), field.default if field.default_factory is None else "none"
+        if name == "domains":
+            limits.add_argument(flag, nargs="+", metavar="DOMAIN", help=field.description)
+        else:
+            kind = float if field.annotation is float else int
+            limits.add_argument(flag, type=kind, help=field.description + ("" if shown is None else f" (default {shown})"))
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    """The `Limits` the flags set (unset flags keep the defaults); ValueError naming the flag."""
+    given = {name: getattr(args, name) for name in Limits.model_fields if getattr(args, name, None) is not None}
+    try:
+        return Limits(**given)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        flag = "--" + str(first["loc"][0]).replace("_", "-")
+        raise ValueError(f"{flag} {first['msg'].lower()}; got {first.get('input')!r}") from None
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -34,6 +68,19 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1..65535; got {args.port}")
     if args.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be >= 1; got {args.max_batch_size}")
+    if args.max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be >= 1; got {args.max_in_flight}")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds; got {args.request_timeout}")
+    limits_from(args)
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning for listening beyond this machine without a key, or None."""
+    if api_key is not None or is_loopback(host):
+        return None
+    return (f"warning: listening on {host} without an API key: anyone who can reach this port can use the "
+            f"server. Set --api-key or ${API_KEY_ENV} (clients send it as their api_key).")
 
 
 def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None = None,
@@ -53,6 +100,10 @@ def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None 
 
     from flashspec_integrations.serve.deployment import ServeSettings, application
 
+    key = resolve_api_key(settings.pop("api_key", None))
+    warning = exposure_warning(host, key)
+    if warning:
+        print(warning, file=sys.stderr)
     address = os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         ray.init(address=address or None, include_dashboard=False,
@@ -63,7 +114,7 @@ def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None 
         print(f"warning: {replicas} replicas of {gpus_per_replica:g} GPU but {resources['GPU']:g} GPUs; "
               "the rest wait for a GPU (and this call with them)")
     cpus = 1.0 if gpus else resources.get("CPU", 1) / replicas
-    config = ServeSettings(device=device, threads=None if gpus else max(1, int(cpus)), **settings)
+    config = ServeSettings(device=device, threads=None if gpus else max(1, int(cpus)), api_key=key, **settings)
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(config, replicas, cpus, gpus_per_replica if gpus else 0), name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}/v1"
@@ -72,7 +123,8 @@ def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None 
 def cmd_serve(args: argparse.Namespace) -> int:
     _check(args)
     url = start(args.replicas, args.port, args.host, target=args.target, model_name=args.model_name,
-                router_store=args.router_store, max_batch_size=args.max_batch_size)
+                router_store=args.router_store, max_batch_size=args.max_batch_size, api_key=args.api_key,
+                max_in_flight=args.max_in_flight, request_timeout_s=args.request_timeout, limits=limits_from(args))
     print(f"serving {args.replicas} replica(s) at {url} (OpenAI API: POST {url}/chat/completions); Ctrl-C stops")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job ignores it by default

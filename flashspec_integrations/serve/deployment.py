@@ -3,8 +3,15 @@
 Each replica loads the target once (on the GPU Ray gives it, else the CPU) and routes with its
 own router merged with the others' through the shared ledger (`stats`). Every request, streamed
 or not, joins the engine's running batch at its next step with its own settings and leaves it
-when done (the engine's scheduler); nothing waits for a batch to fill or to finish. Ray restarts
-a replica whose process dies; the proxy sends new requests to the live ones meanwhile.
+when done (the engine's scheduler); nothing waits for a batch to fill or to finish. A request's
+deadline and a client leaving end its row at the engine's next step. Ray restarts a replica
+whose process dies; the proxy sends new requests to the live ones meanwhile.
+
+Safe to expose (each piece in its own module): the API key and the body size are checked by
+middlewares (`guards`), a request's limits before any heavy work (`limits`), planning runs off
+the event loop with a time limit (`planning`), each replica holds a bounded number of requests
+in flight, each with a deadline (`admission`), errors have OpenAI's shape and a 500 only a request
+id (`errors`), and the health check decodes a token when the engine is idle (`health`).
 
 `build_app(args)` is the application builder for Serve config files (`serve run config.yaml`,
 docs/serve.md); the CLI (`command.py`) calls it too.
@@ -14,7 +21,9 @@ at run time, and Serve's ingress wrapper would leave postponed ones unresolved.
 """
 import asyncio
 import json
+import logging
 import os
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,16 +31,27 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from ray import serve
 
-from flashspec_integrations.serve import protocol
+from flashspec_core.constrained.grammar import set_cache_limit
+from flashspec_integrations.serve import errors, protocol
+from flashspec_integrations.serve.admission import Admission, Ticket
+from flashspec_integrations.serve.guards import API_KEY_ENV, APIKeyMiddleware, BodySizeLimit, resolve_api_key
+from flashspec_integrations.serve.health import EngineActivity, EngineUnhealthy, HealthProbe
+from flashspec_integrations.serve.limits import Limits, check_request
+from flashspec_integrations.serve.planning import Planner
 from flashspec_integrations.serve.protocol import APIError
 from flashspec_integrations.serve.stats import share_router
 from flashspec_integrations.serve.translate import DeltaStream, Plan, call_info, plan_call, reply_message
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEPLOYMENT_NAME = "FlashSpecServer"
+# Ray Serve sends a replica up to max_in_flight + this many requests at once, so that overload
+# reaches the replica's own count and gets its 429 (the extra ones are answered at once); its
+# proxy queues a bounded number more (a 503 past them) while every slot is taken.
+ONGOING_HEADROOM = 32
+logger = logging.getLogger("flashspec.serve")
 
 
 class ServeSettings(BaseModel):
@@ -47,6 +67,11 @@ class ServeSettings(BaseModel):
     max_batch_size: int = Field(8, ge=1, description="rows the engine decodes together; more wait for a slot")
     default_max_tokens: int = Field(512, gt=0, description="new tokens when a request sets no max_tokens")
     threads: int | None = Field(None, gt=0, description="torch CPU threads per replica; None: Ray's CPU share")
+    api_key: SecretStr | None = Field(None, description=f"clients send it as a Bearer token; None: ${API_KEY_ENV} "
+                                                        "of each replica, else no key")
+    max_in_flight: int = Field(64, ge=1, description="requests in flight per replica; past it a 429 with Retry-After")
+    request_timeout_s: float = Field(300.0, gt=0, description="seconds from a request's arrival to its reply's end")
+    limits: Limits = Field(default_factory=Limits, description="what one request may ask (serve/limits.py)")
 
     def served_name(self) -> str:
         if self.model_name:
@@ -58,23 +83,10 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
-# The engine's argument names (its ValueErrors start with them) -> the request's field names.
-_ENGINE_ARGUMENTS = {"max_new_tokens": "max_tokens", "prompt": "messages", "json_schema": "response_format",
-                     "stop": "stop", "sampling": None}
-
-
-def _engine_error(exc: Exception) -> APIError:
-    """An engine exception as an API error: its ValueErrors name the argument, so they are 400s."""
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc), _ENGINE_ARGUMENTS.get(str(exc).split(":", 1)[0]))
-    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server_error")
-
-
 app = FastAPI(title="FlashSpec OpenAI-compatible API")
+app.add_middleware(BodySizeLimit)
+app.add_middleware(APIKeyMiddleware)  # added last, so it runs first: no body is read for a stranger
+errors.install(app)
 
 
 @serve.deployment(name=DEPLOYMENT_NAME, max_ongoing_requests=32, health_check_period_s=5)
@@ -92,21 +104,54 @@ class FlashSpecServer:
         self.shared = share_router(self.engine, self.settings.router_store, self.settings.sync_seconds)
         self.model_name = self.settings.served_name()
         self.replica = serve.get_replica_context().replica_id.unique_id
+        self._guard(self.settings)
+
+    def _guard(self, settings: ServeSettings) -> None:
+        """The key, the limits, admission, planning threads and the health probe of this replica."""
+        limits = settings.limits
+        app.state.api_key = resolve_api_key(settings.api_key.get_secret_value() if settings.api_key else None)
+        app.state.max_body_bytes = limits.max_body_bytes
+        if app.state.api_key is None:
+            logger.warning("no API key (api_key, $%s): every client that reaches Ray Serve's HTTP proxy "
+                           "can use this server", API_KEY_ENV)
+        set_cache_limit(limits.grammar_cache_mb << 20)
+        self.admission = Admission(settings.max_in_flight, settings.request_timeout_s)
+        self.planner = Planner(limits.planning_timeout_s)
+        self.activity = EngineActivity()
+        probe_ids = self.engine.tokenizer("Hi", add_special_tokens=False).input_ids or [0]
+        self.health = HealthProbe(lambda: self.engine.generate(probe_ids, max_new_tokens=1, domain="chat"),
+                                  busy=lambda: self.admission.in_flight > 0 or self.activity.busy)
 
     def _info(self, plan: Plan, stats: Any) -> dict:
         return {**call_info(plan, stats, self.engine.running), "replica": self.replica, "pid": os.getpid(),
                 **self.shared.info()}
 
-    def _settings(self, plan: Plan) -> dict[str, Any]:
-        """The engine arguments of a planned request."""
+    def _settings(self, plan: Plan, timeout: float) -> dict[str, Any]:
+        """The engine arguments of a planned request that has `timeout` seconds left."""
         return {"max_new_tokens": plan.max_new_tokens, "sampling": plan.sampling, "stop": list(plan.stop) or None,
-                "domain": plan.domain, "json_schema": plan.json_schema}
+                "domain": plan.domain, "json_schema": plan.json_schema, "timeout": max(timeout, 1e-3)}
 
     def _plan(self, req: protocol.ChatCompletionRequest) -> Plan:
         if req.model != self.model_name:
-            raise APIError(404, f"model: {req.model!r} is not served here; this server serves "
+            raise APIError(404, f"model: {req.model[:200]!r} is not served here; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", "model", code="model_not_found")
-        return plan_call(self.engine, req, self.settings.default_max_tokens)
+        limits = self.settings.limits
+        check_request(req, limits, self.engine.context_window)
+        return plan_call(self.engine, req, min(self.settings.default_max_tokens, limits.max_tokens),
+                         limits.prompt_tokens(self.engine.context_window), limits.compile_timeout_s)
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check (every `health_check_period_s`): see `health`."""
+        await self.health.check()
+
+    @app.get("/health")
+    async def health_route(self):
+        """The same check for load balancers; needs no key."""
+        try:
+            status = await self.health.check()
+        except EngineUnhealthy as exc:
+            return errors.respond(APIError(503, str(exc), kind="server_error", code="unhealthy"))
+        return {"status": status, "model": self.model_name, "replica": self.replica, **self.admission.info()}
 
     @app.get("/v1/models")
     async def models(self) -> dict:
@@ -114,20 +159,35 @@ class FlashSpecServer:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        rid = errors.request_id(request)
+        try:
+            ticket = self.admission.admit()
+        except APIError as exc:
+            return errors.respond(exc)
+        streaming = False
         try:
             req = protocol.parse_request(await request.body())
-            plan = self._plan(req)
+            plan = await self.planner.run(lambda: self._plan(req))
+            cid = protocol.completion_id()
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                events = self._events(plan, cid, include_usage, ticket, rid)
+                weakref.finalize(events, ticket.release)  # a stream never started still frees its slot
+                streaming = True
+                return StreamingResponse(events, media_type="text/event-stream")
+            try:
+                with self.activity:  # the engine ends the row at its deadline, at the next step
+                    await asyncio.to_thread(self.shared.sync)
+                    res = await self.engine.agenerate(plan.prompt_ids, **self._settings(plan, ticket.remaining()))
+            except TimeoutError:
+                return errors.respond(self.admission.deadline_error())
+            except Exception as exc:  # noqa: BLE001 - an OpenAI-style error for this request only
+                return errors.respond(errors.engine_error(exc, rid))
         except APIError as exc:
-            return _error(exc)
-        cid = protocol.completion_id()
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._events(plan, cid, include_usage), media_type="text/event-stream")
-        try:
-            await asyncio.to_thread(self.shared.sync)
-            res = await self.engine.agenerate(plan.prompt_ids, **self._settings(plan))
-        except Exception as exc:  # noqa: BLE001 - an OpenAI-style error for this request only
-            return _error(_engine_error(exc))
+            return errors.respond(exc)
+        finally:
+            if not streaming:
+                ticket.release()
         message, finish, invalid = reply_message(plan, res.text, res.finish_reason)
         info = self._info(plan, res.stats)
         if invalid:
@@ -136,17 +196,28 @@ class FlashSpecServer:
                                    protocol.usage(len(plan.prompt_ids), len(res.token_ids)), info)
         return JSONResponse(body)
 
-    async def _events(self, plan: Plan, cid: str, include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: the role, content or tool-call deltas, the finish (with the
-        `flashspec` field), usage if asked, then [DONE]. A failure mid-stream is sent as an
-        `error` event (the status line has gone out already), never a silent end. A client that
-        disconnects closes this generator, which cancels the request at the engine's next step."""
-        deltas = DeltaStream(plan)
-        yield _sse(protocol.chunk(cid, self.model_name, {"role": "assistant", "content": ""}))
-        try:
-            tokens = 0
+    async def _pieces(self, plan: Plan, timeout: float) -> AsyncIterator[Any]:
+        """The engine's chunks of a stream (no thread held between them)."""
+        with self.activity:
             await asyncio.to_thread(self.shared.sync)
-            async for piece in self.engine.astream(plan.prompt_ids, **self._settings(plan)):
+            async for piece in self.engine.astream(plan.prompt_ids, **self._settings(plan, timeout)):
+                yield piece
+
+    async def _events(self, plan: Plan, cid: str, include_usage: bool, ticket: Ticket, rid: str) -> AsyncIterator[str]:
+        """Server-sent events: the role, content or tool-call deltas, the finish (with the
+        `flashspec` field), usage if asked, then [DONE]. A failure mid-stream, or the deadline
+        passing, is sent as an `error` event (the status line has gone out already), never a
+        silent end. The stream's end, or the client leaving, stops its decode and frees its slot."""
+        deltas = DeltaStream(plan)
+        pieces = self._pieces(plan, ticket.remaining())
+        try:
+            yield _sse(protocol.chunk(cid, self.model_name, {"role": "assistant", "content": ""}))
+            tokens = 0
+            while True:
+                try:  # past the deadline the wait is cancelled, which closes the engine's stream
+                    piece = await asyncio.wait_for(anext(pieces), ticket.remaining())
+                except StopAsyncIteration:
+                    break
                 tokens += len(piece.token_ids)
                 for delta in deltas.feed(piece.text, piece.finish_reason):
                     yield _sse(protocol.chunk(cid, self.model_name, delta))
@@ -156,15 +227,27 @@ class FlashSpecServer:
                     yield _sse(protocol.chunk(cid, self.model_name, {}, finish, flashspec=info))
             if include_usage:
                 yield _sse(protocol.chunk(cid, self.model_name, None, usage=protocol.usage(len(plan.prompt_ids), tokens)))
+        except TimeoutError:
+            yield _sse(self.admission.deadline_error().body())
         except Exception as exc:  # noqa: BLE001 - reported to the client, which must not wait on it
-            yield _sse(_engine_error(exc).body())
+            yield _sse(errors.engine_error(exc, rid).body())
+        finally:
+            await pieces.aclose()
+            ticket.release()
         yield "data: [DONE]\n\n"
+
+
+def _queues(settings: ServeSettings) -> dict[str, int]:
+    """Ray Serve's own bounds, set from the replica's in-flight limit (`admission`)."""
+    ongoing = settings.max_in_flight + ONGOING_HEADROOM
+    return {"max_ongoing_requests": ongoing, "max_queued_requests": 4 * ongoing}
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The application from Serve config `args` (ServeSettings fields); replicas, autoscaling
     and resources come from the config file's `deployments:` section."""
-    return FlashSpecServer.bind(ServeSettings.model_validate(args or {}).model_dump())
+    settings = ServeSettings.model_validate(args or {})
+    return FlashSpecServer.options(**_queues(settings)).bind(settings.model_dump())
 
 
 def application(settings: ServeSettings, replicas: int | dict, num_cpus: float, num_gpus: float) -> serve.Application:
@@ -172,6 +255,5 @@ def application(settings: ServeSettings, replicas: int | dict, num_cpus: float, 
     holding `num_cpus` CPUs and `num_gpus` GPUs (the CLI's path)."""
     scaling = {"autoscaling_config": replicas} if isinstance(replicas, dict) else {"num_replicas": replicas}
     deployment = FlashSpecServer.options(
-        **scaling, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
-        max_ongoing_requests=max(32, 4 * settings.max_batch_size))
+        **scaling, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}, **_queues(settings))
     return deployment.bind(settings.model_dump())

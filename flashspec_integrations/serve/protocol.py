@@ -17,6 +17,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+# The engine's lowest temperature (flashspec_core.processors.sampling.MIN_TEMPERATURE; a test keeps
+# them equal): this module imports no torch, since the CLI reads the limits through it.
+MIN_TEMPERATURE = 0.01
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -107,7 +111,7 @@ class ChatCompletionRequest(_Strict):
     max_completion_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64, description="an int in [0, 2**64): the engine's seeds")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = None
@@ -116,7 +120,7 @@ class ChatCompletionRequest(_Strict):
     frequency_penalty: Literal[0] | None = None
     presence_penalty: Literal[0] | None = None
     user: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="OpenAI's rule: 16 pairs at most")
     store: bool | None = None
     domain: str | None = Field(None, min_length=1, description="FlashSpec: the router domain of this call")
 
@@ -125,6 +129,22 @@ class ChatCompletionRequest(_Strict):
     def _stops_not_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
         if value is not None and any(not s for s in ([value] if isinstance(value, str) else value)):
             raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sampled(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}: below it logits / temperature "
+                             "overflow; send 0 for greedy decoding")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_as_openai_takes_it(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key, text in (value or {}).items():
+            if len(key) > 64 or len(text) > 512:
+                raise ValueError("keys may have at most 64 characters and values at most 512 (OpenAI's rule)")
         return value
 
     @property
@@ -171,9 +191,10 @@ class APIError(Exception):
     """An error to send as OpenAI does: HTTP status and a body naming the offending field."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
+                 kind: str = "invalid_request_error", code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers or {}  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

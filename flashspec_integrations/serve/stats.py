@@ -72,44 +72,66 @@ class TrackingStore(RouterStore):
 
     def snapshot(self) -> tuple[Ledger, Ledger]:
         """(the ledger's totals, this process's writes since the last snapshot), read together so
-        that no write of ours falls between them."""
+        that no write of ours falls between them. sqlite3.Error when the ledger cannot be read."""
         with self._own_lock:
-            totals = self.load()
+            totals = self.read()  # raises on a failed read, leaving this process's writes counted
             own, self._own = self._own, {}
         return totals, own
 
 
 class SharedRouterStats:
-    """Keeps one replica's router merged with the ledger every replica writes."""
+    """Keeps one replica's router merged with the ledger every replica writes.
+
+    A failed read of the ledger changes nothing (a warning, once until a read succeeds again): the
+    next read absorbs what is new since the last good one, never the whole ledger again. If the
+    first read fails, the first good one only sets the baseline (the router warm-started from
+    its own read or from nothing; absorbing the whole ledger could count steps twice).
+    """
 
     def __init__(self, router: BanditRouter, store: TrackingStore, interval: float = 2.0):
         if interval < 0:
             raise ValueError(f"interval must be >= 0 seconds; got {interval!r}")
         self.router, self.store, self.interval = router, store, interval
         self._lock = threading.Lock()
-        self._seen, _ = store.snapshot()
-        self.warm_steps = sum(s.steps for s in self._seen.values())  # what the router started from
+        self._seen: Ledger | None = None  # the ledger's totals at the last good read
+        self.warm_steps = 0  # what the router started from
         self.peer_steps = 0  # steps absorbed from other replicas since
+        self.failed_reads = 0
         self._last = time.monotonic()
-        self._failed = False
+        self._read()
+        if self._seen is not None:
+            self.warm_steps = sum(s.steps for s in self._seen.values())
         if not store.persistent:
             warnings.warn("the router store is in memory (see the warning before), so this replica "
                           "shares no statistics with the others", RuntimeWarning, stacklevel=2)
 
+    def _read(self) -> tuple[Ledger, Ledger] | None:
+        """(totals, own writes) from the ledger, or None after a failed read (which changes nothing)."""
+        try:
+            totals, own = self.store.snapshot()
+        except sqlite3.Error as exc:  # sharing must never stop generation
+            self.failed_reads += 1
+            if self.failed_reads == 1:
+                warnings.warn(f"router store read failed ({exc}); this replica merges the others' "
+                              "statistics again at the next good read", RuntimeWarning, stacklevel=3)
+            return None
+        self.failed_reads = 0
+        if self._seen is None:
+            self._seen = totals
+            return None
+        return totals, own
+
     def sync(self, force: bool = False) -> int:
         """Absorb the other replicas' new steps if `interval` has passed; the number absorbed."""
         with self._lock:
-            if self._failed or not (force or time.monotonic() - self._last >= self.interval):
+            if not (force or time.monotonic() - self._last >= self.interval):
                 return 0
             self._last = time.monotonic()
-            try:
-                totals, own = self.store.snapshot()
-            except sqlite3.Error as exc:  # sharing must never stop generation
-                self._failed = True
-                warnings.warn(f"router store read failed ({exc}); this replica stops merging the "
-                              "others' statistics", RuntimeWarning, stacklevel=2)
+            read = self._read()
+            if read is None:
                 return 0
-            peers = _minus(_minus(totals, self._seen), own)
+            totals, own = read
+            peers = _minus(_minus(totals, self._seen or {}), own)
             self._seen = totals
             self.router.absorb(peers)
             steps = sum(s.steps for s in peers.values())

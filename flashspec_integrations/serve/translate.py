@@ -24,6 +24,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
+from pydantic import ValidationError
+
 from flashspec_core.constrained import compile_json_schema, tool_call_schema
 from flashspec_core.models import vocab_size
 from flashspec_core.processors.sampling import SamplingParams
@@ -98,16 +101,35 @@ def _output_schema(req: ChatCompletionRequest, tools: list[dict], choice: ToolCh
     return fmt.json_schema.schema_, "response_format"
 
 
-def _compile_check(engine: Any, schema: dict, field: str) -> None:
-    """Compile now (xgrammar caches it for the engine), so a bad schema is the caller's 400."""
+def _compile_check(engine: Any, schema: dict, field: str, timeout_s: float | None) -> None:
+    """Compile now (xgrammar caches it for the engine), so a bad or too costly schema is the
+    caller's 400."""
     try:
-        compile_json_schema(schema, engine.tokenizer, vocab_size(engine.target_model), sorted(engine.eos_ids))
+        compile_json_schema(schema, engine.tokenizer, vocab_size(engine.target_model), sorted(engine.eos_ids),
+                            timeout_s=timeout_s)
     except ValueError as exc:
         raise APIError(400, f"{field}: {exc}", field) from None
 
 
-def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int) -> Plan:
-    """The engine call for `req`; APIError(400) naming the field for anything it cannot serve."""
+def _sampling(req: ChatCompletionRequest) -> SamplingParams:
+    """The request's sampling settings; APIError(400) naming the field the engine refuses."""
+    try:
+        return SamplingParams(temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
+                              top_p=OPENAI_TOP_P if req.top_p is None else req.top_p, seed=req.seed)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        field = str(first["loc"][0]) if first.get("loc") else None
+        raise APIError(400, f"{field}: {first['msg']}", field) from None
+
+
+def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
+              max_prompt_tokens: int | None = None, compile_timeout_s: float | None = None) -> Plan:
+    """The engine call for `req`; APIError(400) naming the field for anything it cannot serve.
+
+    max_prompt_tokens: the server's prompt limit (None: the context window only).
+    compile_timeout_s: the longest a schema may take to compile (None: as long as it takes).
+    """
+    sampling = _sampling(req)
     messages = _messages(req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
     if req.tool_choice is not None and not tools:
@@ -132,23 +154,23 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int) 
     extra = json_instruction(schema) if schema_field == "response_format" else ""
     try:
         text = render_prompt(engine.tokenizer, messages, shown, extra)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "messages") from None
+    except (ValueError, TypeError, TemplateError) as exc:  # the template's checks (roles must alternate, ...)
+        raise APIError(400, f"messages: the chat template refused them: {exc}"[:1000], "messages") from None
     if schema is not None:
-        _compile_check(engine, schema, schema_field)
+        _compile_check(engine, schema, schema_field, compile_timeout_s)
     ids = engine.tokenizer(text, add_special_tokens=False).input_ids
     room = engine.context_window - len(ids)
     if room <= 0:
         raise APIError(400, f"messages: the prompt has {len(ids)} tokens, more than the model's context "
                             f"window of {engine.context_window}; shorten it", "messages")
+    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+        raise APIError(400, f"messages: the prompt has {len(ids)} tokens; this server takes at most "
+                            f"{max_prompt_tokens} (--max-prompt-tokens); shorten it", "messages")
     max_new = req.max_new_tokens or min(default_max_tokens, room)
     if max_new > room:
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         raise APIError(400, f"{field}: the prompt has {len(ids)} tokens, so at most {room} new tokens fit "
                             f"the context window of {engine.context_window}", field)
-    sampling = SamplingParams(
-        temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
-        top_p=OPENAI_TOP_P if req.top_p is None else req.top_p, seed=req.seed)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     domain = resolve_domain(decision.domain, decision.hint, text)
     names = tuple(t["function"]["name"] for t in shown)

@@ -1,6 +1,8 @@
 """flashspec_integrations.context: the framework-neutral rules that pick a call's router domain."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from flashspec_integrations.context import (
@@ -84,3 +86,29 @@ def test_bad_labels_name_their_source(bad):
         decide_domain(StepContext(metadata={"flashspec_domain": bad}))
     with pytest.raises(ValueError, match="ctx"):
         decide_domain({"tools_bound": True})
+
+
+def test_headings_count_only_at_the_start_of_a_line():
+    assert is_rag_prompt("intro\n  \tCONTEXT :\nx is 3\n\n   Query: what is x?")
+    assert not is_rag_prompt("See the context: x is 3. Question: what is x?")  # mid-line: prose
+    assert not is_rag_prompt("Context: x is 3. The question: what is x?")
+    assert is_react_prompt("  thought: a\naction input: {}\nObservation : 2")
+    assert not is_react_prompt("Thought: a Action: b Observation: c")  # one line: one label
+
+
+@pytest.mark.parametrize("filler, limit", [
+    ("\n", 0.1), (" ", 0.1), ("\r\n", 0.1), ("\n \t", 0.1),
+    ("context ", 1.0), ("x context:", 1.0),  # a candidate label every few characters: slower, still linear
+])
+def test_classifying_a_2_mb_message_takes_linear_time(filler, limit):
+    """The prompt checks once went quadratic on runs of newlines (20,000 of them: 22 s). 2 MB of
+    whitespace must be classified in under 100 ms, 2 MB dense with label words in under 1 s (best
+    of three, so a busy machine does not fail it; quadratic time would take hours)."""
+    text = filler * (2_000_000 // len(filler))
+    ctx = StepContext(roles=["user"], prompt_text=text + "\nQuestion: what now?")
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        decide_domain(ctx)
+        best = min(best, time.perf_counter() - start)
+    assert best < limit, f"{best * 1000:.0f} ms for 2 MB of {filler!r}"

@@ -8,7 +8,13 @@ import pytest
 yaml = pytest.importorskip("yaml")
 schema = pytest.importorskip("ray.serve.schema", reason="needs the 'serve' extra")
 
-from flashspec_integrations.serve.deployment import DEPLOYMENT_NAME, ServeSettings, build_app  # noqa: E402
+from flashspec_integrations.serve.deployment import (  # noqa: E402
+    DEPLOYMENT_NAME,
+    ONGOING_HEADROOM,
+    ServeSettings,
+    build_app,
+)
+from flashspec_integrations.serve.limits import Limits  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[3] / "examples" / "serve_config.yaml"
 
@@ -18,8 +24,11 @@ def test_the_example_config_validates_and_builds():
     (app,) = config.applications
     assert app.import_path == "flashspec_integrations.serve.deployment:build_app"
     assert [d.name for d in app.deployments] == [DEPLOYMENT_NAME]
-    ServeSettings.model_validate(app.args)  # every arg is a setting the replicas take
+    settings = ServeSettings.model_validate(app.args)  # every arg is a setting the replicas take
     assert build_app(app.args) is not None
+    (deployment,) = app.deployments  # Ray's queue sits just above the replica's own count (admission)
+    assert deployment.max_ongoing_requests == settings.max_in_flight + ONGOING_HEADROOM
+    assert settings.api_key is None and settings.limits == Limits()  # the key comes from each node's env
 
 
 def test_unknown_settings_are_refused_by_name():

@@ -5,6 +5,8 @@ what replicas on one host do (tests/serve/test_endpoint.py runs the real thing).
 """
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
 
 from flashspec_core.routing.router import BanditRouter
@@ -69,3 +71,49 @@ def test_absorb_rejects_what_is_not_store_statistics(tmp_path):
     a.router.absorb({"chat": DomainStats(steps=1, arms={"model@2": ArmDelta(pulls=1, reward_n=1, reward_sum=0.5,
                                                                             reward_sumsq=0.25)})})
     assert pulls(a) == 1
+
+
+class FailingReads:
+    """A planted fault: the ledger connection's next `reads` SELECTs fail as a broken disk would."""
+
+    def __init__(self, conn: sqlite3.Connection, reads: int = 1):
+        self.conn, self.reads = conn, reads
+
+    def execute(self, sql: str, *args):
+        if self.reads and sql.lstrip().upper().startswith("SELECT"):
+            self.reads -= 1
+            raise sqlite3.OperationalError("disk I/O error (planted)")
+        return self.conn.execute(sql, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.conn, name)
+
+
+def test_a_failed_read_changes_nothing_and_the_next_sync_merges_only_what_is_new(tmp_path):
+    a, b = replica(tmp_path / "l.sqlite3"), replica(tmp_path / "l.sqlite3")
+    steps(a, 5)
+    assert b.sync() == 5 and pulls(b) == 5
+    steps(a, 2)
+    steps(b, 1)
+    b.store._conn = FailingReads(b.store._conn)
+    with pytest.warns(Warning, match="read"):
+        assert b.sync() == 0
+    assert pulls(b) == 6  # nothing merged, nothing forgotten
+    steps(a, 3)
+    assert b.sync() == 5 and pulls(b) == 11  # a's 2 + 3 since the last good read; b's own once
+    assert b.sync() == 0 and a.sync() == 1 and pulls(a) == pulls(b) == 11
+    with sqlite3.connect(tmp_path / "l.sqlite3") as db:
+        assert db.execute("SELECT pulls FROM arm_stats WHERE domain = 'chat'").fetchone()[0] == 11
+
+
+def test_a_replica_whose_first_read_fails_takes_the_next_good_read_as_its_baseline(tmp_path, monkeypatch):
+    a = replica(tmp_path / "l.sqlite3")
+    steps(a, 4)
+    store = TrackingStore(tmp_path / "l.sqlite3")
+    router = BanditRouter(ARMS, store=store, seed=0)  # warm-started from its own read: 4 pulls
+    store._conn = FailingReads(store._conn)
+    with pytest.warns(Warning, match="read"):
+        late = SharedRouterStats(router, store, 0.0)
+    assert late.sync() == 0 and pulls(late) == 4  # the baseline, not the whole ledger again
+    steps(a, 2)
+    assert late.sync() == 2 and pulls(late) == 6

@@ -6,6 +6,7 @@ any.
 """
 from __future__ import annotations
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -115,3 +116,36 @@ def test_stream_deltas_hold_a_call_until_it_closes(engine):
     calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
     assert len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
     assert stream.finish_reason("stop") == "tool_calls"
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(engine):
+    tokenizer = copy.copy(engine.tokenizer)
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('Conversation roles "
+                               "must alternate user/assistant') }}{% endif %}{% for m in messages %}{{ m['content'] }}"
+                               "{% endfor %}")
+    strict = SimpleNamespace(**{**vars(engine), "tokenizer": tokenizer})
+    with pytest.raises(APIError) as err:
+        plan(strict, messages=[{"role": "assistant", "content": "hi"}])
+    assert err.value.status == 400 and err.value.param == "messages"
+    assert "the chat template refused them: Conversation roles must alternate" in err.value.message
+    assert plan(strict).prompt_ids  # a user message renders
+
+
+def test_sampling_the_engine_refuses_is_a_400_even_past_the_protocol(engine):
+    req = parse_request(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode())
+    req = req.model_copy(update={"temperature": 0.005})  # as if the protocol had let it through
+    with pytest.raises(APIError) as err:
+        plan_call(engine, req, 64)
+    assert err.value.status == 400 and err.value.param == "temperature" and "below 0.01" in err.value.message
+
+
+def test_the_servers_prompt_limit_and_schema_time_limit_are_400s(engine):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 50}]}
+    with pytest.raises(APIError) as err:
+        plan_call(engine, parse_request(json.dumps(body).encode()), 64, max_prompt_tokens=40)
+    assert err.value.param == "messages" and "this server takes at most 40 (--max-prompt-tokens)" in err.value.message
+    wide = {"type": "object", "properties": {f"slow{i}": {"type": "string"} for i in range(500)}}
+    with pytest.raises(APIError) as err:
+        plan_call(engine, parse_request(json.dumps({**body, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "w", "schema": wide}}}).encode()), 64, compile_timeout_s=0.01)
+    assert err.value.param == "response_format" and "took longer than 0.01 s" in err.value.message

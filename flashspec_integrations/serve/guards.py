@@ -1,0 +1,129 @@
+"""The HTTP guards in front of every route: the API key and the body size (ASGI middlewares).
+
+Both read their setting from the app's state (`app.state.api_key`, `app.state.max_body_bytes`),
+which each replica sets when it starts; unset, they let everything through. They answer in
+OpenAI's error shape, so the stock clients raise their usual exceptions
+(`openai.AuthenticationError` for a 401).
+
+- `APIKeyMiddleware`: every route but the health route needs `Authorization: Bearer <key>` (as
+  vLLM's and llama.cpp's `--api-key`); the key is compared in constant time. The key comes from
+  the `api_key` setting, else the replica's `FLASHSPEC_API_KEY` environment variable.
+- `BodySizeLimit`: a body over the limit is a 413; the body is read up to the limit (the
+  declared Content-Length is refused at once), never whole first.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from typing import TYPE_CHECKING
+
+from flashspec_integrations.serve.protocol import APIError
+
+if TYPE_CHECKING:  # Starlette is imported where a response is sent: the CLI imports this module
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+API_KEY_ENV = "FLASHSPEC_API_KEY"
+OPEN_PATHS = frozenset({"/health"})
+
+
+def resolve_api_key(configured: str | None) -> str | None:
+    """The key the server requires: `configured`, else $FLASHSPEC_API_KEY, else None (no key)."""
+    key = configured if configured is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"api_key: an empty key would let every client in; set a secret or leave it unset ({API_KEY_ENV})")
+    return key
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` only listens on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def _state(scope: Scope, name: str) -> object:
+    app = scope.get("app")
+    return getattr(app.state, name, None) if app is not None else None
+
+
+async def _send_error(error: APIError, scope: Scope, receive: Receive, send: Send,
+                      headers: dict[str, str] | None = None) -> None:
+    from starlette.responses import JSONResponse
+
+    await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
+
+
+def _path(scope: Scope) -> str:
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+class APIKeyMiddleware:
+    """401 in OpenAI's shape for a request without the right Bearer key (the health route is open)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = _state(scope, "api_key")
+        if scope["type"] != "http" or not isinstance(key, str) or _path(scope) in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
+            await self.app(scope, receive, send)
+            return
+        why = "no API key was given" if not header else "the API key is not this server's"
+        error = APIError(401, f"{why}; send the server's key as 'Authorization: Bearer <key>' (the openai "
+                              "client's api_key)", kind="invalid_request_error", code="invalid_api_key")
+        await _send_error(error, scope, receive, send, {"WWW-Authenticate": "Bearer"})
+
+
+class BodySizeLimit:
+    """413 in OpenAI's shape for a request body over `app.state.max_body_bytes`."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = _state(scope, "max_body_bytes")
+        if scope["type"] != "http" or not isinstance(limit, int):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            await self._refuse(limit, scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: nobody to answer
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > limit:
+                await self._refuse(limit, scope, receive, send)
+                return
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(limit: int, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                              "(--max-body-bytes); send less", code="request_too_large")
+        await _send_error(error, scope, receive, send)

@@ -1,0 +1,54 @@
+"""Request planning off the event loop, with a time limit.
+
+Planning a request (`translate.plan_call`: the chat template, the prompt checks, the tokenizer,
+the schema compile) is CPU work: on the event loop it would stall every other request of the
+replica and its health check. It runs here on a few threads of its own; the caller waits at most
+`timeout_s`. A plan that started and ran past the limit is the request's doing (a 400: the
+limits keep it rare); one that could not start within the limit, because the threads were busy,
+is the server's (a 503 with Retry-After). Python cannot stop a running thread: a plan past its
+limit finishes in the background and its result is dropped; the schema compile, the one step
+that could run long, has its own limit (`Limits.compile_timeout_s`).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from flashspec_integrations.serve.protocol import APIError
+
+T = TypeVar("T")
+
+
+class Planner:
+    """`await planner.run(fn)`: `fn()` on a planning thread, or APIError once `timeout_s` passes."""
+
+    def __init__(self, timeout_s: float, workers: int = 2):
+        if not timeout_s > 0:
+            raise ValueError(f"planning_timeout_s must be > 0 seconds; got {timeout_s!r}")
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flashspec-plan")
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        started = threading.Event()
+
+        def job() -> T:
+            started.set()
+            return fn()
+
+        future = asyncio.get_running_loop().run_in_executor(self._pool, job)
+        try:
+            return await asyncio.wait_for(future, self.timeout_s)  # a plan not yet started is cancelled
+        except TimeoutError:
+            if started.is_set():
+                raise APIError(400, f"the request took longer than {self.timeout_s:g} s to prepare (chat template, "
+                                    "tokenizer, JSON schema) and was dropped; send a shorter prompt or a simpler "
+                                    "schema (--planning-timeout-s)", code="planning_timeout") from None
+            raise APIError(503, f"the server could not start preparing the request within {self.timeout_s:g} s; "
+                                "retry later", kind="server_error", code="server_busy",
+                           headers={"Retry-After": "1"}) from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,143 @@
+"""Back-pressure, the planning time limit and the health probe, without Ray or a model."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+
+import pytest
+
+from flashspec_integrations.serve.admission import Admission
+from flashspec_integrations.serve.health import EngineActivity, EngineUnhealthy, HealthProbe
+from flashspec_integrations.serve.planning import Planner
+from flashspec_integrations.serve.protocol import APIError
+
+
+def test_past_the_limit_a_request_gets_a_429_with_retry_after_and_a_freed_slot_admits_again():
+    admission = Admission(limit=2, timeout_s=60)
+    a, b = admission.admit(), admission.admit()
+    with pytest.raises(APIError) as err:
+        admission.admit()
+    assert err.value.status == 429 and "limit of 2 requests" in err.value.message and "--max-in-flight" in err.value.message
+    assert int(err.value.headers["Retry-After"]) >= 1 and err.value.body()["error"]["type"] == "rate_limit_error"
+    a.release()
+    a.release()  # idempotent: a reply and its stream's end may both release
+    assert admission.in_flight == 1
+    c = admission.admit()
+    assert admission.info() == {"in_flight": 2, "max_in_flight": 2, "admitted": 3, "refused": 1}
+    b.release(), c.release()
+    assert admission.in_flight == 0
+
+
+def test_a_ticket_counts_down_to_its_deadline():
+    admission = Admission(limit=1, timeout_s=0.05)
+    ticket = admission.admit()
+    assert 0 < ticket.remaining() <= 0.05 and not ticket.expired()
+    time.sleep(0.06)
+    assert ticket.remaining() == 0 and ticket.expired()
+    error = admission.deadline_error()
+    assert error.status == 504 and "--request-timeout" in error.message and error.code == "deadline_exceeded"
+    with pytest.raises(ValueError, match="max_in_flight"):
+        Admission(0, 1)
+    with pytest.raises(ValueError, match="request_timeout_s"):
+        Admission(1, 0)
+
+
+def test_a_slow_plan_is_a_400_and_a_plan_that_cannot_start_a_503():
+    async def scenario() -> None:
+        planner = Planner(timeout_s=0.2, workers=1)
+        assert await planner.run(lambda: 7) == 7
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        await planner.run(lambda: time.sleep(0.15))  # CPU work of a plan: the event loop runs on
+        ticker.cancel()
+        assert ticks >= 5, ticks
+        release = threading.Event()
+        with pytest.raises(APIError) as slow:
+            await planner.run(lambda: release.wait(5))  # starts, then runs past the limit
+        assert slow.value.status == 400 and "longer than 0.2 s to prepare" in slow.value.message
+        ran = []
+        with pytest.raises(APIError) as queued:  # the one thread is still busy: never starts
+            await planner.run(lambda: ran.append(1))
+        assert queued.value.status == 503 and queued.value.headers["Retry-After"] == "1"
+        release.set()
+        assert await planner.run(lambda: 8) == 8 and ran == []  # the dropped plan never ran
+        planner.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_probe_decodes_when_idle_skips_when_busy_and_fails_a_hung_or_broken_engine():
+    async def scenario() -> None:
+        busy, calls = [False], []
+        probe = HealthProbe(lambda: calls.append(1), busy=lambda: busy[0], timeout_s=0.2, ttl_s=0.0)
+        assert await probe.check() == "ok" and calls == [1]
+        busy[0] = True
+        assert await probe.check() == "busy" and calls == [1]  # a long batch never fails its replica
+
+        hang = threading.Event()
+        hung = HealthProbe(lambda: hang.wait(5), busy=lambda: False, timeout_s=0.1)
+        with pytest.raises(EngineUnhealthy, match="more than 0.1 s"):
+            await hung.check()
+        hang.set()
+
+        def broken() -> None:
+            raise RuntimeError("CUDA error")
+
+        with pytest.raises(EngineUnhealthy, match="RuntimeError: CUDA error"):
+            await HealthProbe(broken, busy=lambda: False).check()
+
+        cached = HealthProbe(lambda: calls.append(2), busy=lambda: False, ttl_s=60)
+        await asyncio.gather(*(cached.check() for _ in range(5)))
+        await cached.check()
+        assert calls.count(2) == 1 and cached.decodes == 1  # concurrent probes share one decode
+
+    asyncio.run(scenario())
+
+
+def test_engine_activity_counts_work_from_any_thread():
+    activity = EngineActivity()
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def work() -> None:
+        with activity:
+            inside.set()
+            leave.wait(5)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    inside.wait(5)
+    assert activity.busy
+    leave.set()
+    thread.join()
+    assert not activity.busy
+
+
+def test_a_stream_that_never_started_frees_its_slot():
+    """The server ties a stream's ticket to its generator (weakref.finalize): a response dropped
+    before its first chunk (the client left) frees the slot when the generator is collected."""
+    import weakref
+
+    admission = Admission(limit=1, timeout_s=60)
+    ticket = admission.admit()
+
+    async def events():
+        try:
+            yield "data"
+        finally:
+            ticket.release()
+
+    gen = events()
+    weakref.finalize(gen, ticket.release)
+    del gen
+    gc.collect()
+    assert admission.in_flight == 0

@@ -1,0 +1,95 @@
+"""The HTTP guards without Ray: the API key and the body limit as ASGI middlewares on a small app,
+the key's sources and the warning for listening beyond loopback without one."""
+from __future__ import annotations
+
+import pytest
+
+starlette = pytest.importorskip("starlette", reason="needs the 'serve' extra")
+from starlette.applications import Starlette  # noqa: E402
+from starlette.requests import Request  # noqa: E402
+from starlette.responses import JSONResponse  # noqa: E402
+from starlette.routing import Route  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from flashspec_integrations.serve.command import exposure_warning  # noqa: E402
+from flashspec_integrations.serve.guards import APIKeyMiddleware, BodySizeLimit, resolve_api_key  # noqa: E402
+
+KEY = "s3cret"
+
+
+async def echo(request: Request) -> JSONResponse:
+    return JSONResponse({"bytes": len(await request.body())})
+
+
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+def make_client(api_key: str | None = KEY, max_body_bytes: int | None = 1000) -> TestClient:
+    app = Starlette(routes=[Route("/v1/echo", echo, methods=["POST", "GET"]), Route("/health", health)])
+    app.add_middleware(BodySizeLimit)
+    app.add_middleware(APIKeyMiddleware)
+    app.state.api_key, app.state.max_body_bytes = api_key, max_body_bytes
+    return TestClient(app)
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize("headers, words", [
+    ({}, "no API key was given"),
+    (auth("wrong"), "not this server's"),
+    (auth(KEY + "x"), "not this server's"),
+    ({"authorization": KEY}, "not this server's"),  # the scheme is required
+    ({"authorization": f"Basic {KEY}"}, "not this server's"),
+])
+def test_every_route_but_health_needs_the_key(headers, words):
+    client = make_client()
+    res = client.post("/v1/echo", content=b"{}", headers=headers)
+    error = res.json()["error"]
+    assert res.status_code == 401 and words in error["message"] and error["code"] == "invalid_api_key"
+    assert res.headers["www-authenticate"] == "Bearer"
+    assert client.get("/v1/echo", headers=headers).status_code == 401
+    assert client.get("/health").json() == {"status": "ok"}  # no key needed
+    assert client.post("/v1/echo", content=b"{}", headers=auth(KEY)).json() == {"bytes": 2}
+    assert client.post("/v1/echo", content=b"{}", headers={"authorization": f"bearer  {KEY} "}).status_code == 200
+
+
+def test_without_a_key_everything_passes():
+    assert make_client(api_key=None).post("/v1/echo", content=b"{}").status_code == 200
+
+
+def test_a_body_over_the_limit_is_a_413_declared_or_streamed():
+    client = make_client()
+    assert client.post("/v1/echo", content=b"x" * 1000, headers=auth(KEY)).json() == {"bytes": 1000}
+    res = client.post("/v1/echo", content=b"x" * 1001, headers=auth(KEY))
+    assert res.status_code == 413 and "limit of 1000 bytes" in res.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the middleware counts what arrives and stops at the limit
+        for _ in range(100):
+            yield b"y" * 100
+
+    res = client.post("/v1/echo", content=chunks(), headers=auth(KEY))
+    assert res.status_code == 413 and res.json()["error"]["code"] == "request_too_large"
+    assert client.post("/v1/echo", content=b"x" * 5000).status_code == 401  # the key is checked first
+
+
+def test_the_key_comes_from_the_setting_else_the_environment(monkeypatch):
+    monkeypatch.delenv("FLASHSPEC_API_KEY", raising=False)
+    assert resolve_api_key(None) is None and resolve_api_key("a") == "a"
+    monkeypatch.setenv("FLASHSPEC_API_KEY", "from-env")
+    assert resolve_api_key(None) == "from-env" and resolve_api_key("a") == "a"
+    with pytest.raises(ValueError, match="api_key: an empty key"):
+        resolve_api_key("  ")
+
+
+@pytest.mark.parametrize("host, key, warned", [
+    ("127.0.0.1", None, False), ("::1", None, False), ("localhost", None, False),
+    ("0.0.0.0", None, True), ("10.1.2.3", None, True), ("my-host.example", None, True), ("0.0.0.0", KEY, False),
+])
+def test_listening_beyond_loopback_without_a_key_warns(host, key, warned):
+    warning = exposure_warning(host, key)
+    assert (warning is not None) == warned
+    if warned:
+        assert host in warning and "--api-key" in warning and "FLASHSPEC_API_KEY" in warning
