@@ -217,8 +217,9 @@ class SpecEngine:
         """Generate for one prompt (str, chat messages or token ids) or a list of them.
 
         The rows join the engine's running batch beside other callers' and leave it when done;
-        each has exactly the law it would have alone. A list's row i draws its samples from a
-        generator seeded with `sampling.seed + i` (its own draws, whatever runs beside it).
+        each has exactly the law it would have alone. Each row draws from its own generator: a
+        list's row 0 from `sampling.seed`, row i from a seed mixed from it and i
+        (`processors.sampling.request_generator`), whatever runs beside it.
         json_schema: constrain the output to JSON valid against this schema (a forced tool call,
         structured output; {"type": "object"} for JSON mode): exactly the law of grammar-masked
         decoding of the target, not its law conditioned on a valid output (docs/exactness.md;

@@ -14,6 +14,7 @@ answer, not an unbounded wait.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -25,6 +26,8 @@ from flashspec_core.request import Request, Row
 from flashspec_core.results import GenerationResult, StreamChunk
 from flashspec_core.routing.base import Router
 from flashspec_core.step import Stepper
+
+logger = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # rows decoded together by default (the engine's `max_batch`)
 MAX_QUEUE = 256  # requests waiting for a slot before `submit` refuses
@@ -172,7 +175,8 @@ class Scheduler:
             return
         try:
             new = self.stepper.step(ready, slots)
-        except Exception:  # noqa: BLE001 - find the row that fails; the others go on
+        except Exception as exc:  # noqa: BLE001 - find the row that fails; the others go on
+            logger.warning("a step of %d rows failed (%r); stepping them one at a time", len(ready), exc)
             self.runner.reset(slots)
             self._isolate(ready, slots)
             return

@@ -26,9 +26,10 @@ from flashspec_core.routing.base import Router
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 from flashspec_core.verify import Backend, verify
 
-# The router learns from at most this many rows a step (in turn): its host work per row would
-# otherwise grow with the batch, and a few rows a step tell it as much about each domain's arms.
-LEARN_ROWS = 4
+# The router learns from at most this many rows a step (in turn): its host work per row (copy
+# drafts scored after the fact) would otherwise grow with the batch, and a few rows a step tell it
+# as much about each domain's arms. At the CPU's default batch every row is learned from.
+LEARN_ROWS = 8
 
 
 @dataclass
@@ -239,6 +240,26 @@ class Stepper:
             n_acc[i], out[i] = result[0][k], result[1][k]
         return n_acc, out
 
+    def _score(self, rows: Sequence[Row], drafted: list[Drafted], slots: int) -> dict[int, torch.Tensor]:
+        """Slot -> the target's logits [need, V] after each of the row's last `need` path tokens
+        (need: the draft's length, plus one unless the prefill scored the first position), all
+        rows in one forward. A forward returns the same number of positions for every row and each
+        row must feed that many, so rows whose whole path is shorter (a short prompt beside a long
+        draft) get a forward of their own."""
+        paths = {row.slot: row.seq + d.tokens for row, d in zip(rows, drafted)}
+        needs = {row.slot: len(d.tokens) + (row.first is None) for row, d in zip(rows, drafted)}
+        pending = [slot for slot, need in needs.items() if need]
+        scored: dict[int, torch.Tensor] = {}
+        while pending:
+            keep = max(needs[s] for s in pending)  # the row needing most has a path at least that long
+            fits = [s for s in pending if len(paths[s]) >= keep]
+            logits = self.runner.forward_to([paths.get(s, []) if s in fits else [] for s in range(slots)],
+                                            [s in fits for s in range(slots)], keep_logits=keep)  # [slots, keep, V]
+            for s in fits:
+                scored[s] = logits[s, keep - needs[s]:]
+            pending = [s for s in pending if s not in scored]
+        return scored
+
     def _forward_and_verify(self, rows: Sequence[Row], drafted: list[Drafted],
                             slots: int) -> tuple[list[int], list[list[int]]]:
         """Score every row's context + draft in one target forward, process each row's logits
@@ -248,25 +269,15 @@ class Stepper:
         On a row's first step the prefill's logits (`row.first`) score its first position and the
         forward scores only its draft (see `prefill`).
         """
-        paths: list[list[int]] = [[] for _ in range(slots)]
-        active = [False] * slots
-        keep = 0
-        for row, d in zip(rows, drafted):
-            need = len(d.tokens) + (row.first is None)
-            if need:
-                paths[row.slot], active[row.slot] = row.seq + d.tokens, True
-                keep = max(keep, need)
-        scored = self.runner.forward_to(paths, active, keep_logits=keep) if keep else None  # [slots, keep, V]
+        scored = self._score(rows, drafted, slots)
         groups: dict[tuple, list[int]] = defaultdict(list)
         processed = []
         for i, (row, d) in enumerate(zip(rows, drafted)):
             g = len(d.tokens)
             if row.first is None:
-                assert scored is not None
-                logits = scored[row.slot, keep - g - 1:][None]  # [1, g+1, V]
+                logits = scored[row.slot][None]  # [1, g+1, V]
             elif g:
-                assert scored is not None
-                logits = torch.cat([row.first[None], scored[row.slot, keep - g:][None].to(row.first.device)], dim=1)
+                logits = torch.cat([row.first[None], scored[row.slot][None].to(row.first.device)], dim=1)
             else:
                 logits = row.first[None]  # [1, 1, V]
             draft_tokens = torch.tensor([d.tokens], dtype=torch.long).view(1, g).to(logits.device, non_blocking=True)

@@ -148,9 +148,9 @@ class GraphedModel(TargetRunner):
         host = torch.empty((3, bsz, width), dtype=torch.long, pin_memory=self.use_graphs)
         host[0].fill_(self.pad_token_id)
         host[2].fill_(-1)  # past a row's draft: never equal to a target token, so never accepted
+        starts = torch.tensor([len(h) for h in self.held[:bsz]], dtype=torch.long)
+        torch.add(starts[:, None], torch.arange(width), out=host[1])
         for b, chunk in enumerate(chunks):
-            start = len(self.held[b])
-            host[1, b] = torch.arange(start, start + width)
             if chunk:
                 host[0, b, : len(chunk)] = torch.tensor(chunk)
             if drafts is not None and drafts[b]:

@@ -147,12 +147,23 @@ def request_params(max_new_tokens: int, sampling: SamplingParams | dict[str, Any
 
 
 def request_generator(sampling: SamplingParams, device: torch.device, row: int = 0) -> torch.Generator:
-    """The generator every random draw of one row of a request takes from: fresh, or seeded with
-    the request's seed + the row's index (mod 2**64), so row 0 of any request draws as a request of
-    one prompt with that seed does, and each row's draws do not depend on the rows beside it."""
+    """The generator every random draw of one row of a request takes from: fresh, or seeded from
+    the request's seed and the row's index. Row 0 takes the seed itself, so it draws as a request
+    of one prompt with that seed does; row i > 0 a seed mixed from both (splitmix64), so rows of
+    requests with nearby seeds do not share streams. Each row's draws never depend on the rows
+    beside it."""
     gen = torch.Generator(device=device)
     if sampling.seed is None:
         gen.seed()
     else:
-        gen.manual_seed((sampling.seed + row) % 2**64)
+        gen.manual_seed(sampling.seed if row == 0 else _mix(sampling.seed, row))
     return gen
+
+
+def _mix(seed: int, row: int) -> int:
+    """splitmix64 of (seed, row): a 64-bit seed for row `row` of a request seeded with `seed`."""
+    mask = (1 << 64) - 1
+    z = (seed + row * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)

@@ -57,6 +57,8 @@ SINGLE = {  # name: (arm, prompt, sampling); EOS is token 3, which this target r
 BATCH_PROMPTS = [[2, 3, 1, 2, 3, 3, 3, 3, 2], [2, 3, 2, 3, 3], [3, 3]]
 BATCH_EOS = 0  # after these prompts a row ends within four tokens with probability 0.34-0.46
 BATCH_SAMPLING = SamplingParams(temperature=0.9, top_k=3)
+# The second prompt's rows run beside the others with settings of their own, in the same steps.
+BATCH_SETTINGS = [BATCH_SAMPLING, SamplingParams(temperature=1.1, repetition_penalty=1.2), BATCH_SAMPLING]
 BATCH_ARMS = [Arm(NO_DRAFT, 0), Arm("model", 4), Arm("model", 6), Arm("prompt_lookup", 4)]
 
 
@@ -72,15 +74,24 @@ def _engine(backend: str, eos: int, router) -> SpecEngine:
     return SpecEngine(target, drafts, router=router, verify_backend=backend, max_batch=ROWS // CALLS)
 
 
-def _generate(engine: SpecEngine, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> list[list[list[int]]]:
-    """ROWS rows cycling through `prompts` in each of CALLS batches; each prompt's rows' token ids."""
+def _generate(engine: SpecEngine, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+              seed: int) -> list[list[list[int]]]:
+    """ROWS rows cycling through `prompts` in each of CALLS rounds; each prompt's rows' token ids.
+    With one setting per prompt, each round submits one request per prompt at once, so rows of
+    every setting share the engine's steps."""
     outputs: list[list[list[int]]] = [[] for _ in prompts]
     for call in range(CALLS):
         batch = [i % len(prompts) for i in range(ROWS // CALLS)]
-        results = engine.generate([prompts[i] for i in batch], max_new_tokens=MAX_NEW,
-                                  sampling=sampling.model_copy(update={"seed": seed + call}))
-        for i, result in zip(batch, results):
-            outputs[i].append(result.token_ids)
+        if isinstance(sampling, SamplingParams):
+            results = engine.generate([prompts[i] for i in batch], max_new_tokens=MAX_NEW,
+                                      sampling=sampling.model_copy(update={"seed": seed + call}))
+            for i, result in zip(batch, results):
+                outputs[i].append(result.token_ids)
+            continue
+        handles = [engine.submit([p] * batch.count(i), MAX_NEW, settings.model_copy(update={"seed": seed + call + i}))
+                   for i, (p, settings) in enumerate(zip(prompts, sampling))]
+        for i, handle in enumerate(handles):
+            outputs[i].extend(r.token_ids for r in handle.wait())
     return outputs
 
 
@@ -110,10 +121,10 @@ def test_a_batch_of_different_prompts_with_staggered_finishes(torch_one_thread, 
     def run(replicate: int) -> tuple[float, ...]:
         seed = _seed("batch", backend, replicate)
         engine = _engine(backend, BATCH_EOS, RandomRouter(BATCH_ARMS, seed))
-        per_prompt = _generate(engine, BATCH_PROMPTS, BATCH_SAMPLING, seed)
+        per_prompt = _generate(engine, BATCH_PROMPTS, BATCH_SETTINGS, seed)
         finish_steps.update(len(out) for outputs in per_prompt for out in outputs)
-        return tuple(g_test(count_outcomes(outputs, LENGTH, engine.eos_ids), _law(prompt, BATCH_SAMPLING, BATCH_EOS))
-                     for outputs, prompt in zip(per_prompt, BATCH_PROMPTS))
+        return tuple(g_test(count_outcomes(outputs, LENGTH, engine.eos_ids), _law(prompt, settings, BATCH_EOS))
+                     for outputs, prompt, settings in zip(per_prompt, BATCH_PROMPTS, BATCH_SETTINGS))
 
     check_exact(run, f"engine batch of {len(BATCH_PROMPTS)} prompts ({backend})")
     assert set(range(1, MAX_NEW + 1)) <= finish_steps, "rows must finish after every number of tokens"
@@ -137,7 +148,7 @@ def test_the_laws_are_spread_and_the_stated_power_holds():
         top = max(law.values())
         assert top < 0.45, f"{name}: a law concentrated on one outcome would test little"
         assert detectable_error(law, ROWS, p_cell=top) < 0.16
-    for prompt in BATCH_PROMPTS:
-        law = _law(prompt, BATCH_SAMPLING, BATCH_EOS)
+    for prompt, settings in zip(BATCH_PROMPTS, BATCH_SETTINGS):
+        law = _law(prompt, settings, BATCH_EOS)
         assert max(law.values()) < 0.4
         assert sum(p for key, p in law.items() if len(key) < LENGTH) > 0.3, "rows must often end early"

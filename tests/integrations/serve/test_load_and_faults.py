@@ -76,8 +76,9 @@ def test_overload_is_answered_with_429s_and_every_admitted_request_is_answered(s
     for r in replies:
         if r.status_code == 429:
             assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
-    # A request's first step (its first token, from the prefill) rewards no arm. Seeded requests
-    # run alone (batching.py), so each one's steps are engine steps, recorded once.
+    # A request's first step (its first token, from the prefill) rewards no arm; every other step
+    # of each row is recorded once (a replica's batch is at most max_batch_size = 8 rows, all of
+    # which the router learns from each step).
     steps = sum(b["flashspec"]["steps"] - 1 for b in answered)
     assert ledger_pulls(ledger, "load-test") - before == steps  # counted once each, none lost
     idle = health_of_every_replica(url.removesuffix("/v1"))
