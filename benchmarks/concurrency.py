@@ -33,6 +33,7 @@ import torch
 
 from flashspec_core import SamplingParams, SpecEngine
 from flashspec_core.backends.calibration import machine_line
+from flashspec_workloads.common import Step
 from flashspec_workloads.dev import dev_workload
 
 
@@ -55,10 +56,14 @@ class Timed:
     end: float = 0.0
 
 
-def jobs(n: int, seed: int, max_new_tokens: int) -> list[Job]:
+def jobs(n: int, seed: int, max_new_tokens: int, steps_file: str | None = None) -> list[Job]:
     """n requests of the dev workload with mixed settings (every other streamed, every third with a
-    stop string, every fourth with a repetition penalty, budgets between half and all of max)."""
-    steps = dev_workload(n_steps=n, seed=seed, max_new_tokens=max_new_tokens)
+    stop string, every fourth with a repetition penalty, budgets between half and all of max).
+    steps_file: the steps saved as JSON (for a host without the ShareGPT package)."""
+    if steps_file:
+        steps = [Step(**d) for d in json.loads(Path(steps_file).read_text())[:n]]
+    else:
+        steps = dev_workload(n_steps=n, seed=seed, max_new_tokens=max_new_tokens)
     return [Job(s.messages, s.domain, max(8, max_new_tokens // 2 + (i * 7) % (max_new_tokens // 2 + 1)),
                 stream=i % 2 == 0, stop=["\n\n\n"] if i % 3 == 2 else None, penalty=1.1 if i % 4 == 3 else 1.0)
             for i, s in enumerate(steps)]
@@ -147,6 +152,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=8, help="the engine's max_batch")
     parser.add_argument("--device", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps-file", default=None, help="the workload as JSON (warm-up steps first)")
     parser.add_argument("--out", default="bench_out/concurrency")
     args = parser.parse_args()
     out = Path(args.out)
@@ -154,8 +160,12 @@ def main() -> None:
 
     start = time.perf_counter()
     engine = SpecEngine.from_pretrained(None, device=args.device, max_batch=args.max_batch)
-    work = jobs(args.requests, args.seed + 1, args.max_new_tokens)
-    for job in jobs(4, args.seed + 100, 16):  # warm-up (graphs, kernels, the router's first steps): untimed
+    if args.steps_file:
+        saved = jobs(args.requests + 4, 0, args.max_new_tokens, args.steps_file)
+        warm, work = saved[:4], saved[4:]
+    else:
+        warm, work = jobs(4, args.seed + 100, 16), jobs(args.requests, args.seed + 1, args.max_new_tokens)
+    for job in warm:  # warm-up (graphs, kernels, the router's first steps): untimed
         run_one(engine, job, Timed())
     warmup = time.perf_counter() - start
 

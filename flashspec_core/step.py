@@ -291,13 +291,22 @@ class Stepper:
             tokens = torch.cat([processed[i][1] for i in members])  # [n, g]
             probs = None if drafted[members[0]].probs is None else torch.stack(
                 [drafted[i].probs for i in members])  # type: ignore[misc]  # [n, g, V]
-            uniforms = None if lead.sampling.greedy else torch.cat([  # [n, g+1]: each row's own draws
-                torch.rand((1, tokens.shape[1] + 1), generator=rows[i].generator, device=logits.device)
-                for i in members])
             # A row's first step verifies on torch ops unless pinned: Triton compiles its kernel per
             # shape at first use, which the router would charge to the step's arm and width.
             first = any(rows[i].first is not None for i in members)
             backend: Backend = "torch" if first and self.verify_backend == "auto" else self.verify_backend
+            if not lead.sampling.greedy and logits.is_cuda and backend != "torch":
+                # The kernel draws each row's seed from that row's generator, as a graph replay of a
+                # row alone does (`verify_step`), so a seeded row samples the same tokens either way.
+                for k, i in enumerate(members):
+                    accepted, tokens_out = verify(logits[k:k + 1], tokens[k:k + 1], None if probs is None
+                                                  else probs[k:k + 1], lead.sampling, backend=backend,
+                                                  generator=rows[i].generator)
+                    n_acc[i], out[i] = int(accepted[0]), tokens_out[0].tolist()
+                continue
+            uniforms = None if lead.sampling.greedy else torch.cat([  # [n, g+1]: each row's own draws
+                torch.rand((1, tokens.shape[1] + 1), generator=rows[i].generator, device=logits.device)
+                for i in members])
             accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, uniforms, backend=backend)
             for k, i in enumerate(members):
                 n_acc[i], out[i] = int(accepted[k]), tokens_out[k].tolist()

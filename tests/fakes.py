@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -85,6 +86,7 @@ class ScriptedEngine:
         self.script = script
         self.calls: list[dict] = []
         self.batches: list[int] = []
+        self.delay = 0.0  # seconds a request takes: past its `timeout` it fails as the engine's would
 
     def _reply(self, text: str) -> str:
         if callable(self.script):
@@ -113,9 +115,16 @@ class ScriptedEngine:
 
     def submit(self, prompts, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None,
                json_schema=None, stream=False, timeout=None) -> RequestHandle:
-        """A request answered at once: its handle is finished when returned."""
+        """A request answered at once (after `delay`): its handle is finished when returned."""
         self.batches.append(len(prompts))
         handle = RequestHandle(len(prompts), stream)
+        if self.delay:
+            time.sleep(self.delay if timeout is None else min(self.delay, timeout))
+        if timeout is not None and self.delay > timeout:
+            for p in prompts:
+                self._answer(p, max_new_tokens, sampling, stop, domain, hint, json_schema, len(prompts))
+            handle.fail(TimeoutError("the request ran past its timeout; raise timeout or lower max_new_tokens"))
+            return handle
         for i, p in enumerate(prompts):
             reply, ids, finish, stats = self._answer(p, max_new_tokens, sampling, stop, domain, hint, json_schema,
                                                      len(prompts))
@@ -134,10 +143,10 @@ class ScriptedEngine:
                 yield StreamChunk(piece, piece_ids)
 
     def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None,
-                 json_schema=None):
+                 json_schema=None, timeout=None):
         batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
         outs = self.submit(list(prompt) if batch else [prompt], max_new_tokens, sampling, stop, domain, hint,
-                           json_schema).wait()
+                           json_schema, timeout=timeout).wait()
         return outs if batch else outs[0]
 
 

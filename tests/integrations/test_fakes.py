@@ -9,7 +9,7 @@ from fakes import ScriptedEngine, byte_tokenizer
 from flashspec_core import SpecEngine
 
 
-@pytest.mark.parametrize("method", ["stream", "generate"])
+@pytest.mark.parametrize("method", ["submit", "stream", "generate"])
 def test_scripted_engine_keeps_the_real_engine_signature(method):
     """The adapters are tested against the double; it must not drift from the engine it stands for."""
     real = list(inspect.signature(getattr(SpecEngine, method)).parameters)[1:]

@@ -191,14 +191,14 @@ def test_bad_input_raises_value_error_naming_it(call, match):
 
 
 class SlowEngine(ScriptedEngine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.delay = 0.4
+
     def stream(self, *args, **kwargs):
         for chunk in super().stream(*args, **kwargs):
             time.sleep(0.05)
             yield chunk
-
-    def generate(self, *args, **kwargs):
-        time.sleep(0.4)
-        return super().generate(*args, **kwargs)
 
 
 def test_timeout_raises_after_the_retries():

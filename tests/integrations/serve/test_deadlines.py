@@ -26,15 +26,19 @@ PLAN = Plan([1, 2, 3], 50, SamplingParams(), (), "chat", DomainDecision(None, No
 
 
 class SlowEngine:
-    """`stream` yields one chunk every `step_s` seconds, 50 in all, and records how far it got."""
+    """`astream` yields one chunk every `step_s` seconds, 50 in all, ends at its `timeout` with
+    TimeoutError (as the engine does, at a step boundary), and records how far it got."""
 
     def __init__(self, step_s: float):
-        self.step_s, self.steps, self.closed = step_s, 0, threading.Event()
+        self.step_s, self.steps, self.closed, self.running = step_s, 0, threading.Event(), 0
 
-    def stream(self, prompt_ids, **kwargs):
+    async def astream(self, prompt_ids, timeout=None, **kwargs):
+        start = time.monotonic()
         try:
             for _ in range(50):
-                time.sleep(self.step_s)
+                await asyncio.sleep(self.step_s)
+                if timeout is not None and time.monotonic() - start > timeout:
+                    raise TimeoutError("the request ran past its timeout")
                 self.steps += 1
                 yield StreamChunk("x", [7])
         finally:

@@ -74,7 +74,6 @@ def test_response_format_and_sampling_defaults(engine):
              stop=["\n\n"], seed=3)
     assert p.json_schema == schema and p.domain == "json" and json.dumps(schema) in prompt(engine, p)
     assert p.stop == ("\n\n",) and p.sampling.seed == 3 and p.sampling.temperature == 1.0  # OpenAI's default
-    assert p.batch_key() is None  # seeded: runs alone
     assert plan(engine, response_format={"type": "json_object"}).json_schema == {"type": "object"}
     assert plan(engine).max_new_tokens == 64 and plan(engine, max_completion_tokens=5).max_new_tokens == 5
 
