@@ -165,8 +165,10 @@ def main() -> None:
         warm, work = saved[:4], saved[4:]
     else:
         warm, work = jobs(4, args.seed + 100, 16), jobs(args.requests, args.seed + 1, args.max_new_tokens)
-    for job in warm:  # warm-up (graphs, kernels, the router's first steps): untimed
+    for job in warm:  # warm-up (kernels, the router's first steps): untimed
         run_one(engine, job, Timed())
+    levels = [int(c) for c in args.concurrency.split(",")]
+    run_concurrent(engine, work, max(levels))  # the same requests once, untimed: the router has seen them all
     warmup = time.perf_counter() - start
 
     rows = []
@@ -176,7 +178,7 @@ def main() -> None:
         run_one(engine, job, timed)
     rows.append(summary("sequential", sequential, time.perf_counter() - t0, None))
     reference = [r.tokens for r in sequential]
-    for concurrency in (int(c) for c in args.concurrency.split(",")):
+    for concurrency in levels:
         results, seconds = run_concurrent(engine, work, concurrency)
         rows.append(summary(f"concurrent {concurrency}", results, seconds, reference))
     longest = max(j.max_new_tokens for j in work)
@@ -190,7 +192,7 @@ def main() -> None:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else machine_line()
     title = (f"{len(work)} agent requests, greedy, budgets {min(j.max_new_tokens for j in work)}-{longest}; {device}; "
-             f"torch {torch.__version__}, {torch.get_num_threads()} threads; warm-up {warmup:.1f} s")
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads; engine start and warm-up {warmup:.1f} s")
     print(title)
     print(f"{'mode':<16}{'tokens':>8}{'s':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  same")
     for r in rows:

@@ -32,7 +32,7 @@ from flashspec_core.results import GenerationResult, GenerationStats, StreamChun
 from flashspec_core.routing.base import Router
 from flashspec_core.routing.domains import resolve_domain
 from flashspec_core.routing.priors import seed_router
-from flashspec_core.scheduler import MAX_QUEUE, MAX_ROWS, PREFILL_CHUNK, Scheduler
+from flashspec_core.scheduler import GPU_MAX_ROWS, MAX_QUEUE, MAX_ROWS, PREFILL_CHUNK, Scheduler, buckets
 from flashspec_core.step import Stepper
 from flashspec_core.stopping import RowOutput
 from flashspec_core.types import NO_DRAFT, Arm
@@ -54,7 +54,7 @@ class SpecEngine:
         verify_backend: str = "auto",
         backend: str = "auto",
         calibrate: bool = True,
-        max_batch: int = MAX_ROWS,
+        max_batch: int | None = None,
         max_queue: int = MAX_QUEUE,
         prefill_chunk: int | None = PREFILL_CHUNK,
     ) -> None:
@@ -65,7 +65,7 @@ class SpecEngine:
         CPU in the cache folder) to pick the fastest kernel and seed the router's cost model.
         gammas: the γ of each draft's arms; None: `pool.default_gammas` (16 too on a GPU).
         router: a `Router` (routing/base.py) or a name from `routing.ROUTER_NAMES`.
-        max_batch: rows decoded together (each a cache slot); more wait in a queue of at most
+        max_batch: rows decoded together (each a cache slot; None: 64 on a GPU, 8 on a CPU); more wait in a queue of at most
         `max_queue` requests, past which `submit` raises EngineBusy. prefill_chunk: prompt tokens fed
         per scheduler turn while other rows decode (None: a whole prompt at once).
         """
@@ -100,8 +100,17 @@ class SpecEngine:
         self._device = target.model.get_output_embeddings().weight.device
         self._vocab = vocab_size(target.model)
         self.calibration = self._calibrate(runner, gammas) if calibrate else None
-        # CUDA graphs of every width the arms feed, captured now, not mid-request
-        runner.warm([1] + [g + 1 for g in gammas])
+        if max_batch is None:
+            max_batch = GPU_MAX_ROWS if self._device.type == "cuda" else MAX_ROWS
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1 (rows decoded together); got {max_batch!r}")
+        widths = [1] + [g + 1 for g in gammas]
+        # CUDA graphs of every width the arms feed and every batch size the scheduler grows
+        # through, captured now, not mid-request (the largest first: it allocates the rows).
+        for rows in reversed(buckets(max_batch)) if runner.use_graphs else [1]:
+            runner.resize(rows)
+            runner.warm(widths)
+        runner.resize(1)
         self._json_tokens: torch.Tensor | None = None  # [V] bool, built on the first ban under a schema
         self._stepper = Stepper(runner, self.drafts, router, self._vocab, self._device, self.verify_backend,
                                 self._json_punctuation)
@@ -165,7 +174,7 @@ class SpecEngine:
         gammas: Sequence[int] | None = None,
         verify_backend: str = "auto",
         backend: str = "auto",
-        max_batch: int = MAX_ROWS,
+        max_batch: int | None = None,
         max_queue: int = MAX_QUEUE,
     ) -> SpecEngine:
         """target: None (embedded default), a .gguf file, a local folder or a cached HF id.

@@ -29,7 +29,8 @@ from flashspec_core.step import Stepper
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # rows decoded together by default (the engine's `max_batch`)
+MAX_ROWS = 8  # rows decoded together by default on a CPU (the engine's `max_batch`)
+GPU_MAX_ROWS = 64  # and on a GPU, where a step of 64 rows costs little more than a step of one
 MAX_QUEUE = 256  # requests waiting for a slot before `submit` refuses
 PREFILL_CHUNK = 512  # prompt tokens fed per turn of the loop while other rows decode
 IDLE_EXIT = 2.0  # seconds without work after which the loop's thread ends (a new request starts it again)
@@ -125,8 +126,8 @@ class Scheduler:
         now = time.monotonic()
         rows = [r for r in rows if not self._refused(r, now)]
         needed = self.running + len(rows)
-        if needed > len(self._slots):  # room for all of them at once, doubling (no resize per row)
-            grown = min(self.max_rows, max(needed, 2 * len(self._slots)))
+        if needed > len(self._slots):  # room for all of them at once, in steps of `buckets` (no resize per row)
+            grown = min(b for b in buckets(self.max_rows) if b >= needed)
             self._slots.extend([None] * (grown - len(self._slots)))
             self.runner.resize(grown)
         free = [s for s, r in enumerate(self._slots) if r is None]
@@ -251,3 +252,10 @@ class Scheduler:
             row.request.handle.fail(error)
         self._slots = [None] * len(self._slots)
         self._waiting.clear()
+
+
+def buckets(max_rows: int) -> list[int]:
+    """The row counts the batch grows through: powers of two, then `max_rows`. A runner on CUDA
+    graphs captures each at start-up, so no batch size is met for the first time mid-request."""
+    sizes = [1 << k for k in range(max_rows.bit_length()) if 1 << k < max_rows]
+    return sizes + [max_rows]
