@@ -283,7 +283,9 @@ class Stepper:
             draft_tokens = torch.tensor([d.tokens], dtype=torch.long).view(1, g).to(logits.device, non_blocking=True)
             assert row.processors is not None  # set up by the prefill
             processed.append((row.processors(logits, [d.tokens], draft_tokens, [True]), draft_tokens))
-            groups[(row.sampling.model_dump_json(), g, d.probs is None)].append(i)
+            # A row's first step verifies on other ops than its later ones (below): that must be
+            # the row's own state, never its neighbours', or its random draws would depend on them.
+            groups[(row.sampling.model_dump_json(), g, d.probs is None, row.first is not None)].append(i)
         n_acc, out = [0] * len(rows), [[] for _ in rows]  # type: list[int], list[list[int]]
         for members in groups.values():
             lead = rows[members[0]]
@@ -293,7 +295,7 @@ class Stepper:
                 [drafted[i].probs for i in members])  # type: ignore[misc]  # [n, g, V]
             # A row's first step verifies on torch ops unless pinned: Triton compiles its kernel per
             # shape at first use, which the router would charge to the step's arm and width.
-            first = any(rows[i].first is not None for i in members)
+            first = lead.first is not None
             backend: Backend = "torch" if first and self.verify_backend == "auto" else self.verify_backend
             if not lead.sampling.greedy and logits.is_cuda and backend != "torch":
                 # The kernel draws each row's seed from that row's generator, as a graph replay of a

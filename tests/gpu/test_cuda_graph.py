@@ -240,15 +240,18 @@ def test_engine_warms_its_widths_at_construction():
     loaded = tiny_loaded(VOCAB, seed=0, max_positions=1024)
     target = LoadedModel(loaded.model.cuda(), loaded.tokenizer, loaded.name)
     engine = SpecEngine(target, [PromptLookupDraft()], router=FixedRouter(Arm("prompt_lookup", 4)),
-                        backend="cuda-graph", gammas=(2, 4))
+                        backend="cuda-graph", gammas=(2, 4), max_batch=4)
     runner = engine.runner
-    assert runner.widths == (1, 3, 5) and runner.prefill_width > 5 and runner.captures == 4
+    # widths 1, 3, 5 and the prefill graph, for each batch size the scheduler grows through (1, 2, 4)
+    assert runner.widths == (1, 3, 5) and runner.prefill_width > 5 and runner.captures == 4 * 3
     res = engine.generate([1, 2, 3, 4, 5, 1, 2, 3] * 40, max_new_tokens=30)  # a prompt of two pieces
-    assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 4
+    assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 12
+    batch = engine.generate([[1, 2, 3, 4, 5] * 3, [6, 7, 8] * 5, [9, 1] * 4], max_new_tokens=20)  # 3 rows: 4 slots
+    assert all(r.warmup_seconds == 0 for b in batch for r in b.stats.records) and runner.captures == 12
 
 
 def _engine(target: LoadedModel, drafts, arm) -> SpecEngine:
-    return SpecEngine(target, drafts, router=FixedRouter(arm), backend="cuda-graph")
+    return SpecEngine(target, drafts, router=FixedRouter(arm), backend="cuda-graph", max_batch=8)
 
 
 @pytest.mark.parametrize("arm", [Arm("none", 0), Arm("prompt_lookup", 4), Arm("model", 3)])
