@@ -5,6 +5,9 @@ A mix of the dev workload's steps (tool calls, RAG, code, chat; some streamed, s
 its own token budget, and some with a stop string or a repetition penalty) is run three ways on
 the same engine, greedy:
 
+Each mode runs on an engine of its own (the same loaded target), warmed on other requests, so no
+mode reuses another's prompt cache, suffix-cache outputs or router statistics.
+
 - `sequential`: one request at a time, what a caller gets without concurrency;
 - `concurrent N`: N callers at once (threads: streams and plain calls), each request joining the
   engine's running batch when its caller submits it and leaving when it finishes;
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -158,30 +162,36 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    start = time.perf_counter()
-    engine = SpecEngine.from_pretrained(None, device=args.device, max_batch=args.max_batch)
     if args.steps_file:
         saved = jobs(args.requests + 4, 0, args.max_new_tokens, args.steps_file)
         warm, work = saved[:4], saved[4:]
     else:
         warm, work = jobs(4, args.seed + 100, 16), jobs(args.requests, args.seed + 1, args.max_new_tokens)
-    for job in warm:  # warm-up (kernels, the router's first steps): untimed
-        run_one(engine, job, Timed())
-    levels = [int(c) for c in args.concurrency.split(",")]
-    run_concurrent(engine, work, max(levels))  # the same requests once, untimed: the router has seen them all
-    warmup = time.perf_counter() - start
+    warmups: list[float] = []
+
+    def fresh() -> SpecEngine:
+        """An engine of its own for each mode (the target is loaded once per process): no mode
+        finds what an earlier one left in the cache or the suffix draft, or a router it trained."""
+        start = time.perf_counter()
+        engine = SpecEngine.from_pretrained(None, device=args.device, max_batch=args.max_batch)
+        for job in warm:  # warm-up (kernels, the router's first steps) on other requests: untimed
+            run_one(engine, job, Timed())
+        warmups.append(time.perf_counter() - start)
+        return engine
 
     rows = []
+    engine = fresh()
     sequential = [Timed() for _ in work]
     t0 = time.perf_counter()
     for job, timed in zip(work, sequential):
         run_one(engine, job, timed)
     rows.append(summary("sequential", sequential, time.perf_counter() - t0, None))
     reference = [r.tokens for r in sequential]
-    for concurrency in levels:
-        results, seconds = run_concurrent(engine, work, concurrency)
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        results, seconds = run_concurrent(fresh(), work, concurrency)
         rows.append(summary(f"concurrent {concurrency}", results, seconds, reference))
     longest = max(j.max_new_tokens for j in work)
+    engine = fresh()
     t0 = time.perf_counter()
     batch = engine.generate([j.messages for j in work], max_new_tokens=longest)
     seconds = time.perf_counter() - t0
@@ -190,9 +200,10 @@ def main() -> None:
                  "ttft_p99_ms": float("nan"), "itl_p50_ms": float("nan"), "itl_p99_ms": float("nan"),
                  "same_as_sequential": None})
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else machine_line()
+    gpu = torch.cuda.is_available() and args.device != "cpu"
+    device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if gpu else machine_line()
     title = (f"{len(work)} agent requests, greedy, budgets {min(j.max_new_tokens for j in work)}-{longest}; {device}; "
-             f"torch {torch.__version__}, {torch.get_num_threads()} threads; engine start and warm-up {warmup:.1f} s")
+             f"max_batch {args.max_batch}; engine start and warm-up {statistics.median(warmups):.1f} s (median of {len(warmups)})")
     print(title)
     print(f"{'mode':<16}{'tokens':>8}{'s':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  same")
     for r in rows:
