@@ -13,10 +13,14 @@ JSON string, OpenAI's `{"function": {...}}` nesting, a tool name in the wrong ca
 cut off by the token limit, a call without a name, a tool that is not bound, arguments that are not
 an object all come back as invalid calls with the reason, never as valid ones.
 
-Forced calls (tool choice "any"/"required"/True, LlamaIndex's `tool_required`, or a tool's name)
-are decoded under the call's JSON schema when the engine takes `json_schema=` (the real engine
-does: `flashspec_core/constrained`), so they always parse, as a bare call object; engines without
-it (test doubles, custom engines) get the call's opening written for them (`forced_prefix`).
+The grammar a reply is decoded under (`reply_constraint`, passed as `json_schema=` to engines
+that take it; the real engine does: `flashspec_core/constrained`): a call forced to one tool (its
+name, or "any"/"required"/True with one tool bound, LlamaIndex's `tool_required`) is decoded under
+the call's JSON schema and comes out as a bare call object; where the model chooses ("auto") or
+must call one of several tools ("required"), under a structural tag: free text until the model
+opens a call in its template's format, then a valid call of a bound tool. Either way every call
+that opens parses. Engines without `json_schema=` (test doubles, custom engines) get a forced
+call's opening written for them (`forced_prefix`) and their free output parsed.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from typing import Any
 import dirtyjson
 
 from flashspec_core.constrained.tool_schema import tool_call_schema
+from flashspec_core.constrained.tool_tags import HERMES, style_for_template, tool_tags
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -98,16 +103,30 @@ def reply_stops(tools_in_play: bool, single_call: bool, hermes: bool) -> tuple[s
     return (RESPONSE_OPEN, RESPONSE_CLOSE, CALL_CLOSE) if single_call and hermes else (RESPONSE_OPEN, RESPONSE_CLOSE)
 
 
-def forced_call_schema(tools: Sequence[Mapping], choice: ToolChoice) -> dict:
-    """The JSON schema of the one call a forced choice allows."""
-    return tool_call_schema(list(tools), choice.name or "any")
+def reply_constraint(tools: Sequence[Mapping], choice: ToolChoice, native_template: str | None,
+                     parallel: bool) -> dict | None:
+    """What a reply with `tools` shown is decoded under (`json_schema=`), or None with no tools.
+
+    A call forced to one tool: that call's JSON schema (the reply is the bare call object). The
+    model's choice ("auto"), or a call required of one of several tools: the structural tag of
+    calls in the prompt's format, the Hermes `<tool_call>` blocks of `prompts.TOOLS_HEADER` unless
+    the target's template renders tools itself (`native_template`, its source), whose format it
+    reads (ValueError when it is not one the engine can constrain). parallel: more than one call.
+    """
+    if not tools or choice.none:
+        return None
+    if choice.forced and choice.name is not None:
+        return tool_call_schema(list(tools), choice.name)
+    style = HERMES if native_template is None else style_for_template(native_template)
+    return tool_tags(list(tools), style, required=choice.forced, parallel=parallel)
 
 
 def forced_prefix(choice: ToolChoice, constrained: bool) -> str:
-    """The reply's opening for a forced call in the Hermes format. Under a schema, none: the
-    grammar writes the bare call object (with the tag written first, the 135M default model
-    rambled inside the JSON strings until the token limit: langchain-tests' pydantic Joke ran to
-    128 tokens instead of 49). Unconstrained, the tag and the call as far as the tool's name."""
+    """The reply's opening for a forced call in the Hermes format. Under a grammar, none: it writes
+    the call itself (for one tool the bare call object: with the tag written first, the 135M
+    default model rambled inside the JSON strings until the token limit, langchain-tests' pydantic
+    Joke ran to 128 tokens instead of 49). Unconstrained, the tag and the call as far as the
+    tool's name."""
     if not choice.forced or constrained:
         return ""
     if choice.name is None:

@@ -21,7 +21,7 @@ object). `style_for_template` reads a chat template and says which one it writes
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,10 +59,10 @@ STYLES = {s.name: s for s in (HERMES, LLAMA3)}
 _TEMPLATE_MARKERS = ((HERMES, ("<tool_call>",)), (LLAMA3, ("<|python_tag|>", "ipython")))
 
 
-def style_for_template(chat_template: str | None) -> ToolCallStyle:
-    """The call style a chat template (one that renders tools itself) writes; ValueError when it
-    is not one of STYLES."""
-    text = chat_template or ""
+def style_for_template(chat_template: str | Mapping[str, str] | None) -> ToolCallStyle:
+    """The call style a chat template (one that renders tools itself; a tokenizer's named templates
+    are read together) writes; ValueError when it is not one of STYLES."""
+    text = " ".join(map(str, chat_template.values())) if isinstance(chat_template, Mapping) else chat_template or ""
     for style, markers in _TEMPLATE_MARKERS:
         if any(marker in text for marker in markers):
             return style

@@ -34,10 +34,10 @@ from flashspec_integrations.tool_calls import (
     ToolCallStreamer,
     ToolChoice,
     first_json_object,
-    forced_call_schema,
     forced_prefix,
     normalize_tool_choice,
     parse_tool_calls,
+    reply_constraint,
     reply_stops,
     takes_json_schema,
     tool_name,
@@ -181,10 +181,13 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
     @staticmethod
-    def _output_constraint(tools: Sequence[dict], choice: ToolChoice, response_format: Any) -> dict | None:
-        """The JSON schema the whole reply must match (a forced call, structured output), or None."""
-        if choice.forced:
-            return forced_call_schema(tools, choice)
+    def _output_constraint(tools: Sequence[dict], choice: ToolChoice, response_format: Any,
+                           native_template: str | None, parallel: bool, constrained: bool) -> dict | None:
+        """What the reply is decoded under: a tool call's schema or the calls' structural tag
+        (`tool_calls.reply_constraint`; none for an engine without `json_schema=`), structured
+        output's schema (also the prompt's JSON instruction), or None."""
+        if tools and (choice.forced or response_format is None):
+            return reply_constraint(tools, choice, native_template, parallel) if constrained else None
         if isinstance(response_format, dict):
             if response_format.get("type") == "json_schema":
                 return (response_format.get("json_schema") or {}).get("schema") or {"type": "object"}
@@ -208,7 +211,11 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         choice = normalize_tool_choice(kwargs.get("tool_choice"), tools) if tools else ToolChoice()
         shown = [] if choice.none else tools
         response_format = kwargs.get("response_format")
-        schema = self._output_constraint(shown, choice, response_format)
+        hermes = bool(shown) and not template_supports_tools(tokenizer)
+        single = choice.forced or kwargs.get("parallel_tool_calls") is False
+        constrained = takes_json_schema(self.get_engine())
+        schema = self._output_constraint(shown, choice, response_format, None if hermes else tokenizer.chat_template,
+                                         not single, constrained)
         dicts = to_openai_dicts(messages)
         decision = self._decide(
             run_manager, kwargs,
@@ -216,10 +223,8 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
             structured_output=bool(kwargs.get("structured_output")) or response_format is not None,
             roles=[d["role"] for d in dicts], prompt_text="\n".join(d["content"] for d in dicts),
         )
-        text = render_prompt(tokenizer, dicts, shown, json_instruction(schema) if response_format is not None else "")
-        constrained = schema is not None and takes_json_schema(self.get_engine())
-        hermes = bool(shown) and not template_supports_tools(tokenizer)
-        single = choice.forced or kwargs.get("parallel_tool_calls") is False
+        instruction = json_instruction(schema) if response_format is not None else ""
+        text = render_prompt(tokenizer, dicts, shown, instruction)
         call = self._engine_call(
             text, stop, kwargs, decision, prefix=forced_prefix(choice, constrained) if hermes else "",
             json_schema=schema if constrained else None, extra_stops=reply_stops(bool(shown), single, hermes),

@@ -59,10 +59,10 @@ from flashspec_integrations.prompts import render_prompt, template_supports_tool
 from flashspec_integrations.settings import FlashSpecFields
 from flashspec_integrations.tool_calls import (
     ToolChoice,
-    forced_call_schema,
     forced_prefix,
     loads_lenient,
     normalize_tool_choice,
+    reply_constraint,
     reply_stops,
     takes_json_schema,
     tool_name,
@@ -169,9 +169,10 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         if label == REACT:
             stops += REACT_STOPS
             prefix = REACT_PREFIX if self.react_prefill else ""
+        constrained = takes_json_schema(engine)
+        if shown and constrained:  # a forced call's schema, or the structural tag of calls the model may make
+            schema = reply_constraint(shown, choice, None if hermes else engine.tokenizer.chat_template, not single)
         if choice.forced:
-            constrained = takes_json_schema(engine)
-            schema = forced_call_schema(shown, choice) if constrained else None
             prefix = forced_prefix(choice, constrained) if hermes else ""
         if templated:
             text = render_prompt(engine.tokenizer, dicts, shown)

@@ -15,6 +15,7 @@ from flashspec_integrations.tool_calls import (
     loads_lenient,
     normalize_tool_choice,
     parse_tool_calls,
+    reply_constraint,
 )
 
 NAMES = ["add", "lookup"]
@@ -89,6 +90,24 @@ def test_tool_choice_in_both_frameworks_spellings():
     assert normalize_tool_choice({"type": "tool", "name": "lookup"}, SPECS).name == "lookup"
     with pytest.raises(ValueError, match="tool_choice"):
         normalize_tool_choice("divide", SPECS)
+
+
+def test_the_grammar_of_each_tool_choice():
+    """A call forced to one tool: its schema; the model's choice, or one of several required: the
+    structural tag of calls in the prompt's format (the Hermes one unless the template has its own)."""
+    assert reply_constraint(SPECS, ToolChoice(none=True), None, True) is None
+    forced = reply_constraint(SPECS, ToolChoice(forced=True, name="add"), None, True)
+    assert forced["properties"]["name"] == {"const": "add"}
+    auto = reply_constraint(SPECS, ToolChoice(), None, True)["format"]
+    assert auto["type"] == "triggered_tags" and auto["triggers"] == ["<tool_call>"]
+    assert [t["begin"] for t in auto["tags"]] == [f'<tool_call>\n{{"name": "{n}", "arguments": ' for n in NAMES]
+    assert not auto["at_least_one"] and not auto["stop_after_first"]
+    required = reply_constraint(SPECS, ToolChoice(forced=True), None, False)["format"]
+    assert required["at_least_one"] and required["stop_after_first"]
+    llama = reply_constraint(SPECS, ToolChoice(), "{% if tools %}...<|python_tag|>...{% endif %}", True)
+    assert llama["format"]["triggers"] == ['{"name": ']
+    with pytest.raises(ValueError, match="tool-call format this engine cannot constrain"):
+        reply_constraint(SPECS, ToolChoice(), "{% if tools %}[AVAILABLE_TOOLS]{% endif %}", True)
 
 
 def test_the_streamer_passes_text_and_holds_calls_whole():

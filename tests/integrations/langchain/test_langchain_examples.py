@@ -117,7 +117,7 @@ def test_default_model_rag_example_runs(recording_default_engine, capsys):
 
 def test_agent_example_lets_a_tool_calling_target_choose(capsys):
     """--auto-tools drops the forcing middleware: the model (scripted here as a larger target that
-    calls tools) decides, and nothing is forced or decoded under a schema."""
+    calls tools) decides: nothing is forced, and calls are decoded under the tools' structural tag."""
     def chooses(prompt: str) -> str:
         if "<tool_response>" in prompt:
             return "It is 391."
@@ -127,4 +127,4 @@ def test_agent_example_lets_a_tool_calling_target_choose(capsys):
     steps = langchain_agent.main(["--auto-tools", "What is 17 * 23?"], llm=ChatFlashSpec(engine=engine))
     assert "tool calculator -> 391" in capsys.readouterr().out
     assert [s["domain"] for s in steps] == ["tool", "tool/result"]
-    assert all(c["json_schema"] is None for c in engine.calls)
+    assert all(c["json_schema"]["type"] == "structural_tag" for c in engine.calls)

@@ -79,6 +79,21 @@ def test_auto_tool_calls_are_parsed_and_single_call_is_enforced():
     assert CALL_CLOSE not in engine.calls[1]["stop"]
 
 
+def test_auto_calls_are_decoded_under_the_tools_structural_tag():
+    reply = '<tool_call>\n{"name": "lookup", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    llm, engine = _tool_llm([reply])
+    res = llm.chat_with_tools(TOOLS, user_msg="Oslo?")
+    assert [(s.tool_name, s.tool_kwargs) for s in llm.get_tool_calls_from_response(res)] == [("lookup", {"city": "Oslo"})]
+    llm.chat_with_tools(TOOLS, user_msg="Oslo?", allow_parallel_tool_calls=True)
+    llm.chat_with_tools(TOOLS, user_msg="Oslo?", tool_required=True)
+    single, parallel, required = (c["json_schema"]["format"] for c in engine.calls)
+    assert [t["begin"].split('"')[3] for t in single["tags"]] == ["multiply", "lookup"]
+    assert (single["at_least_one"], single["stop_after_first"]) == (False, True), "one call unless parallel"
+    assert (parallel["at_least_one"], parallel["stop_after_first"]) == (False, False)
+    assert (required["at_least_one"], required["stop_after_first"]) == (True, True)
+    assert [c["hint"] for c in engine.calls] == ["tool", "tool", "json"]
+
+
 def test_calls_are_also_in_additional_kwargs_for_llama_index_core():
     """llama-index-core's structured streaming looks for calls in message.additional_kwargs."""
     llm, _ = _tool_llm(['<tool_call>{"name": "lookup", "arguments": {"city": "Oslo"}}</tool_call>'])
@@ -181,4 +196,5 @@ def test_streamed_structured_output_ends_with_the_fields_filled():
     assert [c["hint"] for c in engine.calls] == ["json"] * (4 if PROGRAM_STREAMS_TOOL_CHOICE else 3)
     assert all(c["json_schema"]["properties"]["name"] == {"const": "Person"} for c in engine.calls)
     llm.chat_with_tools(TOOLS, user_msg="hi")  # the forcing ended with the structured calls
-    assert engine.calls[-1]["hint"] == "tool" and engine.calls[-1]["json_schema"] is None
+    last = engine.calls[-1]  # the model's choice: free text or calls, not a forced call
+    assert last["hint"] == "tool" and last["json_schema"]["format"]["at_least_one"] is False
