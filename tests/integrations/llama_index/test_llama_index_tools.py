@@ -126,6 +126,19 @@ def test_partial_streamed_chunks_yield_no_calls_and_the_last_chunk_does():
     assert [s.tool_kwargs for s in llm.get_tool_calls_from_response(chunks[-1])] == [{"city": "Oslo"}]
 
 
+def test_streamed_deltas_hold_no_call_markup():
+    """As LangChain's and the server's streams: text deltas carry the prose, the call comes whole."""
+    reply = 'Let me look. <tool_call>\n{"name": "lookup", "arguments": {"city": "Oslo"}}\n</tool_call> Done.'
+    llm, _ = _tool_llm([reply])
+    chunks = list(llm.stream_chat_with_tools(TOOLS, user_msg="Oslo?", allow_parallel_tool_calls=True))
+    deltas = "".join(c.delta for c in chunks)
+    assert "<tool_call>" not in deltas and "lookup" not in deltas and deltas == "Let me look.  Done."
+    assert all("tool_call" not in c.message.content for c in chunks[:-1])
+    assert [s.tool_kwargs for s in llm.get_tool_calls_from_response(chunks[-1])] == [{"city": "Oslo"}]
+    plain, _ = _tool_llm(["No <b>tools</b> here."])
+    assert "".join(c.delta for c in plain.stream_chat([ChatMessage(role="user", content="hi")])) == "No <b>tools</b> here."
+
+
 def test_tool_choice_none_hides_the_tools():
     llm, engine = _tool_llm(['<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'])
     res = llm.chat(messages=[ChatMessage(role="user", content="hi")], tools=[t.metadata.to_openai_tool() for t in TOOLS],
