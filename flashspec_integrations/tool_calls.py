@@ -41,7 +41,6 @@ from flashspec_core.constrained.tool_tags import HERMES, style_for_template, too
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 ARGUMENT_KEYS = ("arguments", "parameters", "args", "input", "kwargs")
-_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.S)
 _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
 _FENCED_OBJECT = re.compile(r"```(?:json)?\s*(\{.*?\})\s*```", re.S)
 _NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
@@ -95,12 +94,15 @@ def takes_json_schema(engine: Any) -> bool:
         return False
 
 
-def reply_stops(tools_in_play: bool, single_call: bool, hermes: bool) -> tuple[str, ...]:
+def reply_stops(tools_in_play: bool, single_call: bool, hermes: bool, constrained: bool = False) -> tuple[str, ...]:
     """Stop strings of a reply with tools in play: the model never writes a tool's result itself
-    (the framework supplies it), and a reply of one call stops where the call closes."""
+    (the framework supplies it), and a free reply of one call stops where the call closes. Under a
+    grammar the grammar ends the call (and the reply, when one call is allowed); a stop string
+    there would also cut a call whose argument string holds `</tool_call>`."""
     if not tools_in_play:
         return ()
-    return (RESPONSE_OPEN, RESPONSE_CLOSE, CALL_CLOSE) if single_call and hermes else (RESPONSE_OPEN, RESPONSE_CLOSE)
+    closes = single_call and hermes and not constrained
+    return (RESPONSE_OPEN, RESPONSE_CLOSE, CALL_CLOSE) if closes else (RESPONSE_OPEN, RESPONSE_CLOSE)
 
 
 def reply_constraint(tools: Sequence[Mapping], choice: ToolChoice, native_template: str | None,
@@ -289,6 +291,36 @@ def _bare_call(text: str, names: Sequence[str], finished: bool) -> tuple[int, Pa
     return None
 
 
+def _block(text: str, start: int) -> tuple[int, int, str, bool] | None:
+    """The first call block at or after `start`: (where it begins, where it ends, the text inside
+    the tags, whether its close tag was found). The call's JSON object is read first, so a string
+    in it may hold anything, `</tool_call>` included; text that is not one JSON object ends at the
+    first close tag (or at the end of `text`)."""
+    begin = text.find(CALL_OPEN, start)
+    if begin < 0:
+        return None
+    inner = begin + len(CALL_OPEN)
+    obj = inner + len(text[inner:]) - len(text[inner:].lstrip())
+    try:
+        end = json.JSONDecoder().raw_decode(text, obj)[1]
+        close = text.find(CALL_CLOSE, end)
+        if close >= 0 and not text[end:close].strip():
+            return begin, close + len(CALL_CLOSE), text[inner:close], True
+    except json.JSONDecodeError:
+        pass
+    close = text.find(CALL_CLOSE, inner)
+    if close < 0:
+        return begin, len(text), text[inner:], False
+    return begin, close + len(CALL_CLOSE), text[inner:close], True
+
+
+def _blocks(text: str) -> Iterator[tuple[int, int, str, bool]]:
+    at = 0
+    while (block := _block(text, at)) is not None:
+        yield block
+        at = block[1]
+
+
 def parse_tool_calls(text: str, names: Sequence[str], finished: bool = True) -> tuple[str, list[ParsedCall]]:
     """Split a reply into (content, calls): `<tool_call>` blocks, else one untagged JSON call.
 
@@ -296,8 +328,11 @@ def parse_tool_calls(text: str, names: Sequence[str], finished: bool = True) -> 
     is complete, not cut off by the token limit.
     """
     if CALL_OPEN in text:
-        calls = [_call(m.group(1), finished or m.group(0).endswith(CALL_CLOSE), names) for m in _BLOCK.finditer(text)]
-        return _BLOCK.sub("", text).strip(), calls
+        blocks = list(_blocks(text))
+        calls = [_call(inner, finished or closed, names) for _, _, inner, closed in blocks]
+        bounds = [0] + [i for begin, end, _, _ in blocks for i in (begin, end)] + [len(text)]
+        content = "".join(text[bounds[i]:bounds[i + 1]] for i in range(0, len(bounds), 2))
+        return content.strip(), calls
     found = _bare_call(text, names, finished) if names else None
     if found is None:
         return text, []
@@ -305,12 +340,19 @@ def parse_tool_calls(text: str, names: Sequence[str], finished: bool = True) -> 
     return text[:where].strip(), [call]
 
 
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 class ToolCallStreamer:
     """Splits streamed text into content deltas and whole calls.
 
     Text outside call blocks streams through at once, except a tail that could still be the start
-    of `<tool_call>`; a block is held until its `</tool_call>` (or the end) and then comes out as
-    one `ParsedCall`. A reply that opens with `{` or a fence is held whole, as it may be an
+    of `<tool_call>`; a block is held until its JSON object and `</tool_call>` have come (or, for
+    a block that is not plain JSON, until the end) and then comes out as one `ParsedCall`. A reply that opens with `{` or a fence is held whole, as it may be an
     untagged call.
     """
 
@@ -341,11 +383,13 @@ class ToolCallStreamer:
             if start:
                 yield self._buffer[:start], None
                 self._buffer = self._buffer[start:]
-            end = self._buffer.find(CALL_CLOSE)
-            if end < 0:
+            block = _block(self._buffer, 0)
+            # Whole once its JSON object is followed by the close tag; text that is not one JSON
+            # object waits for the end of the stream (more may still come to complete it).
+            if block is None or not block[3] or not _is_json_object(block[2]):
                 return
-            raw = self._buffer[len(CALL_OPEN):end]
-            self._buffer = self._buffer[end + len(CALL_CLOSE):]
+            _, end, raw, _ = block
+            self._buffer = self._buffer[end:]
             yield "", _call(raw, True, self.names)
 
     def finish(self, finished: bool) -> Iterator[tuple[str, ParsedCall | None]]:

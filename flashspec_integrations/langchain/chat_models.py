@@ -227,7 +227,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         text = render_prompt(tokenizer, dicts, shown, instruction)
         call = self._engine_call(
             text, stop, kwargs, decision, prefix=forced_prefix(choice, constrained) if hermes else "",
-            json_schema=schema if constrained else None, extra_stops=reply_stops(bool(shown), single, hermes),
+            json_schema=schema if constrained else None, extra_stops=reply_stops(bool(shown), single, hermes, schema is not None and constrained),
         )
         return _Plan(call, [tool_name(t) for t in shown], bool(shown), single)
 

@@ -164,12 +164,13 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         templated = self._uses_chat_template()
         hermes = bool(shown) and not (templated and template_supports_tools(engine.tokenizer))
         single = choice.forced or not kwargs.get("allow_parallel_tool_calls", False)
-        stops = list(reply_stops(bool(shown) or label in (TOOL, TOOL_RESULT, JSON), single and bool(shown), hermes))
+        constrained = takes_json_schema(engine)
+        stops = list(reply_stops(bool(shown) or label in (TOOL, TOOL_RESULT, JSON), single and bool(shown), hermes,
+                                 constrained and bool(shown)))
         prefix, schema = "", None
         if label == REACT:
             stops += REACT_STOPS
             prefix = REACT_PREFIX if self.react_prefill else ""
-        constrained = takes_json_schema(engine)
         if shown and constrained:  # a forced call's schema, or the structural tag of calls the model may make
             schema = reply_constraint(shown, choice, None if hermes else engine.tokenizer.chat_template, not single)
         if choice.forced:

@@ -92,6 +92,21 @@ def test_tool_choice_in_both_frameworks_spellings():
         normalize_tool_choice("divide", SPECS)
 
 
+def test_a_call_whose_argument_holds_the_close_tag_is_read_whole():
+    """Under a grammar any string may hold `</tool_call>`: the call's JSON object is read first."""
+    reply = ('Sure <tool_call>\n{"name": "lookup", "arguments": {"city": "a</tool_call>b"}}\n</tool_call> ok '
+             '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>')
+    content, calls = parse_tool_calls(reply, NAMES)
+    assert content == "Sure  ok" and [(c.name, c.arguments) for c in calls] == [
+        ("lookup", {"city": "a</tool_call>b"}), ("add", {})]
+    streamer, out = ToolCallStreamer(NAMES), []
+    for i in range(0, len(reply), 7):
+        out += list(streamer.feed(reply[i: i + 7]))
+    out += list(streamer.finish(True))
+    assert [(c.name, c.arguments) for _, c in out if c] == [(c.name, c.arguments) for c in calls]
+    assert "".join(text for text, _ in out) == "Sure  ok "
+
+
 def test_the_grammar_of_each_tool_choice():
     """A call forced to one tool: its schema; the model's choice, or one of several required: the
     structural tag of calls in the prompt's format (the Hermes one unless the template has its own)."""

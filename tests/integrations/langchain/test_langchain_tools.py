@@ -168,7 +168,13 @@ def test_parallel_tool_calls_false_means_one_call():
     assert len(model.bind_tools([add]).invoke("x").tool_calls) == 2
     assert "</tool_call>" not in engine.calls[0]["stop"]
     one = model.bind_tools([add], parallel_tool_calls=False).invoke("x")
-    assert [c["args"] for c in one.tool_calls] == [{"a": 1, "b": 2}] and "</tool_call>" in engine.calls[1]["stop"]
+    assert [c["args"] for c in one.tool_calls] == [{"a": 1, "b": 2}]
+    # The grammar ends the reply after one call (no stop string: it would also cut a call whose
+    # argument holds "</tool_call>"); a free reply stops where its call closes.
+    assert engine.calls[1]["json_schema"]["format"]["stop_after_first"] and "</tool_call>" not in engine.calls[1]["stop"]
+    free = UnconstrainedEngine([two])
+    assert len(ChatFlashSpec(engine=free).bind_tools([add], parallel_tool_calls=False).invoke("x").tool_calls) == 1
+    assert "</tool_call>" in free.calls[0]["stop"]
     streamed = None
     for chunk in model.bind_tools([add]).stream("x", parallel_tool_calls=False):
         streamed = chunk if streamed is None else streamed + chunk

@@ -73,10 +73,13 @@ def test_auto_tool_calls_are_parsed_and_single_call_is_enforced():
     llm, engine = _tool_llm([two])
     single = llm.chat_with_tools(TOOLS, user_msg="Oslo?")
     assert [s.tool_name for s in llm.get_tool_calls_from_response(single)] == ["lookup"]
-    assert engine.calls[0]["hint"] == "tool" and CALL_CLOSE in engine.calls[0]["stop"]
+    assert engine.calls[0]["hint"] == "tool" and CALL_CLOSE not in engine.calls[0]["stop"]  # the grammar ends it
     parallel = llm.chat_with_tools(TOOLS, user_msg="Oslo?", allow_parallel_tool_calls=True)
     assert [s.tool_name for s in llm.get_tool_calls_from_response(parallel)] == ["lookup", "multiply"]
     assert CALL_CLOSE not in engine.calls[1]["stop"]
+    free, free_engine = _tool_llm([two], UnconstrainedEngine)
+    assert len(free.get_tool_calls_from_response(free.chat_with_tools(TOOLS, user_msg="Oslo?"))) == 1
+    assert CALL_CLOSE in free_engine.calls[0]["stop"]
 
 
 def test_auto_calls_are_decoded_under_the_tools_structural_tag():
