@@ -136,8 +136,11 @@ def part_primed(engine: SpecEngine, max_tokens: int, limit: int, rows: list) -> 
         ids = engine.tokenizer(text, add_special_tokens=False).input_ids
         for grammar in (True, False):
             spec = tool_tags(bound, opened=OPENED, parallel=False) if grammar else None
-            res = engine.generate(ids, max_new_tokens=max_tokens, stop=["</tool_call>"], json_schema=spec, hint="tool")
-            _, parsed = parse_tool_calls(OPENED + res.text + "</tool_call>", list(schemas_of(bound)),
+            # Free output stops where its call closes; under the tag the grammar ends the reply there.
+            stop = None if grammar else ["</tool_call>"]
+            res = engine.generate(ids, max_new_tokens=max_tokens, stop=stop, json_schema=spec, hint="tool")
+            closed = res.text if grammar or res.finish_reason == "length" else res.text + "</tool_call>"
+            _, parsed = parse_tool_calls(OPENED + closed, list(schemas_of(bound)),
                                          res.finish_reason != "length")
             calls = [(c.name, c.arguments) for c in parsed] or [(None, None)]
             result = outcome(calls, wanted, schemas_of(bound))

@@ -50,9 +50,12 @@ def _eval(node: ast.AST) -> float:
     raise ValueError("only numbers and + - * / ** % are allowed")
 
 
+# The descriptions say what each tool is for with an example: with "Evaluate an arithmetic expression
+# such as '17 * 23'" and "Count the words in a text", the default model called the calculator to
+# count words.
 @tool
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression such as '17 * 23' and return the result."""
+    """Evaluate arithmetic on numbers, such as '17 * 23'."""
     try:
         return str(_eval(ast.parse(expression, mode="eval").body))
     except (SyntaxError, ValueError, ZeroDivisionError) as exc:
@@ -61,7 +64,7 @@ def calculator(expression: str) -> str:
 
 @tool
 def word_count(text: str) -> int:
-    """Count the words in a text."""
+    """Count how many words a text has, such as 'the cat sat' (3 words)."""
     return len(text.split())
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from fakes import ScriptedEngine
+from helpers import from_the_question
 
 from flashspec_core import SpecEngine
 from flashspec_core.routing.base import Router
@@ -105,6 +106,20 @@ def test_default_model_agent_run_reaches_the_router_under_two_domains(recording_
     first_answer_step = router.domains.index("tool/result")
     assert set(router.domains[:first_answer_step]) == {"json"}
     assert set(router.domains[first_answer_step:]) == {"tool/result"}
+
+
+@pytest.mark.slow
+def test_default_model_agent_example_answers_its_own_questions(capsys):
+    """The example's main path on the default model: each question gets the right tool, called with
+    arguments written from the question, and a non-empty answer built on the tool's result."""
+    steps = langchain_agent.main([])
+    answers = [line.split("A: ", 1)[1] for line in capsys.readouterr().out.splitlines() if "  A: " in line]
+    calls = [(name, args) for s in steps for name, args in zip(s["tool_calls"], s["tool_args"])]
+    assert [name for name, _ in calls] == ["calculator", "word_count"]
+    for (name, args), question in zip(calls, langchain_agent.QUESTIONS):
+        (argument,) = args.values()
+        assert argument in question and from_the_question(argument, question), (name, args)
+    assert len(answers) == 2 and all(answers) and "391" in answers[0] and "6" in answers[1], answers
 
 
 @pytest.mark.slow
