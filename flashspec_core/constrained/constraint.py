@@ -129,16 +129,30 @@ class Constraint:
             raise ValueError(
                 f"logits must be [B={self.batch_size}, γ+1, V={self.vocab_size}]; got {tuple(logits.shape)}"
             )
-        bitmask = torch.full((bsz * positions, self._width), -1, dtype=torch.int32)
-        for b in range(bsz):
-            if active[b]:
-                self._fill_path(b, list(draft_tokens[b][: positions - 1]), bitmask, b * positions)
+        bitmask = self._path_bitmask(draft_tokens, active, positions)
         if bool((bitmask == -1).all()):
             # Nothing is forbidden anywhere (free text under a structural tag, for one): masking
             # would change no logit, so skip unpacking the bits and copying the logits.
             return logits.float()
         allowed = allowed_from_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
         return logits.float().masked_fill(~allowed.view(bsz, positions, vocab), float("-inf"))
+
+    def forbids_nothing(self, draft_tokens: Sequence[Sequence[int]], active: Sequence[bool]) -> bool:
+        """Whether the grammar allows every token at every position of every active row's draft
+        path (γ+1 positions for γ draft tokens): `mask_logits` would then return the target's
+        logits unchanged, so the step may be verified on them as they are (a fused CUDA-graph
+        replay, say) and committed as usual. Free text under a structural tag, mostly."""
+        positions = 1 + max((len(d) for d, a in zip(draft_tokens, active) if a), default=0)
+        return bool((self._path_bitmask(draft_tokens, active, positions) == -1).all())
+
+    def _path_bitmask(self, draft_tokens: Sequence[Sequence[int]], active: Sequence[bool],
+                      positions: int) -> torch.Tensor:
+        """[B * positions, W] int32: row b's masks at its path's positions (all bits set where unmasked)."""
+        bitmask = torch.full((self.batch_size * positions, self._width), -1, dtype=torch.int32)
+        for b in range(self.batch_size):
+            if active[b]:
+                self._fill_path(b, list(draft_tokens[b][: positions - 1]), bitmask, b * positions)
+        return bitmask
 
     def _fill_path(self, row: int, path: list[int], bitmask: torch.Tensor, base: int) -> None:
         matcher = self._matchers[row]

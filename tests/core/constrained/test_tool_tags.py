@@ -131,6 +131,28 @@ def test_free_text_is_never_masked_and_a_partial_trigger_is(tok):
     assert torch.equal(masked[1], logits[1, :2]), "row 1 is in free text"
 
 
+def test_forbids_nothing_says_when_the_mask_would_change_nothing(tok):
+    """The hook a fused verify path can take: True exactly where `mask_logits` returns the logits."""
+    constraint = Constraint(grammar_of(tok, tool_tags(TOOLS)), [[0], [0]])
+    constraint.commit(1, tok("x <tool_call>", add_special_tokens=False).input_ids)  # row 1 inside a call
+    rng = random.Random(0)
+    pieces = ["a", " ", "<", "tool", "_call", ">", "\n", "{", '"', "l", ">\n"]
+    seen = set()
+    for _ in range(60):
+        paths = [[tok.convert_tokens_to_ids(c) if len(c) == 1 else tok(c, add_special_tokens=False).input_ids[0]
+                  for c in rng.choices(pieces, k=rng.randrange(0, 5))] for _ in range(2)]
+        paths = [[t for t in p if isinstance(t, int)] for p in paths]
+        width = max(len(p) for p in paths)
+        paths = [p + [tok.convert_tokens_to_ids("a")] * (width - len(p)) for p in paths]
+        active = [rng.random() < 0.8, rng.random() < 0.8]
+        logits = torch.randn(2, width + 1, len(tok))
+        unchanged = torch.equal(constraint.mask_logits(logits, paths, active), logits)
+        assert constraint.forbids_nothing(paths, active) == unchanged, (paths, active)
+        seen.add(unchanged)
+    assert seen == {True, False}
+    assert constraint.forbids_nothing([[], []], [True, False]) and not constraint.forbids_nothing([[], []], [True, True])
+
+
 def ascii_engine(drafts=(), router=None, seed: int = 2) -> SpecEngine:
     """A tiny random Llama on the byte tokenizer that writes printable ASCII, newlines and EOS."""
     tok = byte_tokenizer()
