@@ -11,7 +11,8 @@ honest where it is not. Lenient: code fences, trailing commas, single quotes and
 brackets before `</tool_call>`, `parameters`/`args`/`input` for `arguments`, arguments given as a
 JSON string, OpenAI's `{"function": {...}}` nesting, a tool name in the wrong case. Honest: a call
 cut off by the token limit, a call without a name, a tool that is not bound, arguments that are not
-an object all come back as invalid calls with the reason, never as valid ones.
+an object, and (given the tools' parameters) an argument the tool does not declare all come back as
+invalid calls with the reason, never as valid ones, in every adapter alike.
 
 The grammar a reply is decoded under (`reply_constraint`, passed as `json_schema=` to engines
 that take it; the real engine does: `flashspec_core/constrained`): a call forced to one tool (its
@@ -236,8 +237,10 @@ def _known(name: Any, names: Sequence[str]) -> str | None:
     return name if name in names else {n.lower(): n for n in names}.get(name.lower())
 
 
-def _call(raw: str, closed: bool, names: Sequence[str]) -> ParsedCall:
-    """The call in the JSON text of one `<tool_call>` block (valid, or invalid with the reason)."""
+def _call(raw: str, closed: bool, names: Sequence[str] | Mapping[str, Any]) -> ParsedCall:
+    """The call in the JSON text of one `<tool_call>` block (valid, or invalid with the reason).
+    names: the bound tools' names, or a mapping of each to its parameters schema, against which
+    the argument names are then checked."""
     call_id = new_call_id()
     try:
         obj = loads_lenient(raw, closed)
@@ -263,10 +266,25 @@ def _call(raw: str, closed: bool, names: Sequence[str]) -> ParsedCall:
         args = {}
     if not isinstance(args, dict):
         return ParsedCall(call_id, name, None, raw.strip(), "the arguments are not a JSON object")
+    unknown, known = _unknown_arguments(args, names.get(name) if isinstance(names, Mapping) else None)
+    if unknown:
+        return ParsedCall(call_id, name, None, raw.strip(),
+                          f"unknown arguments {unknown}; {name} takes {known}")
     return ParsedCall(call_id, name, args, raw.strip())
 
 
-def _bare_call(text: str, names: Sequence[str], finished: bool) -> tuple[int, ParsedCall] | None:
+def _unknown_arguments(args: dict, parameters: Any) -> tuple[list[str], list[str]]:
+    """(the argument names `parameters` does not declare, the ones it does); none unknown when it
+    declares no properties or allows others (`additionalProperties`), as the call grammar's
+    strict mode reads a schema."""
+    if not isinstance(parameters, Mapping) or not isinstance(parameters.get("properties"), Mapping) \
+            or parameters.get("additionalProperties", False) not in (False, None):
+        return [], []
+    known = list(parameters["properties"])
+    return [k for k in args if k not in known], known
+
+
+def _bare_call(text: str, names: Sequence[str] | Mapping[str, Any], finished: bool) -> tuple[int, ParsedCall] | None:
     """A call written without tags (a fenced or bare JSON object), where it starts; only a known
     tool's name makes such an object a call, so an ordinary JSON answer is not mistaken for one."""
     candidates = [(m.start(), m.group(1)) for m in _FENCED_OBJECT.finditer(text)]
@@ -321,8 +339,12 @@ def _blocks(text: str) -> Iterator[tuple[int, int, str, bool]]:
         at = block[1]
 
 
-def parse_tool_calls(text: str, names: Sequence[str], finished: bool = True) -> tuple[str, list[ParsedCall]]:
+def parse_tool_calls(text: str, names: Sequence[str] | Mapping[str, Any],
+                     finished: bool = True) -> tuple[str, list[ParsedCall]]:
     """Split a reply into (content, calls): `<tool_call>` blocks, else one untagged JSON call.
+
+    names: the bound tools' names, or a mapping of each to its parameters schema: then a call with
+    an argument its tool does not declare is invalid, as the call grammar makes it impossible.
 
     finished: the model ended the reply itself (EOS or a stop string), so a last block left open
     is complete, not cut off by the token limit.
@@ -356,8 +378,8 @@ class ToolCallStreamer:
     untagged call.
     """
 
-    def __init__(self, names: Sequence[str]):
-        self.names = list(names)
+    def __init__(self, names: Sequence[str] | Mapping[str, Any]):
+        self.names = dict(names) if isinstance(names, Mapping) else list(names)
         self._buffer = ""
         self._started = False
         self._bare = False

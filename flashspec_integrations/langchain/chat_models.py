@@ -71,7 +71,7 @@ class _Plan:
     """A prepared call: the engine call and how to read its output."""
 
     call: EngineCall
-    names: list[str]
+    names: dict[str, Any]  # each tool's parameters schema, by name
     parse_tools: bool
     single_call: bool  # one call at most: forced, or parallel_tool_calls=False
 
@@ -229,7 +229,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
             text, stop, kwargs, decision, prefix=forced_prefix(choice, constrained) if hermes else "",
             json_schema=schema if constrained else None, extra_stops=reply_stops(bool(shown), single, hermes, schema is not None and constrained),
         )
-        return _Plan(call, [tool_name(t) for t in shown], bool(shown), single)
+        return _Plan(call, {tool_name(t): t["function"].get("parameters") for t in shown}, bool(shown), single)
 
     def _metadata(self, outcome: Outcome, finish_reason: str) -> dict[str, Any]:
         return {"model_name": self.model_name, "model_provider": "flashspec", "finish_reason": finish_reason,

@@ -18,6 +18,7 @@ import json
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -40,7 +41,7 @@ class Request:
     """One prepared call: the engine call and how to read what comes back."""
 
     call: EngineCall
-    tool_names: tuple[str, ...] | None = None  # parse tool calls from the output when set
+    tool_names: dict[str, Any] | None = None  # parse tool calls from the output when set: parameters by name
     single_call: bool = False  # keep only the first call (parallel calls not allowed)
     forced_name: str | None = None  # the tool a forced call must call, known before generation
 

@@ -182,7 +182,7 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
                 messages = [ChatMessage(role=MessageRole.SYSTEM, content=tools_instructions(shown)), *messages]
             text = self.messages_to_prompt(messages)
         call = self._engine_call(text, kwargs, decision, templated, prefix, stops, schema)
-        names = tuple(tool_name(s) for s in shown) if shown else None
+        names = {tool_name(s): s["function"].get("parameters") for s in shown} if shown else None
         return Request(call, tool_names=names, single_call=single, forced_name=choice.name)
 
     def _completion_request(self, prompt: str, formatted: bool, kwargs: dict) -> Request:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flashspec_core.constrained import as_grammar
@@ -61,6 +61,7 @@ class Plan:
     json_schema: dict | None
     tool_names: tuple[str, ...]
     parse_tools: bool
+    tool_parameters: dict = field(default_factory=dict)  # each tool's parameters schema, by name
 
     def batch_key(self) -> tuple | None:
         """Requests with equal keys can share one engine batch (it takes one setting of each);
@@ -167,7 +168,8 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int) 
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     domain = resolve_domain(decision.domain, decision.hint, text)
     names = tuple(t["function"]["name"] for t in shown)
-    return Plan(ids, max_new, sampling, stop, domain, decision, schema, names, bool(shown))
+    parameters = {t["function"]["name"]: t["function"].get("parameters") for t in shown}
+    return Plan(ids, max_new, sampling, stop, domain, decision, schema, names, bool(shown), parameters)
 
 
 # ---------------------------------------------------------------------------------- replies
@@ -188,7 +190,7 @@ def reply_message(plan: Plan, text: str, finish_reason: str) -> tuple[dict, str,
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if not plan.parse_tools:
         return message, finish_reason, []
-    content, parsed = parse_tool_calls(text, list(plan.tool_names), finish_reason != "length")
+    content, parsed = parse_tool_calls(text, plan.tool_parameters or list(plan.tool_names), finish_reason != "length")
     calls = [c for c in parsed if c.valid]
     invalid = [c for c in parsed if not c.valid]
     # No valid call: the whole text stays the content, so nothing the model wrote is hidden.
@@ -204,7 +206,7 @@ class DeltaStream:
     its block closes (arguments are valid JSON only then)."""
 
     def __init__(self, plan: Plan):
-        self._tools = ToolCallStreamer(list(plan.tool_names)) if plan.parse_tools else None
+        self._tools = ToolCallStreamer(plan.tool_parameters or list(plan.tool_names)) if plan.parse_tools else None
         self.called = False
         self._calls = 0
 

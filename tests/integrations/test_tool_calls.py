@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from fakes import ScriptedEngine
 from langchain_core.tools import tool
+from llama_index.core.base.llms.types import ToolCallBlock
 from llama_index.core.tools import FunctionTool
 
 from flashspec_integrations.langchain import ChatFlashSpec
@@ -156,3 +157,18 @@ def test_both_adapters_read_one_reply_as_the_same_calls(reply):
     li_llm = FlashSpecLLM(engine=ScriptedEngine([reply]))
     li = li_llm.get_tool_calls_from_response(li_llm.chat_with_tools([FunctionTool.from_defaults(_li_add, name="add")], user_msg="2+3?"))
     assert [(c["name"], c["args"]) for c in lc.tool_calls] == [(s.tool_name, s.tool_kwargs) for s in li] == [("add", {"a": 2, "b": 3})]
+
+
+def test_an_argument_the_tool_does_not_declare_makes_the_call_invalid_in_both_adapters():
+    """As the call grammar's strict mode does: LangChain reports it in invalid_tool_calls, LlamaIndex
+    never hands it to the tool as arguments (a tool of either framework may drop unknown ones)."""
+    reply = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3, "c": 4}}</tool_call>'
+    lc = ChatFlashSpec(engine=ScriptedEngine([reply])).bind_tools([add]).invoke("2+3?")
+    assert lc.tool_calls == [] and "unknown arguments ['c']; add takes ['a', 'b']" in lc.invalid_tool_calls[0]["error"]
+    li_llm = FlashSpecLLM(engine=ScriptedEngine([reply]))
+    response = li_llm.chat_with_tools([FunctionTool.from_defaults(_li_add, name="add")], user_msg="2+3?")
+    (block,) = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+    assert block.tool_name == "add" and isinstance(block.tool_kwargs, str), "the raw text, not arguments"
+    loose = {"add": {"type": "object", "properties": {"a": {}}, "additionalProperties": True}}
+    assert parse_tool_calls(reply, loose)[1][0].arguments == {"a": 2, "b": 3, "c": 4}
+    assert parse_tool_calls(reply, ["add"])[1][0].valid, "names alone: no schema to check against"
