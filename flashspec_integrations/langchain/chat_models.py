@@ -32,11 +32,13 @@ from flashspec_integrations.prompts import json_instruction, render_prompt, temp
 from flashspec_integrations.tool_calls import (
     ParsedCall,
     ToolCallStreamer,
-    ToolChoice,
     first_json_object,
+    parse_tool_calls,
+)
+from flashspec_integrations.tool_choice import (
+    ToolChoice,
     forced_prefix,
     normalize_tool_choice,
-    parse_tool_calls,
     reply_constraint,
     reply_stops,
     takes_json_schema,
@@ -184,7 +186,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
     def _output_constraint(tools: Sequence[dict], choice: ToolChoice, response_format: Any,
                            native_template: str | None, parallel: bool, constrained: bool) -> dict | None:
         """What the reply is decoded under: a tool call's schema or the calls' structural tag
-        (`tool_calls.reply_constraint`; none for an engine without `json_schema=`), structured
+        (`tool_choice.reply_constraint`; none for an engine without `json_schema=`), structured
         output's schema (also the prompt's JSON instruction), or None."""
         if tools and (choice.forced or response_format is None):
             return reply_constraint(tools, choice, native_template, parallel) if constrained else None

@@ -58,9 +58,11 @@ from flashspec_integrations.llama_index._responses import (
 from flashspec_integrations.prompts import render_prompt, template_supports_tools, tools_instructions
 from flashspec_integrations.settings import FlashSpecFields
 from flashspec_integrations.tool_calls import (
+    loads_lenient,
+)
+from flashspec_integrations.tool_choice import (
     ToolChoice,
     forced_prefix,
-    loads_lenient,
     normalize_tool_choice,
     reply_constraint,
     reply_stops,

@@ -9,7 +9,7 @@ behind this endpoint:
 - the router domain comes from `flashspec_integrations.context.decide_domain`: the `domain` field,
   then `metadata["flashspec_domain"]`, then tools / a tool result / a schema / the prompt;
 - tools are decoded under a grammar by the engine (`json_schema=`, grammar-masked decoding of the
-  target), as the adapters decode them (`tool_calls.reply_constraint`): a call forced to one tool
+  target), as the adapters decode them (`tool_choice.reply_constraint`): a call forced to one tool
   under its JSON schema; with `tool_choice` absent or "auto" (or "required" among several tools)
   under the structural tag of calls in the template's format, so the reply is free text until the
   model opens a call, and every call it opens is valid (`parallel_tool_calls: false` allows one);
@@ -38,9 +38,11 @@ from flashspec_integrations.serve.protocol import APIError, ChatCompletionReques
 from flashspec_integrations.tool_calls import (
     ParsedCall,
     ToolCallStreamer,
+    parse_tool_calls,
+)
+from flashspec_integrations.tool_choice import (
     ToolChoice,
     normalize_tool_choice,
-    parse_tool_calls,
     reply_constraint,
 )
 

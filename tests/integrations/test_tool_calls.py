@@ -12,10 +12,12 @@ from flashspec_integrations.langchain import ChatFlashSpec
 from flashspec_integrations.llama_index import FlashSpecLLM
 from flashspec_integrations.tool_calls import (
     ToolCallStreamer,
-    ToolChoice,
     loads_lenient,
-    normalize_tool_choice,
     parse_tool_calls,
+)
+from flashspec_integrations.tool_choice import (
+    ToolChoice,
+    normalize_tool_choice,
     reply_constraint,
 )
 
