@@ -7,17 +7,19 @@ Three parts, all greedy on the default model (or --target), each with the constr
 1. BFCL-style requests through the LangChain adapter, `bind_tools(tools)` with the choice left to
    the model: each of the 50 tool-suite requests with its tool and two other suite tools bound
    ("multiple"), and 10 requests no tool answers ("irrelevance"). Outcome per request: a valid call
-   of the right tool, a valid call of another, an invalid call (unparsable, or arguments the tool's
-   schema rejects), or prose.
+   of the right tool, of another bound tool; an invalid call opened with `<tool_call>`, cut by the
+   token limit or complete; a JSON object outside any tag that the lenient parser takes for a call
+   but that is not valid (the tag constrains tagged calls only); prose.
 2. Primed calls: the same 50 requests rendered with the Hermes tool prompt and the assistant turn
-   begun with `<tool_call>\\n`, decoded by the engine, under `tool_tags(..., opened=...)` or not.
+   begun with `<tool_call>\n`, decoded by the engine, under `tool_tags(..., opened=...)` or not.
    A call is valid when it parses, names a bound tool and its arguments validate.
 3. Chat steps with tools bound: prompts that want prose, rendered with the tools listed, decoded
-   with the tag and without it, the same prompt ids, interleaved, per fixed arm (plain decoding:
-   one masked position a step; prompt lookup at γ = 8: nine); reports wall seconds per step
-   (the request's set-up, steps and commits; the prompt's prefill excluded, medians), the seconds
-   spent in the grammar's own work timed inside those calls (its share of a step without it), and
-   checks the tokens are the same.
+   with the tag and without it, the same prompt ids, per fixed arm (plain decoding: one masked
+   position a step; prompt lookup at γ = 8: nine), in ABBA order; wall seconds per step (the
+   request's set-up, steps and commits; the prompt's prefill excluded), each configuration's
+   fastest run per prompt (a shared machine only ever adds time), averaged over prompts; the
+   seconds spent in the grammar's own work, timed inside those calls (its share of a step without
+   it); and whether the tokens are the same.
 
     python benchmarks/auto_tool_calls.py --out bench_out/auto_tool_calls
 """
@@ -58,24 +60,33 @@ CHAT_REQUESTS = NO_TOOL_REQUESTS + [
     "Why is the sky blue?", "Describe a good breakfast.", "What is a prime number?", "How do plants grow?",
     "Name three famous painters.", "What is the difference between weather and climate?",
 ]
-OUTCOMES = ("right tool", "other tool", "invalid call", "prose")
+OUTCOMES = ("right tool", "other tool", "cut at limit", "invalid tagged", "untagged JSON", "prose")
 OPENED = CALL_OPEN + "\n"
 
 
-class WithoutGrammar:
-    """The engine as the adapters see one that cannot decode under a grammar: free output."""
+class Recording:
+    """The engine, with every result the adapter gets from it kept (the reply's raw text)."""
 
     def __init__(self, engine: SpecEngine) -> None:
         self._engine = engine
+        self.results: list = []
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None):
-        return self._engine.generate(prompt, max_new_tokens, sampling, stop, domain, hint)
+    def _keep(self, result):
+        self.results.extend(result if isinstance(result, list) else [result])
+        return result
 
-    def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None):
-        return self._engine.stream(prompt, max_new_tokens, sampling, stop, domain, hint)
+    def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, json_schema=None):
+        return self._keep(self._engine.generate(prompt, max_new_tokens, sampling, stop, domain, hint, json_schema))
+
+
+class WithoutGrammar(Recording):
+    """The engine as the adapters see one that cannot decode under a grammar: free output."""
+
+    def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None):
+        return self._keep(self._engine.generate(prompt, max_new_tokens, sampling, stop, domain, hint))
 
 
 def schemas_of(tools: list[dict]) -> dict[str, dict]:
@@ -92,12 +103,18 @@ def valid(name: str | None, args: dict | None, schemas: dict[str, dict]) -> bool
     return True
 
 
-def outcome(calls: list[tuple[str | None, dict | None]], wanted: str | None, schemas: dict[str, dict]) -> str:
+def outcome(calls: list[tuple[str | None, dict | None]], wanted: str | None, schemas: dict[str, dict],
+            text: str, finish_reason: str) -> str:
+    """What a reply holds: valid calls (of the wanted tool, or another), an invalid call opened
+    with `<tool_call>` (cut by the token limit, or complete), a JSON object outside any tag that
+    the lenient parser takes for a call but that is not valid, or prose."""
     if not calls:
         return "prose"
-    if not all(valid(n, a, schemas) for n, a in calls):
-        return "invalid call"
-    return "right tool" if wanted in [n for n, _ in calls] else "other tool"
+    if all(valid(n, a, schemas) for n, a in calls):
+        return "right tool" if wanted in [n for n, _ in calls] else "other tool"
+    if CALL_OPEN not in text:
+        return "untagged JSON"
+    return "cut at limit" if finish_reason == "length" else "invalid tagged"
 
 
 def cases(rng: random.Random) -> list[tuple[str, str | None, str, list[dict]]]:
@@ -114,17 +131,18 @@ def part_auto(engine: SpecEngine, max_tokens: int, limit: int, rows: list) -> di
     """1: the adapter with the choice left to the model, with and without the tag."""
     counts: dict[str, Counter] = {}
     for grammar in (True, False):
-        model = ChatFlashSpec(engine=engine if grammar else WithoutGrammar(engine), max_tokens=max_tokens,
-                              no_repeat_ngram_size=3)
+        recorder = Recording(engine) if grammar else WithoutGrammar(engine)
+        model = ChatFlashSpec(engine=recorder, max_tokens=max_tokens, no_repeat_ngram_size=3, batch_window=0.0)
         every = cases(random.Random(0))
         for kind, wanted, request, bound in every[:limit] + every[len(TOOL_SUITE):]:
             reply = model.bind_tools(bound).invoke([HumanMessage(request)])
+            raw = recorder.results[-1]
             calls = [(c["name"], c["args"]) for c in reply.tool_calls] + \
                     [(c["name"], None) for c in reply.invalid_tool_calls]
-            result = outcome(calls, wanted, schemas_of(bound))
+            result = outcome(calls, wanted, schemas_of(bound), raw.text, raw.finish_reason)
             counts.setdefault(f"{kind} {'with' if grammar else 'without'} tag", Counter())[result] += 1
             rows.append({"part": "auto", "grammar": grammar, "request": request, "wanted": wanted,
-                         "outcome": result, "content": reply.content, "calls": calls})
+                         "outcome": result, "text": raw.text, "calls": calls})
     return counts
 
 
@@ -143,7 +161,7 @@ def part_primed(engine: SpecEngine, max_tokens: int, limit: int, rows: list) -> 
             _, parsed = parse_tool_calls(OPENED + closed, list(schemas_of(bound)),
                                          res.finish_reason != "length")
             calls = [(c.name, c.arguments) for c in parsed] or [(None, None)]
-            result = outcome(calls, wanted, schemas_of(bound))
+            result = outcome(calls, wanted, schemas_of(bound), OPENED + res.text, res.finish_reason)
             counts.setdefault(f"primed {'with' if grammar else 'without'} tag", Counter())[result] += 1
             rows.append({"part": "primed", "grammar": grammar, "request": request, "wanted": wanted,
                          "outcome": result, "text": res.text})
@@ -193,8 +211,8 @@ def part_cost(target, max_tokens: int, reps: int, limit: int, rows: list) -> dic
                                    add_special_tokens=False).input_ids
             engine.generate(ids, max_new_tokens=4, json_schema=spec)  # the prompt's prefix cached alike for both
             runs: dict[bool, list] = {True: [], False: []}
-            for _ in range(reps):
-                for grammar in (False, True):
+            for rep in range(reps):
+                for grammar in ((False, True) if rep % 2 == 0 else (True, False)):  # ABBA: no order favoured
                     with GrammarClock() as clock:
                         t0 = time.perf_counter()
                         res = engine.generate(ids, max_new_tokens=max_tokens, json_schema=spec if grammar else None,
@@ -203,16 +221,18 @@ def part_cost(target, max_tokens: int, reps: int, limit: int, rows: list) -> dic
                     runs[grammar].append(((wall - res.stats.prefill_seconds) / res.stats.steps, res))
                     if grammar:
                         grammar_per_step.append(clock.seconds / res.stats.steps)
-            for grammar in (False, True):
-                per_step[grammar].append(statistics.median(s for s, _ in runs[grammar]))
+            for grammar in (False, True):  # each configuration's least-disturbed run on this prompt
+                per_step[grammar].append(min(s for s, _ in runs[grammar]))
             same += runs[True][0][1].token_ids == runs[False][0][1].token_ids
             rows.append({"part": "cost", "arm": str(arm), "request": request,
                          "opened_a_call": CALL_OPEN in runs[True][0][1].text,
                          "ms_per_step": {str(g): [1e3 * s for s, _ in runs[g]] for g in runs}})
-        without, with_tag = statistics.median(per_step[False]), statistics.median(per_step[True])
+        without, with_tag = statistics.mean(per_step[False]), statistics.mean(per_step[True])
+        ratios = sorted(t / f for f, t in zip(per_step[False], per_step[True]))
         grammar_ms = 1e3 * statistics.median(grammar_per_step)
         out[str(arm)] = {"ms_per_step_without": 1e3 * without, "ms_per_step_with": 1e3 * with_tag,
-                         "ratio": with_tag / without, "grammar_ms_per_step": grammar_ms,
+                         "ratio": with_tag / without, "ratio_median": statistics.median(ratios),
+                         "ratio_range": [ratios[0], ratios[-1]], "grammar_ms_per_step": grammar_ms,
                          "grammar_share": grammar_ms / (1e3 * without),
                          "identical_outputs": f"{same}/{len(CHAT_REQUESTS[:limit])}"}
     return out
@@ -224,7 +244,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--primed-tokens", type=int, default=160)
     parser.add_argument("--chat-tokens", type=int, default=48)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--parts", default="auto,primed,cost")
     parser.add_argument("--limit", type=int, default=len(TOOL_SUITE), help="suite requests (and chat prompts) to run")
     parser.add_argument("--out", default="bench_out/auto_tool_calls")
@@ -246,16 +266,18 @@ def main() -> None:
     for part in ("auto", "primed"):
         if part in results:
             print(f"\n{part}: greedy, max_tokens={args.max_tokens if part == 'auto' else args.primed_tokens}")
-            print(f"{'requests':<28}{'n':>4}" + "".join(f"{o:>14}" for o in OUTCOMES))
+            print(f"{'requests':<28}{'n':>4}" + "".join(f"{o:>16}" for o in OUTCOMES))
             for kind, c in results[part].items():
-                print(f"{kind:<28}{sum(c.values()):>4}" + "".join(f"{c[o]:>14}" for o in OUTCOMES))
+                print(f"{kind:<28}{sum(c.values()):>4}" + "".join(f"{c[o]:>16}" for o in OUTCOMES))
     if "cost" in results:
-        print(f"\nchat steps with tools bound, {args.chat_tokens} tokens, {args.reps} alternations per prompt, medians")
-        print(f"{'arm':<18}{'ms/step without':>16}{'ms/step with':>14}{'ratio':>8}{'grammar ms/step':>17}"
-              f"{'share':>8}{'same tokens':>13}")
+        print(f"\nchat steps with tools bound, {args.chat_tokens} tokens, {args.reps} runs of each per prompt (ABBA), "
+              "each prompt's fastest run, mean over prompts")
+        print(f"{'arm':<18}{'ms/step without':>16}{'ms/step with':>14}{'ratio':>8}{'median ratio':>14}"
+              f"{'grammar ms/step':>17}{'share':>8}{'same tokens':>13}")
         for arm, r in results["cost"].items():
             print(f"{arm:<18}{r['ms_per_step_without']:>16.2f}{r['ms_per_step_with']:>14.2f}{r['ratio']:>8.3f}"
-                  f"{r['grammar_ms_per_step']:>17.3f}{100 * r['grammar_share']:>7.2f}%{r['identical_outputs']:>13}")
+                  f"{r['ratio_median']:>14.3f}{r['grammar_ms_per_step']:>17.3f}{100 * r['grammar_share']:>7.2f}%"
+                  f"{r['identical_outputs']:>13}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({**results, "rows": rows}, indent=1, default=str))
