@@ -25,6 +25,7 @@ one is compiled with the same compact, strict settings as a plain schema.
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import weakref
@@ -178,6 +179,14 @@ def _compact(fmt: Any) -> Any:
     return {k: _compact(v) for k, v in fmt.items()}
 
 
+@functools.lru_cache(maxsize=256)
+def _compacted(spec_text: str) -> str:
+    """A structural tag's JSON text with its JSON schemas compacted (one conversion per distinct tag:
+    agent loops send the same tools every step)."""
+    spec = json.loads(spec_text)
+    return json.dumps({**spec, "format": _compact(spec.get("format"))})
+
+
 def compile_structural_tag(
     spec: dict, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]
 ) -> Grammar:
@@ -188,9 +197,10 @@ def compile_structural_tag(
     if not stops:
         raise ValueError("json_schema: the model has no EOS token, so a constrained row could never end")
     try:
-        text = json.dumps({**spec, "format": _compact(spec.get("format"))})
+        spec_text = json.dumps(spec, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"json_schema: the structural tag is not JSON-serialisable ({exc})") from exc
+    text = _compacted(spec_text)  # ValueError naming the schema xgrammar cannot compile
     compiler = _compilers.get(tokenizer, vocab_size, stops)
     try:
         compiled = compiler.compile_structural_tag(text)

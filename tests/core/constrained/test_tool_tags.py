@@ -94,6 +94,16 @@ def test_free_text_then_valid_calls_of_bound_tools_only(tok):
     assert not accepts(tok, spec, '<tool_call>\n{"name": "clock", "arguments": {"zone": "utc"}}'), "EOS inside a call"
 
 
+def test_a_bad_tag_is_a_value_error_naming_json_schema(tok):
+    bad = {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}
+    with pytest.raises(ValueError, match="json_schema: xgrammar cannot compile a schema inside the structural tag"):
+        grammar_of(tok, tool_tags([bad]))
+    with pytest.raises(ValueError, match="json_schema: xgrammar cannot compile this structural tag"):
+        grammar_of(tok, {"type": "structural_tag", "format": {"type": "no_such_format"}})
+    with pytest.raises(ValueError, match="not JSON-serialisable"):
+        grammar_of(tok, {"type": "structural_tag", "format": {"type": "const_string", "value": object()}})
+
+
 def test_required_parallel_and_opened(tok):
     clock = HERMES.call("clock", {"zone": "cet"})
     required = tool_tags(TOOLS, required=True)
