@@ -38,6 +38,7 @@ import jsonschema
 import torch
 from langchain_core.messages import HumanMessage
 
+import flashspec_integrations.prompts as prompts
 from flashspec_core import constrained
 from flashspec_core.constrained import Constraint, tool_tags
 from flashspec_core.constrained.tool_suite import TOOL_SUITE
@@ -247,8 +248,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--parts", default="auto,primed,cost")
     parser.add_argument("--limit", type=int, default=len(TOOL_SUITE), help="suite requests (and chat prompts) to run")
+    parser.add_argument("--tools-header", default=None,
+                        help="another tool-prompt template (a str.format template with a {tools} field)")
     parser.add_argument("--out", default="bench_out/auto_tool_calls")
     args = parser.parse_args()
+    if args.tools_header:
+        prompts.TOOLS_HEADER = Path(args.tools_header).read_text()
     parts = args.parts.split(",")
     target = load_target(args.target)
     engine = SpecEngine.from_default() if args.target is None else SpecEngine(target)
