@@ -5,12 +5,14 @@
 
 The agent's model is ChatFlashSpec over the embedded default model. Each model call prints the
 router domain it reached and the draft chosen: the step that must pick a tool is a forced call
-(domain "json": one JSON object matching the tool's schema), the step that reads the tool's
-result and answers is "tool/result". The default model has 135M parameters and never calls a tool
-on its own (0 of 50 requests, benchmarks/auto_tool_calls.py), so a middleware keeps the loop short
-and deterministic: the first model call must call a tool, the call after a tool result must answer
-in words. A larger target of your own (`--target`, a local folder or cached HF id) can drop that
-middleware (`--auto-tools`): the model then decides when to call.
+(domain "json": a call of one of the two tools, decoded under the tools' schemas), the step that
+reads the tool's result and answers is "tool/result". The default model has 135M parameters and
+rarely calls a tool on its own (benchmarks/auto_tool_calls.py), so a middleware keeps the loop
+short and deterministic: the first model call must call a tool (the model picks which, from the
+tools' descriptions, and writes the arguments from the question), the call after a tool result
+must answer in words. A larger target of your own (`--target`, a local folder or cached HF id)
+can drop that middleware (`--auto-tools`): the model then decides when to call, and a call it
+opens is still decoded under the tools' schemas.
 """
 from __future__ import annotations
 
@@ -50,9 +52,12 @@ def _eval(node: ast.AST) -> float:
     raise ValueError("only numbers and + - * / ** % are allowed")
 
 
+# The descriptions say what each tool is for with an example: with "Evaluate an arithmetic expression
+# such as '17 * 23'" and "Count the words in a text", the default model called the calculator to
+# count words.
 @tool
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression such as '17 * 23' and return the result."""
+    """Evaluate arithmetic on numbers, such as '17 * 23'."""
     try:
         return str(_eval(ast.parse(expression, mode="eval").body))
     except (SyntaxError, ValueError, ZeroDivisionError) as exc:
@@ -61,7 +66,7 @@ def calculator(expression: str) -> str:
 
 @tool
 def word_count(text: str) -> int:
-    """Count the words in a text."""
+    """Count how many words a text has, such as 'the cat sat' (3 words)."""
     return len(text.split())
 
 

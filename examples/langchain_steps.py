@@ -29,6 +29,8 @@ class StepPrinter(BaseCallbackHandler):
             "accepted": info.get("accepted"),
             "drafted": info.get("drafted"),
             "tool_calls": [c["name"] for c in getattr(message, "tool_calls", None) or []],
+            "tool_args": [c["args"] for c in getattr(message, "tool_calls", None) or []],
+            "text": gen.text,
         }
         self.steps.append(step)
         if not self.quiet:

@@ -1,7 +1,8 @@
-"""Tool calls for both adapters: the tool choice, forced calls, and one lenient parser.
+"""Tool calls read back for both adapters and the server: one lenient parser, one streamer.
 
 Calls are written in the Hermes/Qwen format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-(`prompts.py` asks for it). Both adapters read replies with `parse_tool_calls` and turn the
+(`prompts.py` asks for it; `tool_choice.py` decides what a reply is decoded under). Both adapters
+read replies with `parse_tool_calls` (streams with `ToolCallStreamer`) and turn the
 framework-neutral `ParsedCall`s into their own objects (LangChain `tool_calls` and
 `invalid_tool_calls`, LlamaIndex `ToolCallBlock`s), so a reply means the same in either framework.
 
@@ -11,17 +12,12 @@ honest where it is not. Lenient: code fences, trailing commas, single quotes and
 brackets before `</tool_call>`, `parameters`/`args`/`input` for `arguments`, arguments given as a
 JSON string, OpenAI's `{"function": {...}}` nesting, a tool name in the wrong case. Honest: a call
 cut off by the token limit, a call without a name, a tool that is not bound, arguments that are not
-an object all come back as invalid calls with the reason, never as valid ones.
-
-Forced calls (tool choice "any"/"required"/True, LlamaIndex's `tool_required`, or a tool's name)
-are decoded under the call's JSON schema when the engine takes `json_schema=` (the real engine
-does: `flashspec_core/constrained`), so they always parse, as a bare call object; engines without
-it (test doubles, custom engines) get the call's opening written for them (`forced_prefix`).
+an object, and (given the tools' parameters) an argument the tool does not declare all come back as
+invalid calls with the reason, never as valid ones, in every adapter alike.
 """
 from __future__ import annotations
 
 import ast
-import inspect
 import json
 import re
 import uuid
@@ -31,91 +27,12 @@ from typing import Any
 
 import dirtyjson
 
-from flashspec_core.constrained.tool_schema import tool_call_schema
-
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 ARGUMENT_KEYS = ("arguments", "parameters", "args", "input", "kwargs")
-_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.S)
 _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
 _FENCED_OBJECT = re.compile(r"```(?:json)?\s*(\{.*?\})\s*```", re.S)
 _NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
-_FORCING = ("any", "required")
-
-
-# ------------------------------------------------------------------------------ tool choice
-
-
-def tool_name(spec: Mapping) -> str:
-    """The name of an OpenAI-format tool dict."""
-    return str(spec["function"]["name"])
-
-
-@dataclass(frozen=True)
-class ToolChoice:
-    """A normalised tool choice: whether a call is forced, the tool's name when one is named, and
-    "none" (tools listed nowhere and never called)."""
-
-    forced: bool = False
-    name: str | None = None
-    none: bool = False
-
-
-def normalize_tool_choice(choice: Any, tools: Sequence[Mapping], required: bool = False) -> ToolChoice:
-    """Both frameworks' spellings: None/"auto"/False, "none", "any"/"required"/True (or
-    `required=True`, LlamaIndex's `tool_required`), a tool's name, or
-    `{"type": "function", "function": {"name": ...}}`."""
-    names = [tool_name(t) for t in tools]
-    if isinstance(choice, Mapping):  # OpenAI's {"function": {"name"}}, Anthropic's {"type", "name"}
-        choice = (choice.get("function") or {}).get("name") or choice.get("name") or choice.get("type")
-    if choice == "none":
-        return ToolChoice(none=True)
-    if isinstance(choice, str) and choice not in ("auto", *_FORCING):
-        if choice not in names:
-            raise ValueError(f"tool_choice must be 'auto', 'none', 'any', 'required', True or one of the "
-                             f"tools' names {names}; got {choice!r}")
-        return ToolChoice(forced=True, name=choice)
-    if choice is True or choice in _FORCING or (required and names):
-        return ToolChoice(forced=True, name=names[0] if len(names) == 1 else None)
-    if choice in (None, False, "auto"):
-        return ToolChoice()
-    raise ValueError(f"tool_choice must be 'auto', 'none', 'any', 'required', True or a tool's name; got {choice!r}")
-
-
-def takes_json_schema(engine: Any) -> bool:
-    """Whether the engine decodes under a JSON schema (its `submit` takes `json_schema=`)."""
-    try:
-        return "json_schema" in inspect.signature(engine.submit).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def reply_stops(tools_in_play: bool, single_call: bool, hermes: bool) -> tuple[str, ...]:
-    """Stop strings of a reply with tools in play: the model never writes a tool's result itself
-    (the framework supplies it), and a reply of one call stops where the call closes."""
-    if not tools_in_play:
-        return ()
-    return (RESPONSE_OPEN, RESPONSE_CLOSE, CALL_CLOSE) if single_call and hermes else (RESPONSE_OPEN, RESPONSE_CLOSE)
-
-
-def forced_call_schema(tools: Sequence[Mapping], choice: ToolChoice) -> dict:
-    """The JSON schema of the one call a forced choice allows."""
-    return tool_call_schema(list(tools), choice.name or "any")
-
-
-def forced_prefix(choice: ToolChoice, constrained: bool) -> str:
-    """The reply's opening for a forced call in the Hermes format. Under a schema, none: the
-    grammar writes the bare call object (with the tag written first, the 135M default model
-    rambled inside the JSON strings until the token limit: langchain-tests' pydantic Joke ran to
-    128 tokens instead of 49). Unconstrained, the tag and the call as far as the tool's name."""
-    if not choice.forced or constrained:
-        return ""
-    if choice.name is None:
-        return f'{CALL_OPEN}\n{{"name": "'
-    return f'{CALL_OPEN}\n{{"name": {json.dumps(choice.name)}, "arguments": {{'
-
-
-# ---------------------------------------------------------------------------------- parsing
 
 
 @dataclass(frozen=True)
@@ -215,8 +132,10 @@ def _known(name: Any, names: Sequence[str]) -> str | None:
     return name if name in names else {n.lower(): n for n in names}.get(name.lower())
 
 
-def _call(raw: str, closed: bool, names: Sequence[str]) -> ParsedCall:
-    """The call in the JSON text of one `<tool_call>` block (valid, or invalid with the reason)."""
+def _call(raw: str, closed: bool, names: Sequence[str] | Mapping[str, Any]) -> ParsedCall:
+    """The call in the JSON text of one `<tool_call>` block (valid, or invalid with the reason).
+    names: the bound tools' names, or a mapping of each to its parameters schema, against which
+    the argument names are then checked."""
     call_id = new_call_id()
     try:
         obj = loads_lenient(raw, closed)
@@ -242,10 +161,25 @@ def _call(raw: str, closed: bool, names: Sequence[str]) -> ParsedCall:
         args = {}
     if not isinstance(args, dict):
         return ParsedCall(call_id, name, None, raw.strip(), "the arguments are not a JSON object")
+    unknown, known = _unknown_arguments(args, names.get(name) if isinstance(names, Mapping) else None)
+    if unknown:
+        return ParsedCall(call_id, name, None, raw.strip(),
+                          f"unknown arguments {unknown}; {name} takes {known}")
     return ParsedCall(call_id, name, args, raw.strip())
 
 
-def _bare_call(text: str, names: Sequence[str], finished: bool) -> tuple[int, ParsedCall] | None:
+def _unknown_arguments(args: dict, parameters: Any) -> tuple[list[str], list[str]]:
+    """(the argument names `parameters` does not declare, the ones it does); none unknown when it
+    declares no properties or allows others (`additionalProperties`), as the call grammar's
+    strict mode reads a schema."""
+    if not isinstance(parameters, Mapping) or not isinstance(parameters.get("properties"), Mapping) \
+            or parameters.get("additionalProperties", False) not in (False, None):
+        return [], []
+    known = list(parameters["properties"])
+    return [k for k in args if k not in known], known
+
+
+def _bare_call(text: str, names: Sequence[str] | Mapping[str, Any], finished: bool) -> tuple[int, ParsedCall] | None:
     """A call written without tags (a fenced or bare JSON object), where it starts; only a known
     tool's name makes such an object a call, so an ordinary JSON answer is not mistaken for one."""
     candidates = [(m.start(), m.group(1)) for m in _FENCED_OBJECT.finditer(text)]
@@ -270,15 +204,52 @@ def _bare_call(text: str, names: Sequence[str], finished: bool) -> tuple[int, Pa
     return None
 
 
-def parse_tool_calls(text: str, names: Sequence[str], finished: bool = True) -> tuple[str, list[ParsedCall]]:
+def _block(text: str, start: int) -> tuple[int, int, str, bool] | None:
+    """The first call block at or after `start`: (where it begins, where it ends, the text inside
+    the tags, whether its close tag was found). The call's JSON object is read first, so a string
+    in it may hold anything, `</tool_call>` included; text that is not one JSON object ends at the
+    first close tag (or at the end of `text`)."""
+    begin = text.find(CALL_OPEN, start)
+    if begin < 0:
+        return None
+    inner = begin + len(CALL_OPEN)
+    obj = inner + len(text[inner:]) - len(text[inner:].lstrip())
+    try:
+        end = json.JSONDecoder().raw_decode(text, obj)[1]
+        close = text.find(CALL_CLOSE, end)
+        if close >= 0 and not text[end:close].strip():
+            return begin, close + len(CALL_CLOSE), text[inner:close], True
+    except json.JSONDecodeError:
+        pass
+    close = text.find(CALL_CLOSE, inner)
+    if close < 0:
+        return begin, len(text), text[inner:], False
+    return begin, close + len(CALL_CLOSE), text[inner:close], True
+
+
+def _blocks(text: str) -> Iterator[tuple[int, int, str, bool]]:
+    at = 0
+    while (block := _block(text, at)) is not None:
+        yield block
+        at = block[1]
+
+
+def parse_tool_calls(text: str, names: Sequence[str] | Mapping[str, Any],
+                     finished: bool = True) -> tuple[str, list[ParsedCall]]:
     """Split a reply into (content, calls): `<tool_call>` blocks, else one untagged JSON call.
+
+    names: the bound tools' names, or a mapping of each to its parameters schema: then a call with
+    an argument its tool does not declare is invalid, as the call grammar makes it impossible.
 
     finished: the model ended the reply itself (EOS or a stop string), so a last block left open
     is complete, not cut off by the token limit.
     """
     if CALL_OPEN in text:
-        calls = [_call(m.group(1), finished or m.group(0).endswith(CALL_CLOSE), names) for m in _BLOCK.finditer(text)]
-        return _BLOCK.sub("", text).strip(), calls
+        blocks = list(_blocks(text))
+        calls = [_call(inner, finished or closed, names) for _, _, inner, closed in blocks]
+        bounds = [0] + [i for begin, end, _, _ in blocks for i in (begin, end)] + [len(text)]
+        content = "".join(text[bounds[i]:bounds[i + 1]] for i in range(0, len(bounds), 2))
+        return content.strip(), calls
     found = _bare_call(text, names, finished) if names else None
     if found is None:
         return text, []
@@ -286,17 +257,24 @@ def parse_tool_calls(text: str, names: Sequence[str], finished: bool = True) -> 
     return text[:where].strip(), [call]
 
 
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 class ToolCallStreamer:
     """Splits streamed text into content deltas and whole calls.
 
     Text outside call blocks streams through at once, except a tail that could still be the start
-    of `<tool_call>`; a block is held until its `</tool_call>` (or the end) and then comes out as
-    one `ParsedCall`. A reply that opens with `{` or a fence is held whole, as it may be an
+    of `<tool_call>`; a block is held until its JSON object and `</tool_call>` have come (or, for
+    a block that is not plain JSON, until the end) and then comes out as one `ParsedCall`. A reply that opens with `{` or a fence is held whole, as it may be an
     untagged call.
     """
 
-    def __init__(self, names: Sequence[str]):
-        self.names = list(names)
+    def __init__(self, names: Sequence[str] | Mapping[str, Any]):
+        self.names = dict(names) if isinstance(names, Mapping) else list(names)
         self._buffer = ""
         self._started = False
         self._bare = False
@@ -322,11 +300,13 @@ class ToolCallStreamer:
             if start:
                 yield self._buffer[:start], None
                 self._buffer = self._buffer[start:]
-            end = self._buffer.find(CALL_CLOSE)
-            if end < 0:
+            block = _block(self._buffer, 0)
+            # Whole once its JSON object is followed by the close tag; text that is not one JSON
+            # object waits for the end of the stream (more may still come to complete it).
+            if block is None or not block[3] or not _is_json_object(block[2]):
                 return
-            raw = self._buffer[len(CALL_OPEN):end]
-            self._buffer = self._buffer[end + len(CALL_CLOSE):]
+            _, end, raw, _ = block
+            self._buffer = self._buffer[end:]
             yield "", _call(raw, True, self.names)
 
     def finish(self, finished: bool) -> Iterator[tuple[str, ParsedCall | None]]:

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import os
 import random
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -372,3 +373,12 @@ class CopyDraft(DraftSource):
 
     def end(self, prompts, outputs):
         pass
+
+
+def from_the_question(argument: str, question: str) -> bool:
+    """Whether a tool argument an example's model wrote comes from the question it was asked: most of
+    its words are the question's (as stems: "lasting" comes from "last"), and at least two."""
+    asked = re.findall(r"[a-z0-9]+", question.lower())
+    written = re.findall(r"[a-z0-9]+", argument.lower())
+    shared = [w for w in written if any(w == a or (len(a) > 2 and (w.startswith(a) or a.startswith(w))) for a in asked)]
+    return len(shared) >= 2 and len(shared) >= 0.6 * len(written)

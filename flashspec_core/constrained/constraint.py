@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
 class GrammarCursor:
     """A row's matcher positioned at some context; everything accepted through it is undone on exit."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._scratch = torch.empty((1, bitmask_width(vocab_size)), dtype=torch.int32)
@@ -118,21 +119,40 @@ class Constraint:
         """The target's logits masked by the grammar along each row's draft path.
 
         logits: [B, γ+1, V] (position j scores the token after draft_tokens[b][:j]);
-        draft_tokens: B lists of at least γ ids. Returns a new [B, γ+1, V] float32 tensor (as every
-        logits processor, whatever the model's dtype), -inf where the grammar forbids. Inactive
-        rows, and positions after a forbidden draft token, are unmasked.
+        draft_tokens: B lists of at least γ ids. Returns a [B, γ+1, V] float32 tensor (as every
+        logits processor, whatever the model's dtype), -inf where the grammar forbids: a new one,
+        or the logits themselves (as float32) where it forbids nothing. Inactive rows, and
+        positions after a forbidden draft token, are unmasked.
         """
         bsz, positions, vocab = logits.shape
         if bsz != self.batch_size or vocab != self.vocab_size:
             raise ValueError(
                 f"logits must be [B={self.batch_size}, γ+1, V={self.vocab_size}]; got {tuple(logits.shape)}"
             )
-        bitmask = torch.full((bsz * positions, self._width), -1, dtype=torch.int32)
-        for b in range(bsz):
-            if active[b]:
-                self._fill_path(b, list(draft_tokens[b][: positions - 1]), bitmask, b * positions)
+        bitmask = self._path_bitmask(draft_tokens, active, positions)
+        if bool((bitmask == -1).all()):
+            # Nothing is forbidden anywhere (free text under a structural tag, for one): masking
+            # would change no logit, so skip unpacking the bits and copying the logits.
+            return logits.float()
         allowed = allowed_from_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
         return logits.float().masked_fill(~allowed.view(bsz, positions, vocab), float("-inf"))
+
+    def forbids_nothing(self, draft_tokens: Sequence[Sequence[int]], active: Sequence[bool]) -> bool:
+        """Whether the grammar allows every token at every position of every active row's draft
+        path (γ+1 positions for γ draft tokens): `mask_logits` would then return the target's
+        logits unchanged, so the step may be verified on them as they are (a fused CUDA-graph
+        replay, say) and committed as usual. Free text under a structural tag, mostly."""
+        positions = 1 + max((len(d) for d, a in zip(draft_tokens, active) if a), default=0)
+        return bool((self._path_bitmask(draft_tokens, active, positions) == -1).all())
+
+    def _path_bitmask(self, draft_tokens: Sequence[Sequence[int]], active: Sequence[bool],
+                      positions: int) -> torch.Tensor:
+        """[B * positions, W] int32: row b's masks at its path's positions (all bits set where unmasked)."""
+        bitmask = torch.full((self.batch_size * positions, self._width), -1, dtype=torch.int32)
+        for b in range(self.batch_size):
+            if active[b]:
+                self._fill_path(b, list(draft_tokens[b][: positions - 1]), bitmask, b * positions)
+        return bitmask
 
     def _fill_path(self, row: int, path: list[int], bitmask: torch.Tensor, base: int) -> None:
         matcher = self._matchers[row]

@@ -25,9 +25,15 @@ then runs on one of two worker threads (xgrammar releases the GIL while it compi
 caller gets a ValueError when the limit passes. A compile cannot be interrupted: it finishes on
 its thread and its result lands in the cache, so at most two such compiles run at a time and a
 later call waits for a thread within its own limit.
+
+Structural tags (xgrammar's `StructuralTag`, passed in its JSON form `{"type": "structural_tag",
+"format": {...}}`) compile here too: free text until a trigger such as `<tool_call>`, then a tag
+whose content is constrained (tool_tags.py builds them for tool calls). Every JSON schema inside
+one is compiled with the same compact, strict settings as a plain schema.
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import weakref
@@ -45,6 +51,7 @@ except ImportError:  # pragma: no cover - exercised only without the optional de
 INSTALL_HINT = "pip install 'flashspec-agents[grammar]'"
 JSON_SEPARATORS = (", ", ": ")
 DEFAULT_CACHE_LIMIT_BYTES = 256 << 20
+STRUCTURAL_TAG = "structural_tag"
 
 
 def require_xgrammar() -> None:
@@ -199,6 +206,64 @@ def compile_json_schema(
     return Grammar(compiled, vocab_size, stops, "json_schema")
 
 
+def is_structural_tag(spec: Any) -> bool:
+    """Whether `spec` is a structural tag in xgrammar's JSON form (no JSON schema has this type)."""
+    return isinstance(spec, dict) and spec.get("type") == STRUCTURAL_TAG
+
+
+def _compact_json_ebnf(schema: Any) -> str:
+    """The EBNF of a JSON schema compiled as `compile_json_schema` compiles it."""
+    try:
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
+        )
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"json_schema: xgrammar cannot compile a schema inside the structural tag: {exc}") from exc
+    return str(grammar)
+
+
+def _compact(fmt: Any) -> Any:
+    """A structural tag's formats with every JSON-style `json_schema` format replaced by the compact
+    grammar of its schema (xgrammar's own JSON format allows free whitespace)."""
+    if isinstance(fmt, list):
+        return [_compact(f) for f in fmt]
+    if not isinstance(fmt, dict):
+        return fmt
+    if fmt.get("type") == "json_schema" and fmt.get("style", "json") == "json" and not fmt.get("any_order"):
+        return {"type": "grammar", "grammar": _compact_json_ebnf(fmt.get("json_schema", True))}
+    return {k: _compact(v) for k, v in fmt.items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _compacted(spec_text: str) -> str:
+    """A structural tag's JSON text with its JSON schemas compacted (one conversion per distinct tag:
+    agent loops send the same tools every step)."""
+    spec = json.loads(spec_text)
+    return json.dumps({**spec, "format": _compact(spec.get("format"))})
+
+
+def compile_structural_tag(
+    spec: dict, tokenizer: Any, vocab_size: int, stop_ids: Collection[int]
+) -> Grammar:
+    """Compile a structural tag (xgrammar's JSON form, a dict) for an HF tokenizer; ValueError
+    naming `json_schema` when xgrammar refuses it."""
+    require_xgrammar()
+    stops = tuple(sorted(set(int(s) for s in stop_ids)))
+    if not stops:
+        raise ValueError("json_schema: the model has no EOS token, so a constrained row could never end")
+    try:
+        spec_text = json.dumps(spec, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"json_schema: the structural tag is not JSON-serialisable ({exc})") from exc
+    text = _compacted(spec_text)  # ValueError naming the schema xgrammar cannot compile
+    compiler = _compilers.get(tokenizer, vocab_size, stops)
+    try:
+        compiled = compiler.compile_structural_tag(text)
+    except Exception as exc:  # xgrammar raises its own error types and pydantic's for a bad tag
+        raise ValueError(f"json_schema: xgrammar cannot compile this structural tag: {exc}") from exc
+    return Grammar(compiled, vocab_size, stops, STRUCTURAL_TAG)
+
+
 def as_grammar(spec: dict | str | Grammar, tokenizer: Any, vocab_size: int, stop_ids: Collection[int]) -> Grammar:
     """The engine's `json_schema=` argument as a compiled Grammar (a Grammar passes through)."""
     if isinstance(spec, Grammar):
@@ -218,6 +283,9 @@ def as_grammar(spec: dict | str | Grammar, tokenizer: Any, vocab_size: int, stop
         return spec
     if not isinstance(spec, (dict, str)):
         raise ValueError(
-            f"json_schema: expected a JSON schema (dict or JSON string) or a Grammar; got {type(spec).__name__}"
+            f"json_schema: expected a JSON schema (dict or JSON string), a structural tag or a Grammar; "
+            f"got {type(spec).__name__}"
         )
+    if isinstance(spec, dict) and is_structural_tag(spec):
+        return compile_structural_tag(spec, tokenizer, vocab_size, stop_ids)
     return compile_json_schema(spec, tokenizer, vocab_size, stop_ids)

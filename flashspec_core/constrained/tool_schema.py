@@ -3,8 +3,8 @@
 `tool_call_schema(tools, tool_choice)` gives the schema to pass as `json_schema=` when a tool call
 is forced; "name" comes first, so the grammar fixes the tool before its arguments, and with one tool
 the whole `{"name": "<tool>", "arguments": {"` prefix is forced (and drafted for free).
-`parse_tool_call` reads the constrained output back. Unforced ("auto") calls are not constrained:
-the adapters parse the model's free output leniently.
+`parse_tool_call` reads the constrained output back. Calls the model chooses to make ("auto") are
+constrained from the moment they open by a structural tag instead (tool_tags.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ EMPTY_PARAMETERS: dict = {"type": "object", "properties": {}}
 FORCED_CHOICES = (None, "any", "required")
 
 
-def _name_and_parameters(tool: Any, index: int) -> tuple[str, dict]:
+def tool_name_and_parameters(tool: Any, index: int) -> tuple[str, dict]:
+    """A tool's name and parameters schema (OpenAI format or {"name", "parameters"}); ValueError
+    naming `tools[index]` otherwise."""
     if not isinstance(tool, dict):
         raise ValueError(f"tools[{index}]: expected a dict (OpenAI tool format); got {type(tool).__name__}")
     spec = tool.get("function", tool) if tool.get("type") == "function" else tool
@@ -60,12 +62,12 @@ def tool_call_schema(tools: Sequence[dict], tool_choice: Any = None) -> dict:
     """
     if isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence) or not tools:
         raise ValueError("tools: pass a non-empty list of tool definitions")
-    pairs = [_name_and_parameters(t, i) for i, t in enumerate(tools)]
+    pairs = [tool_name_and_parameters(t, i) for i, t in enumerate(tools)]
     chosen = _chosen_name(tool_choice)
     if chosen is not None:
         pairs = [p for p in pairs if p[0] == chosen]
         if not pairs:
-            names = [_name_and_parameters(t, i)[0] for i, t in enumerate(tools)]
+            names = [tool_name_and_parameters(t, i)[0] for i, t in enumerate(tools)]
             raise ValueError(f"tool_choice: no tool named {chosen!r}; the tools are {names}")
     calls = [
         {

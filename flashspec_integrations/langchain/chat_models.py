@@ -31,12 +31,14 @@ from flashspec_integrations.prompts import json_instruction, render_prompt, temp
 from flashspec_integrations.tool_calls import (
     ParsedCall,
     ToolCallStreamer,
-    ToolChoice,
     first_json_object,
-    forced_call_schema,
+    parse_tool_calls,
+)
+from flashspec_integrations.tool_choice import (
+    ToolChoice,
     forced_prefix,
     normalize_tool_choice,
-    parse_tool_calls,
+    reply_constraint,
     reply_stops,
     takes_json_schema,
     tool_name,
@@ -70,7 +72,7 @@ class _Plan:
     """A prepared call: the engine call and how to read its output."""
 
     call: EngineCall
-    names: list[str]
+    names: dict[str, Any]  # each tool's parameters schema, by name
     parse_tools: bool
     single_call: bool  # one call at most: forced, or parallel_tool_calls=False
 
@@ -180,10 +182,13 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
     @staticmethod
-    def _output_constraint(tools: Sequence[dict], choice: ToolChoice, response_format: Any) -> dict | None:
-        """The JSON schema the whole reply must match (a forced call, structured output), or None."""
-        if choice.forced:
-            return forced_call_schema(tools, choice)
+    def _output_constraint(tools: Sequence[dict], choice: ToolChoice, response_format: Any,
+                           native_template: str | None, parallel: bool, constrained: bool) -> dict | None:
+        """What the reply is decoded under: a tool call's schema or the calls' structural tag
+        (`tool_choice.reply_constraint`; none for an engine without `json_schema=`), structured
+        output's schema (also the prompt's JSON instruction), or None."""
+        if tools and (choice.forced or response_format is None):
+            return reply_constraint(tools, choice, native_template, parallel) if constrained else None
         if isinstance(response_format, dict):
             if response_format.get("type") == "json_schema":
                 return (response_format.get("json_schema") or {}).get("schema") or {"type": "object"}
@@ -207,7 +212,11 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         choice = normalize_tool_choice(kwargs.get("tool_choice"), tools) if tools else ToolChoice()
         shown = [] if choice.none else tools
         response_format = kwargs.get("response_format")
-        schema = self._output_constraint(shown, choice, response_format)
+        hermes = bool(shown) and not template_supports_tools(tokenizer)
+        single = choice.forced or kwargs.get("parallel_tool_calls") is False
+        constrained = takes_json_schema(self.get_engine())
+        schema = self._output_constraint(shown, choice, response_format, None if hermes else tokenizer.chat_template,
+                                         not single, constrained)
         dicts = to_openai_dicts(messages)
         decision = self._decide(
             run_manager, kwargs,
@@ -215,15 +224,13 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
             structured_output=bool(kwargs.get("structured_output")) or response_format is not None,
             roles=[d["role"] for d in dicts], prompt_text="\n".join(d["content"] for d in dicts),
         )
-        text = render_prompt(tokenizer, dicts, shown, json_instruction(schema) if response_format is not None else "")
-        constrained = schema is not None and takes_json_schema(self.get_engine())
-        hermes = bool(shown) and not template_supports_tools(tokenizer)
-        single = choice.forced or kwargs.get("parallel_tool_calls") is False
+        instruction = json_instruction(schema) if response_format is not None else ""
+        text = render_prompt(tokenizer, dicts, shown, instruction)
         call = self._engine_call(
             text, stop, kwargs, decision, prefix=forced_prefix(choice, constrained) if hermes else "",
-            json_schema=schema if constrained else None, extra_stops=reply_stops(bool(shown), single, hermes),
+            json_schema=schema if constrained else None, extra_stops=reply_stops(bool(shown), single, hermes, schema is not None and constrained),
         )
-        return _Plan(call, [tool_name(t) for t in shown], bool(shown), single)
+        return _Plan(call, {tool_name(t): t["function"].get("parameters") for t in shown}, bool(shown), single)
 
     def _metadata(self, outcome: Outcome, finish_reason: str) -> dict[str, Any]:
         return {"model_name": self.model_name, "model_provider": "flashspec", "finish_reason": finish_reason,

@@ -8,7 +8,9 @@ marked `flashspec_partial` and carry no statistics yet: the engine reports them 
 
 Tool calls go on the message twice as well: as `ToolCallBlock`s (what `get_tool_calls_from_response`
 and chat history read) and in `message.additional_kwargs["tool_calls"]` in OpenAI's shape, which is
-where llama-index-core's structured streaming (`process_streaming_objects`) looks for them.
+where llama-index-core's structured streaming (`process_streaming_objects`) looks for them. Streamed
+text deltas with tools in play go through the shared `ToolCallStreamer`, as LangChain's and the
+server's do: call markup never reaches a delta, and the calls come whole on the last chunk.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import json
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -28,7 +31,7 @@ from llama_index.core.base.llms.types import (
 
 from flashspec_core.results import StreamChunk
 from flashspec_integrations.calls import EngineCall, Outcome
-from flashspec_integrations.tool_calls import ParsedCall, new_call_id, parse_tool_calls
+from flashspec_integrations.tool_calls import ParsedCall, ToolCallStreamer, new_call_id, parse_tool_calls
 
 PARTIAL = "flashspec_partial"
 
@@ -38,7 +41,7 @@ class Request:
     """One prepared call: the engine call and how to read what comes back."""
 
     call: EngineCall
-    tool_names: tuple[str, ...] | None = None  # parse tool calls from the output when set
+    tool_names: dict[str, Any] | None = None  # parse tool calls from the output when set: parameters by name
     single_call: bool = False  # keep only the first call (parallel calls not allowed)
     forced_name: str | None = None  # the tool a forced call must call, known before generation
 
@@ -115,9 +118,20 @@ def completion_stream(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[C
 
 
 def chat_stream(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[ChatResponse]:
+    """Chat chunks: the text so far and its delta, with tools in play the text outside calls only."""
+    streamer = ToolCallStreamer(req.tool_names) if req.tool_names is not None else None
+    shown = ""
     for delta, text, outcome in _stream_steps(req, chunks):
+        if streamer is not None:
+            pieces = list(streamer.feed(delta))
+            if outcome is not None:
+                pieces += list(streamer.finish(outcome.finish_reason != "length"))
+            delta = "".join(content for content, _ in pieces)
+            shown += delta
+        else:
+            shown = text
         if outcome is None:
-            yield ChatResponse(message=_message(req, text, False), delta=delta, additional_kwargs={PARTIAL: True})
+            yield ChatResponse(message=_message(req, shown, False), delta=delta, additional_kwargs={PARTIAL: True})
             continue
         raw, extra = _final_info(outcome)
         message = _message(req, text, True, outcome.finish_reason != "length")

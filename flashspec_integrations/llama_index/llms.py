@@ -57,11 +57,13 @@ from flashspec_integrations.llama_index._responses import (
 from flashspec_integrations.prompts import render_prompt, template_supports_tools, tools_instructions
 from flashspec_integrations.settings import FlashSpecFields
 from flashspec_integrations.tool_calls import (
-    ToolChoice,
-    forced_call_schema,
-    forced_prefix,
     loads_lenient,
+)
+from flashspec_integrations.tool_choice import (
+    ToolChoice,
+    forced_prefix,
     normalize_tool_choice,
+    reply_constraint,
     reply_stops,
     takes_json_schema,
     tool_name,
@@ -163,14 +165,16 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         templated = self._uses_chat_template()
         hermes = bool(shown) and not (templated and template_supports_tools(engine.tokenizer))
         single = choice.forced or not kwargs.get("allow_parallel_tool_calls", False)
-        stops = list(reply_stops(bool(shown) or label in (TOOL, TOOL_RESULT, JSON), single and bool(shown), hermes))
+        constrained = takes_json_schema(engine)
+        stops = list(reply_stops(bool(shown) or label in (TOOL, TOOL_RESULT, JSON), single and bool(shown), hermes,
+                                 constrained and bool(shown)))
         prefix, schema = "", None
         if label == REACT:
             stops += REACT_STOPS
             prefix = REACT_PREFIX if self.react_prefill else ""
+        if shown and constrained:  # a forced call's schema, or the structural tag of calls the model may make
+            schema = reply_constraint(shown, choice, None if hermes else engine.tokenizer.chat_template, not single)
         if choice.forced:
-            constrained = takes_json_schema(engine)
-            schema = forced_call_schema(shown, choice) if constrained else None
             prefix = forced_prefix(choice, constrained) if hermes else ""
         if templated:
             text = render_prompt(engine.tokenizer, dicts, shown)
@@ -179,7 +183,7 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
                 messages = [ChatMessage(role=MessageRole.SYSTEM, content=tools_instructions(shown)), *messages]
             text = self.messages_to_prompt(messages)
         call = self._engine_call(text, kwargs, decision, templated, prefix, stops, schema)
-        names = tuple(tool_name(s) for s in shown) if shown else None
+        names = {tool_name(s): s["function"].get("parameters") for s in shown} if shown else None
         return Request(call, tool_names=names, single_call=single, forced_name=choice.name)
 
     def _completion_request(self, prompt: str, formatted: bool, kwargs: dict) -> Request:

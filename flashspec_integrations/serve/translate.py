@@ -8,10 +8,13 @@ behind this endpoint:
   template has no tool support (`prompts.render_prompt`, which takes OpenAI-form messages);
 - the router domain comes from `flashspec_integrations.context.decide_domain`: the `domain` field,
   then `metadata["flashspec_domain"]`, then tools / a tool result / a schema / the prompt;
-- a forced tool call (`tool_choice` "required" or a named function) and a `response_format` schema
-  are decoded under a JSON schema by the engine (`json_schema=`, grammar-masked decoding of the
-  target); the schema is compiled here first, so one that does not compile is a 400 before any
-  decoding;
+- tools are decoded under a grammar by the engine (`json_schema=`, grammar-masked decoding of the
+  target), as the adapters decode them (`tool_choice.reply_constraint`): a call forced to one tool
+  under its JSON schema; with `tool_choice` absent or "auto" (or "required" among several tools)
+  under the structural tag of calls in the template's format, so the reply is free text until the
+  model opens a call, and every call it opens is valid (`parallel_tool_calls: false` allows one);
+  a `response_format` schema likewise. The grammar is compiled here first, so one that does not
+  compile is a 400 before any decoding;
 - tool calls are parsed back from the output, in full or as stream deltas (`tool_calls`).
 
 The adapters' shared helpers are imported here and nowhere else in this package.
@@ -21,26 +24,30 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from flashspec_core.constrained import compile_json_schema, tool_call_schema
+from flashspec_core.constrained import as_grammar, compile_json_schema
+from flashspec_core.constrained.grammar import is_structural_tag
 from flashspec_core.models import vocab_size
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.results import GenerationStats
 from flashspec_core.routing.domains import resolve_domain
 from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
-from flashspec_integrations.prompts import json_instruction, render_prompt
+from flashspec_integrations.prompts import json_instruction, render_prompt, template_supports_tools
 from flashspec_integrations.serve.protocol import APIError, ChatCompletionRequest
 from flashspec_integrations.tool_calls import (
     ParsedCall,
     ToolCallStreamer,
+    parse_tool_calls,
+)
+from flashspec_integrations.tool_choice import (
     ToolChoice,
     normalize_tool_choice,
-    parse_tool_calls,
+    reply_constraint,
 )
 
 # OpenAI's defaults where a request leaves a sampling field out.
@@ -60,6 +67,7 @@ class Plan:
     json_schema: dict | None
     tool_names: tuple[str, ...]
     parse_tools: bool
+    tool_parameters: dict = field(default_factory=dict)  # each tool's parameters schema, by name
 
 
 def _text(content: Any, at: str) -> str:
@@ -83,14 +91,17 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
     return dicts
 
 
-def _output_schema(req: ChatCompletionRequest, tools: list[dict], choice: ToolChoice) -> tuple[dict | None, str | None]:
-    """The schema the whole reply must match and the field it came from, or (None, None)."""
-    if choice.forced:
-        try:
-            return tool_call_schema(tools, choice.name or "required"), "tools"
-        except ValueError as exc:
-            raise APIError(400, str(exc), "tools") from None
+def _output_schema(engine: Any, req: ChatCompletionRequest, tools: list[dict],
+                   choice: ToolChoice) -> tuple[dict | None, str | None]:
+    """What the reply is decoded under (a tool call's schema, the calls' structural tag or the
+    response format's schema) and the field it came from, or (None, None)."""
     fmt = req.response_format
+    if tools and (choice.forced or fmt is None or fmt.type == "text"):
+        native = engine.tokenizer.chat_template if template_supports_tools(engine.tokenizer) else None
+        try:
+            return reply_constraint(tools, choice, native, req.parallel_tool_calls is not False), "tools"
+        except ValueError as exc:
+            raise APIError(400, str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
     if fmt is None or fmt.type == "text":
         return None, None
     if fmt.type == "json_object":
@@ -105,8 +116,11 @@ def _compile_check(engine: Any, schema: dict, field: str, timeout_s: float | Non
     """Compile now (xgrammar caches it for the engine), so a bad or too costly schema is the
     caller's 400."""
     try:
-        compile_json_schema(schema, engine.tokenizer, vocab_size(engine.target_model), sorted(engine.eos_ids),
-                            timeout_s=timeout_s)
+        if is_structural_tag(schema):  # compiled in as_grammar (cached per distinct tag)
+            as_grammar(schema, engine.tokenizer, vocab_size(engine.target_model), sorted(engine.eos_ids))
+        else:
+            compile_json_schema(schema, engine.tokenizer, vocab_size(engine.target_model), sorted(engine.eos_ids),
+                                timeout_s=timeout_s)
     except ValueError as exc:
         raise APIError(400, f"{field}: {exc}", field) from None
 
@@ -141,7 +155,7 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
     except ValueError as exc:
         raise APIError(400, str(exc), "tool_choice") from None
     shown = [] if choice.none else tools
-    schema, schema_field = _output_schema(req, shown, choice)
+    schema, schema_field = _output_schema(engine, req, shown, choice)
     text_of = "\n".join(m["content"] for m in messages)
     try:
         decision = decide_domain(StepContext(
@@ -174,7 +188,8 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     domain = resolve_domain(decision.domain, decision.hint, text)
     names = tuple(t["function"]["name"] for t in shown)
-    return Plan(ids, max_new, sampling, stop, domain, decision, schema, names, bool(shown))
+    parameters = {t["function"]["name"]: t["function"].get("parameters") for t in shown}
+    return Plan(ids, max_new, sampling, stop, domain, decision, schema, names, bool(shown), parameters)
 
 
 # ---------------------------------------------------------------------------------- replies
@@ -195,7 +210,7 @@ def reply_message(plan: Plan, text: str, finish_reason: str) -> tuple[dict, str,
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if not plan.parse_tools:
         return message, finish_reason, []
-    content, parsed = parse_tool_calls(text, list(plan.tool_names), finish_reason != "length")
+    content, parsed = parse_tool_calls(text, plan.tool_parameters or list(plan.tool_names), finish_reason != "length")
     calls = [c for c in parsed if c.valid]
     invalid = [c for c in parsed if not c.valid]
     # No valid call: the whole text stays the content, so nothing the model wrote is hidden.
@@ -211,7 +226,7 @@ class DeltaStream:
     its block closes (arguments are valid JSON only then)."""
 
     def __init__(self, plan: Plan):
-        self._tools = ToolCallStreamer(list(plan.tool_names)) if plan.parse_tools else None
+        self._tools = ToolCallStreamer(plan.tool_parameters or list(plan.tool_names)) if plan.parse_tools else None
         self.called = False
         self._calls = 0
 

@@ -5,16 +5,20 @@ from __future__ import annotations
 import pytest
 from fakes import ScriptedEngine
 from langchain_core.tools import tool
+from llama_index.core.base.llms.types import ToolCallBlock
 from llama_index.core.tools import FunctionTool
 
 from flashspec_integrations.langchain import ChatFlashSpec
 from flashspec_integrations.llama_index import FlashSpecLLM
 from flashspec_integrations.tool_calls import (
     ToolCallStreamer,
-    ToolChoice,
     loads_lenient,
-    normalize_tool_choice,
     parse_tool_calls,
+)
+from flashspec_integrations.tool_choice import (
+    ToolChoice,
+    normalize_tool_choice,
+    reply_constraint,
 )
 
 NAMES = ["add", "lookup"]
@@ -91,6 +95,39 @@ def test_tool_choice_in_both_frameworks_spellings():
         normalize_tool_choice("divide", SPECS)
 
 
+def test_a_call_whose_argument_holds_the_close_tag_is_read_whole():
+    """Under a grammar any string may hold `</tool_call>`: the call's JSON object is read first."""
+    reply = ('Sure <tool_call>\n{"name": "lookup", "arguments": {"city": "a</tool_call>b"}}\n</tool_call> ok '
+             '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>')
+    content, calls = parse_tool_calls(reply, NAMES)
+    assert content == "Sure  ok" and [(c.name, c.arguments) for c in calls] == [
+        ("lookup", {"city": "a</tool_call>b"}), ("add", {})]
+    streamer, out = ToolCallStreamer(NAMES), []
+    for i in range(0, len(reply), 7):
+        out += list(streamer.feed(reply[i: i + 7]))
+    out += list(streamer.finish(True))
+    assert [(c.name, c.arguments) for _, c in out if c] == [(c.name, c.arguments) for c in calls]
+    assert "".join(text for text, _ in out) == "Sure  ok "
+
+
+def test_the_grammar_of_each_tool_choice():
+    """A call forced to one tool: its schema; the model's choice, or one of several required: the
+    structural tag of calls in the prompt's format (the Hermes one unless the template has its own)."""
+    assert reply_constraint(SPECS, ToolChoice(none=True), None, True) is None
+    forced = reply_constraint(SPECS, ToolChoice(forced=True, name="add"), None, True)
+    assert forced["properties"]["name"] == {"const": "add"}
+    auto = reply_constraint(SPECS, ToolChoice(), None, True)["format"]
+    assert auto["type"] == "triggered_tags" and auto["triggers"] == ["<tool_call>"]
+    assert [t["begin"] for t in auto["tags"]] == [f'<tool_call>\n{{"name": "{n}", "arguments": ' for n in NAMES]
+    assert not auto["at_least_one"] and not auto["stop_after_first"]
+    required = reply_constraint(SPECS, ToolChoice(forced=True), None, False)["format"]
+    assert required["at_least_one"] and required["stop_after_first"]
+    llama = reply_constraint(SPECS, ToolChoice(), "{% if tools %}...<|python_tag|>...{% endif %}", True)
+    assert llama["format"]["triggers"] == ['{"name": ']
+    with pytest.raises(ValueError, match="tool-call format this engine cannot constrain"):
+        reply_constraint(SPECS, ToolChoice(), "{% if tools %}[AVAILABLE_TOOLS]{% endif %}", True)
+
+
 def test_the_streamer_passes_text_and_holds_calls_whole():
     streamer = ToolCallStreamer(NAMES)
     out = []
@@ -122,3 +159,18 @@ def test_both_adapters_read_one_reply_as_the_same_calls(reply):
     li_llm = FlashSpecLLM(engine=ScriptedEngine([reply]))
     li = li_llm.get_tool_calls_from_response(li_llm.chat_with_tools([FunctionTool.from_defaults(_li_add, name="add")], user_msg="2+3?"))
     assert [(c["name"], c["args"]) for c in lc.tool_calls] == [(s.tool_name, s.tool_kwargs) for s in li] == [("add", {"a": 2, "b": 3})]
+
+
+def test_an_argument_the_tool_does_not_declare_makes_the_call_invalid_in_both_adapters():
+    """As the call grammar's strict mode does: LangChain reports it in invalid_tool_calls, LlamaIndex
+    never hands it to the tool as arguments (a tool of either framework may drop unknown ones)."""
+    reply = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3, "c": 4}}</tool_call>'
+    lc = ChatFlashSpec(engine=ScriptedEngine([reply])).bind_tools([add]).invoke("2+3?")
+    assert lc.tool_calls == [] and "unknown arguments ['c']; add takes ['a', 'b']" in lc.invalid_tool_calls[0]["error"]
+    li_llm = FlashSpecLLM(engine=ScriptedEngine([reply]))
+    response = li_llm.chat_with_tools([FunctionTool.from_defaults(_li_add, name="add")], user_msg="2+3?")
+    (block,) = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+    assert block.tool_name == "add" and isinstance(block.tool_kwargs, str), "the raw text, not arguments"
+    loose = {"add": {"type": "object", "properties": {"a": {}}, "additionalProperties": True}}
+    assert parse_tool_calls(reply, loose)[1][0].arguments == {"a": 2, "b": 3, "c": 4}
+    assert parse_tool_calls(reply, ["add"])[1][0].valid, "names alone: no schema to check against"

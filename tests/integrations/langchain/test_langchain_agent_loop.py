@@ -62,6 +62,8 @@ def test_unforced_agent_loop_calls_the_tool_and_finishes(build):
     assert isinstance(first, AIMessage) and first.tool_calls[0]["name"] == "get_weather"
     assert isinstance(result, ToolMessage) and result.tool_call_id == first.tool_calls[0]["id"]
     assert isinstance(answer, AIMessage) and not answer.tool_calls and answer.content == "It is sunny and 24 C in Paris."
-    assert len(engine.calls) == 2 and all(c["json_schema"] is None for c in engine.calls)  # never forced
+    # Never forced: each step may call or answer, under the structural tag of the bound tool's calls.
+    assert len(engine.calls) == 2 and all(c["json_schema"]["format"]["triggers"] == ["<tool_call>"]
+                                          and not c["json_schema"]["format"]["at_least_one"] for c in engine.calls)
     assert [c["label"] for c in engine.calls] == ["tool", "tool/result"]
     assert "<tool_response>\nSunny and 24 C in Paris.\n</tool_response>" in engine.calls[1]["prompt"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from fakes import ScriptedEngine
+from helpers import from_the_question
 
 from flashspec_core import SpecEngine
 from flashspec_core.routing.base import Router
@@ -96,7 +97,7 @@ def test_default_model_agent_run_reaches_the_router_under_two_domains(recording_
     """One agent run on the real model: the forced tool-call step and the answer step decode under
     different router domains (what the router saw is recorded per decode step)."""
     router = recording_default_engine.router
-    steps = langchain_agent.main(["--max-tokens", "32", "What is 17 * 23?"])
+    steps = langchain_agent.main(["What is 17 * 23?"])  # the default 40 tokens: the tagged call takes ~35
     out = capsys.readouterr().out
     # Greedy decoding is exact, so the model's output (a valid call here) does not depend on the
     # drafts the router picks: the run is deterministic.
@@ -105,6 +106,20 @@ def test_default_model_agent_run_reaches_the_router_under_two_domains(recording_
     first_answer_step = router.domains.index("tool/result")
     assert set(router.domains[:first_answer_step]) == {"json"}
     assert set(router.domains[first_answer_step:]) == {"tool/result"}
+
+
+@pytest.mark.slow
+def test_default_model_agent_example_answers_its_own_questions(capsys):
+    """The example's main path on the default model: each question gets the right tool, called with
+    arguments written from the question, and a non-empty answer built on the tool's result."""
+    steps = langchain_agent.main([])
+    answers = [line.split("A: ", 1)[1] for line in capsys.readouterr().out.splitlines() if "  A: " in line]
+    calls = [(name, args) for s in steps for name, args in zip(s["tool_calls"], s["tool_args"])]
+    assert [name for name, _ in calls] == ["calculator", "word_count"]
+    for (name, args), question in zip(calls, langchain_agent.QUESTIONS):
+        (argument,) = args.values()
+        assert argument in question and from_the_question(argument, question), (name, args)
+    assert len(answers) == 2 and all(answers) and "391" in answers[0] and "6" in answers[1], answers
 
 
 @pytest.mark.slow
@@ -117,7 +132,7 @@ def test_default_model_rag_example_runs(recording_default_engine, capsys):
 
 def test_agent_example_lets_a_tool_calling_target_choose(capsys):
     """--auto-tools drops the forcing middleware: the model (scripted here as a larger target that
-    calls tools) decides, and nothing is forced or decoded under a schema."""
+    calls tools) decides: nothing is forced, and calls are decoded under the tools' structural tag."""
     def chooses(prompt: str) -> str:
         if "<tool_response>" in prompt:
             return "It is 391."
@@ -127,4 +142,4 @@ def test_agent_example_lets_a_tool_calling_target_choose(capsys):
     steps = langchain_agent.main(["--auto-tools", "What is 17 * 23?"], llm=ChatFlashSpec(engine=engine))
     assert "tool calculator -> 391" in capsys.readouterr().out
     assert [s["domain"] for s in steps] == ["tool", "tool/result"]
-    assert all(c["json_schema"] is None for c in engine.calls)
+    assert all(c["json_schema"]["type"] == "structural_tag" for c in engine.calls)

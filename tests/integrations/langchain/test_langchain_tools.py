@@ -21,6 +21,26 @@ def test_auto_tool_call_is_parsed_with_ids_and_domain_tool():
     assert '"name": "shout"' in engine.calls[0]["prompt"] and "<tools>" in engine.calls[0]["prompt"]
 
 
+def test_auto_calls_are_decoded_under_the_tools_structural_tag():
+    """The model may answer or call; a call it opens is decoded under the bound tools' schemas."""
+    reply = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    model, engine = chat([reply])
+    assert model.bind_tools([add, shout]).invoke("2 + 3?").tool_calls[0]["args"] == {"a": 2, "b": 3}
+    model.bind_tools([add, shout], parallel_tool_calls=False).invoke("2 + 3?")
+    model.bind_tools([add, shout], tool_choice="any").invoke("2 + 3?")
+    auto, single, required = (c["json_schema"]["format"] for c in engine.calls)
+    assert [t["begin"].split('"')[3] for t in auto["tags"]] == ["add", "shout"] and auto["triggers"] == ["<tool_call>"]
+    assert auto["tags"][0]["content"]["json_schema"]["required"] == ["a", "b"]
+    assert (auto["at_least_one"], auto["stop_after_first"]) == (False, False)
+    assert (single["at_least_one"], single["stop_after_first"]) == (False, True)
+    assert (required["at_least_one"], required["stop_after_first"]) == (True, True)
+    assert engine.calls[2]["prompt"].endswith("<|im_start|>assistant\n"), "the grammar writes the opening"
+    assert [c["label"] for c in engine.calls] == ["tool", "tool", "json"]
+    unconstrained = UnconstrainedEngine([reply])
+    ChatFlashSpec(engine=unconstrained).bind_tools([add]).invoke("2 + 3?")
+    assert unconstrained.calls[0]["json_schema"] is None
+
+
 def test_forced_named_call_is_prefilled_stopped_and_parsed_without_a_constraint():
     engine = UnconstrainedEngine(['"a": 1, "b": 2}}\n</tool_call>\nmore text'])
     model = ChatFlashSpec(engine=engine)
@@ -148,7 +168,13 @@ def test_parallel_tool_calls_false_means_one_call():
     assert len(model.bind_tools([add]).invoke("x").tool_calls) == 2
     assert "</tool_call>" not in engine.calls[0]["stop"]
     one = model.bind_tools([add], parallel_tool_calls=False).invoke("x")
-    assert [c["args"] for c in one.tool_calls] == [{"a": 1, "b": 2}] and "</tool_call>" in engine.calls[1]["stop"]
+    assert [c["args"] for c in one.tool_calls] == [{"a": 1, "b": 2}]
+    # The grammar ends the reply after one call (no stop string: it would also cut a call whose
+    # argument holds "</tool_call>"); a free reply stops where its call closes.
+    assert engine.calls[1]["json_schema"]["format"]["stop_after_first"] and "</tool_call>" not in engine.calls[1]["stop"]
+    free = UnconstrainedEngine([two])
+    assert len(ChatFlashSpec(engine=free).bind_tools([add], parallel_tool_calls=False).invoke("x").tool_calls) == 1
+    assert "</tool_call>" in free.calls[0]["stop"]
     streamed = None
     for chunk in model.bind_tools([add]).stream("x", parallel_tool_calls=False):
         streamed = chunk if streamed is None else streamed + chunk

@@ -73,10 +73,28 @@ def test_auto_tool_calls_are_parsed_and_single_call_is_enforced():
     llm, engine = _tool_llm([two])
     single = llm.chat_with_tools(TOOLS, user_msg="Oslo?")
     assert [s.tool_name for s in llm.get_tool_calls_from_response(single)] == ["lookup"]
-    assert engine.calls[0]["hint"] == "tool" and CALL_CLOSE in engine.calls[0]["stop"]
+    assert engine.calls[0]["hint"] == "tool" and CALL_CLOSE not in engine.calls[0]["stop"]  # the grammar ends it
     parallel = llm.chat_with_tools(TOOLS, user_msg="Oslo?", allow_parallel_tool_calls=True)
     assert [s.tool_name for s in llm.get_tool_calls_from_response(parallel)] == ["lookup", "multiply"]
     assert CALL_CLOSE not in engine.calls[1]["stop"]
+    free, free_engine = _tool_llm([two], UnconstrainedEngine)
+    assert len(free.get_tool_calls_from_response(free.chat_with_tools(TOOLS, user_msg="Oslo?"))) == 1
+    assert CALL_CLOSE in free_engine.calls[0]["stop"]
+
+
+def test_auto_calls_are_decoded_under_the_tools_structural_tag():
+    reply = '<tool_call>\n{"name": "lookup", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    llm, engine = _tool_llm([reply])
+    res = llm.chat_with_tools(TOOLS, user_msg="Oslo?")
+    assert [(s.tool_name, s.tool_kwargs) for s in llm.get_tool_calls_from_response(res)] == [("lookup", {"city": "Oslo"})]
+    llm.chat_with_tools(TOOLS, user_msg="Oslo?", allow_parallel_tool_calls=True)
+    llm.chat_with_tools(TOOLS, user_msg="Oslo?", tool_required=True)
+    single, parallel, required = (c["json_schema"]["format"] for c in engine.calls)
+    assert [t["begin"].split('"')[3] for t in single["tags"]] == ["multiply", "lookup"]
+    assert (single["at_least_one"], single["stop_after_first"]) == (False, True), "one call unless parallel"
+    assert (parallel["at_least_one"], parallel["stop_after_first"]) == (False, False)
+    assert (required["at_least_one"], required["stop_after_first"]) == (True, True)
+    assert [c["hint"] for c in engine.calls] == ["tool", "tool", "json"]
 
 
 def test_calls_are_also_in_additional_kwargs_for_llama_index_core():
@@ -109,6 +127,19 @@ def test_partial_streamed_chunks_yield_no_calls_and_the_last_chunk_does():
         assert chunk.additional_kwargs[PARTIAL]
         assert llm.get_tool_calls_from_response(chunk, error_on_no_tool_call=True) == []
     assert [s.tool_kwargs for s in llm.get_tool_calls_from_response(chunks[-1])] == [{"city": "Oslo"}]
+
+
+def test_streamed_deltas_hold_no_call_markup():
+    """As LangChain's and the server's streams: text deltas carry the prose, the call comes whole."""
+    reply = 'Let me look. <tool_call>\n{"name": "lookup", "arguments": {"city": "Oslo"}}\n</tool_call> Done.'
+    llm, _ = _tool_llm([reply])
+    chunks = list(llm.stream_chat_with_tools(TOOLS, user_msg="Oslo?", allow_parallel_tool_calls=True))
+    deltas = "".join(c.delta for c in chunks)
+    assert "<tool_call>" not in deltas and "lookup" not in deltas and deltas == "Let me look.  Done."
+    assert all("tool_call" not in c.message.content for c in chunks[:-1])
+    assert [s.tool_kwargs for s in llm.get_tool_calls_from_response(chunks[-1])] == [{"city": "Oslo"}]
+    plain, _ = _tool_llm(["No <b>tools</b> here."])
+    assert "".join(c.delta for c in plain.stream_chat([ChatMessage(role="user", content="hi")])) == "No <b>tools</b> here."
 
 
 def test_tool_choice_none_hides_the_tools():
@@ -181,4 +212,5 @@ def test_streamed_structured_output_ends_with_the_fields_filled():
     assert [c["hint"] for c in engine.calls] == ["json"] * (4 if PROGRAM_STREAMS_TOOL_CHOICE else 3)
     assert all(c["json_schema"]["properties"]["name"] == {"const": "Person"} for c in engine.calls)
     llm.chat_with_tools(TOOLS, user_msg="hi")  # the forcing ended with the structured calls
-    assert engine.calls[-1]["hint"] == "tool" and engine.calls[-1]["json_schema"] is None
+    last = engine.calls[-1]  # the model's choice: free text or calls, not a forced call
+    assert last["hint"] == "tool" and last["json_schema"]["format"]["at_least_one"] is False

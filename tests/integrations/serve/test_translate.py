@@ -56,6 +56,22 @@ def test_domains_follow_the_adapters_rules(engine):
     assert plan(engine, tools=[WEATHER], tool_choice="none").parse_tools is False
 
 
+def test_tools_without_a_forced_choice_are_decoded_under_their_structural_tag(engine):
+    auto, absent = plan(engine, tools=[WEATHER], tool_choice="auto"), plan(engine, tools=[WEATHER])
+    assert auto.json_schema == absent.json_schema and auto.json_schema["type"] == "structural_tag"
+    fmt = auto.json_schema["format"]
+    assert fmt["triggers"] == ["<tool_call>"] and not fmt["at_least_one"] and not fmt["stop_after_first"]
+    assert plan(engine, tools=[WEATHER], parallel_tool_calls=False).json_schema["format"]["stop_after_first"]
+    two = [WEATHER, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    assert plan(engine, tools=two, tool_choice="required").json_schema["format"]["at_least_one"]
+    assert plan(engine, tools=[WEATHER], tool_choice="none").json_schema is None
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "nope"}}}}}
+    with pytest.raises(APIError) as err:
+        plan(engine, tools=[bad])
+    assert err.value.status == 400 and err.value.param == "tools" and "structural tag" in str(err.value)
+
+
 def test_the_hermes_tool_prompt_and_history_reach_the_model(engine):
     p = plan(engine, tools=[WEATHER], messages=[
         {"role": "user", "content": "Weather in Paris?"},
