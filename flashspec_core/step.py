@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from flashspec_core.backends.base import TargetRunner
+from flashspec_core.constrained.constraint import Constraint
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.paths import PathProcessors
 from flashspec_core.proposals import cut_length
@@ -55,7 +56,9 @@ class Stepper:
         self.device = device
         self.verify_backend = verify_backend
         self._json_tokens = json_tokens  # [V] bool: what the n-gram ban spares under a schema
-        self._unlearned: list[StepRecord] = []
+        # finished steps the router has not learned from, with their row's grammar state (a draft
+        # that reads it is scored after the fact against that row's grammar)
+        self._unlearned: list[tuple[StepRecord, Constraint | None]] = []
         self._turn = 0  # which rows the router learns from next
 
     # ------------------------------------------------------------------------------ prefill
@@ -130,7 +133,7 @@ class Stepper:
                 sequence=row.seq, rows=1, catchup_seconds=min(d.catchup, max(d.seconds, 1e-9)),
                 warmup_seconds=warmup_share if warmup_share < verify_share else 0.0, draft_lengths=self._lengths(row),
                 prefilled=first)
-            records.append(record)
+            records.append((record, row.constraint))
             st = row.stats
             st.drafted += len(d.tokens)
             st.accepted += n
@@ -147,9 +150,12 @@ class Stepper:
     def learn(self) -> None:
         """Hand the router the finished steps it has not learned from yet."""
         while self._unlearned:
-            self.router.update(self._unlearned.pop(0))
+            record, constraint = self._unlearned.pop(0)
+            for draft in self.drafts.values():
+                draft.bind_constraint(constraint)
+            self.router.update(record)
 
-    def _queue_learning(self, records: list[StepRecord]) -> None:
+    def _queue_learning(self, records: list[tuple[StepRecord, Constraint | None]]) -> None:
         """At most LEARN_ROWS of this step's records, taken in turn across steps."""
         if len(records) <= LEARN_ROWS:
             self._unlearned.extend(records)

@@ -274,7 +274,7 @@ def test_engine_tests_reject_a_processor_blind_to_the_draft_path(tiny_target, mo
     drafted token does not count at the positions after it (with the ban, the second token may
     then repeat the first, which the law forbids). The first token is unaffected (its prefix is
     the verified context), so the joint test of the first two tokens must reject, on two samples."""
-    from flashspec_core import engine as engine_module
+    from flashspec_core.processors import paths as engine_module  # where the processors run along the path
 
     original = getattr(engine_module, name)
 
