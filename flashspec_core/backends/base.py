@@ -80,6 +80,19 @@ class TargetRunner(Protocol):
         `verify` instead. draft_probs: [B, γ, V] or None (one-hot). None by default."""
         return None
 
+    def score_step(self, sequences: Sequence[Sequence[int]], needs: Sequence[int],
+                   drafts: Sequence[Sequence[int] | None], active: Sequence[bool],
+                   while_waiting: Callable[[], None] | None = None) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
+        """One forward (a graph replay) for rows of different draft lengths and settings: each
+        active row b comes to hold sequences[b]. Where drafts[b] is None the row gets the logits
+        after its last needs[b] tokens ([needs[b], V], logits[b]); where drafts[b] is its draft
+        (the last len(drafts[b]) tokens of its sequence, needs[b] = len(drafts[b]) + 1) the
+        greedy verification of that draft, done with the forward: [n_accepted, then the accepted
+        tokens and the recovered or bonus token, ...] (verified[b]; where it could not be done
+        there, verified[b] is None and the row gets its logits instead). None when this runner
+        cannot (the default); while_waiting: host work to run while the device computes."""
+        return None
+
     def feed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token to every row, fed from the device without the host reading it, and
         return the logits after it: [B, 1, V]. tokens: [B] long on the device. Only graphed runners

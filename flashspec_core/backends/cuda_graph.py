@@ -6,11 +6,14 @@ the same forward costs a fraction of that. The forward runs over
 `StaticLlama`'s fixed buffers; a step copies ids and positions into the graph's input buffers,
 replays, and, in greedy mode, the same graph takes the argmax at every position and counts the
 accepted prefix, so the host reads back one small tensor: [n_accepted, tokens...] per row.
+The rows' host records (prefix reuse, rollback, growth) are `StaticRows`' (static_rows.py).
 
 A prompt (or a draft's catch-up, or rows feeding different widths) that no decode graph holds
-replays one more graph, of PREFILL_WIDTH, once per piece of that many tokens; the rest (a row
-whose last piece is shorter than the logits asked for) runs the same forward eagerly. Rolling
-back is moving a row's length: positions past it are never read.
+replays one more graph, of PREFILL_WIDTH, once per piece of that many tokens (a few rows among
+many: a one-row twin of it per row, reading and writing its cache row by index); the rest (a row
+whose last piece is shorter than the logits asked for) runs the same forward eagerly. A step of
+rows with different draft lengths and settings is one replay too (`score_step`). Rolling back is
+moving a row's length: positions past it are never read.
 The last SCRATCH slots of each row are where graphs are warmed up and captured (that runs the
 forward for real), so no row ever holds a token there. On the CPU the same class runs eagerly:
 the tests exercise its cache logic against transformers without a GPU.
@@ -26,22 +29,26 @@ from transformers import PreTrainedModel
 
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.graph_step import GraphStep
-from flashspec_core.backends.prefix import common_prefix
 from flashspec_core.backends.static_llama import StaticLlama
+from flashspec_core.backends.static_rows import SCRATCH, StaticRows
 from flashspec_core.models import vocab_size
 from flashspec_core.processors.sampling import SamplingParams
 
 MAX_SAMPLED_ROWS = 256  # rows the Triton kernel's workspace holds from the start (verify/triton.py)
 MAX_SAMPLED_GRAPHS = 32  # past this many, sampled steps of new (width, temperature) run eagerly
 PLACEHOLDER = -1  # a host record's token fed from the device and not read back yet (feed_tokens)
-SCRATCH = 32  # slots at the end of every row kept for warm-up and capture (widths <= SCRATCH)
 INITIAL_LEN = 2048
 # Prompt chunks wider than every decode width replay a graph of this width once per piece. Eagerly,
 # a prompt forward costs its launches whatever its length, and several times more the first time
 # its length is met (cuBLAS and attention pick kernels per shape), which is most requests of an
 # agent: each feeds a prompt of a new length past the prefix it reuses.
 PREFILL_WIDTH = 256
-# A graph's key: rows, width, and for a sampled step (temperature, whether q is one-hot).
+# When at most 1/ROW_SHARE of the rows feed a prompt, each feeds alone, through a graph of one row
+# that reads and writes its cache row by index: a scheduler's newcomer beside 63 decoding rows
+# would otherwise compute 64 rows of PREFILL_WIDTH tokens per piece.
+ROW_SHARE = 4
+# A graph's key: rows (0: one row picked by index), width, and for a sampled step (temperature,
+# whether q is one-hot).
 GraphKey = tuple[int, int, tuple[float, bool] | None]
 
 
@@ -51,7 +58,7 @@ def graphed_sampling(sampling: SamplingParams, vocab: int) -> bool:
     return not sampling.greedy and not 0 < sampling.top_k < vocab and sampling.top_p >= 1.0
 
 
-class GraphedModel(TargetRunner):
+class GraphedModel(StaticRows, TargetRunner):
     """The `TargetRunner` contract on a static cache, with graphs on CUDA.
 
     model: a Llama-family HF model (`static_llama.supports`). graphs: capture CUDA graphs (default:
@@ -63,12 +70,11 @@ class GraphedModel(TargetRunner):
     def __init__(self, model: PreTrainedModel, pad_token_id: int, max_len: int = INITIAL_LEN,
                  graphs: bool | None = None, fuse: bool | None = None) -> None:
         self.model = model
-        self.pad_token_id = pad_token_id
         on_cuda = model.get_output_embeddings().weight.device.type == "cuda"
         self.use_graphs = on_cuda if graphs is None else graphs
         if fuse is None:  # fusing concatenates weight matrices: not those of a 4-bit model
             fuse = self.use_graphs and not getattr(model, "is_loaded_in_4bit", False)
-        self.static = StaticLlama(model, max_len, batch=1, fuse=fuse)
+        StaticRows.__init__(self, StaticLlama(model, max_len, batch=1, fuse=fuse), pad_token_id, self.use_graphs)
         self.device = self.static.device
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("graphs=True needs the model on a CUDA device")
@@ -76,86 +82,11 @@ class GraphedModel(TargetRunner):
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._lock = threading.Lock()  # one replay at a time: graphs share buffers and the cache
         self.captures = 0  # how many graphs were captured (warm-up cost, reported by benchmarks)
-        # Seconds spent capturing graphs and growing the cache: one-time costs that land inside
-        # whichever step triggered them; the engine tells the router, which must not charge them
-        # to that step's arm (one capture costs as much as a hundred steps).
-        self.warmup_seconds = 0.0
+        # warmup_seconds (StaticRows) adds the captures: one-time costs that land inside whichever
+        # step triggered them; the engine tells the router, which must not charge them to that
+        # step's arm (one capture costs as much as a hundred steps).
         self.widths: tuple[int, ...] = ()  # greedy steps are padded up to one of these (see warm)
         self.prefill_width = 0  # set by warm: wider chunks replay a graph of this width per piece
-        self.held: list[list[int]] = [[]]
-
-    # ------------------------------------------------------------------ rows and capacity
-
-    def begin(self, batch_size: int) -> None:
-        """A single prompt keeps what the previous single prompt left (prefix reuse)."""
-        if batch_size != 1 or len(self.held) != 1:
-            self.reset(batch_size)
-
-    def reset(self, batch_size: int) -> None:
-        if self.static.use_rows(batch_size):  # graphs of other row counts stay: same tensors
-            self._drop_graphs()
-        self.held = [[] for _ in range(batch_size)]
-
-    def resize(self, rows: int) -> None:
-        """Feed `rows` rows; the first min(rows, now) keep their caches. Graphs of other row
-        counts stay (same tensors) unless the cache had to be reallocated for more rows."""
-        if rows < 1:
-            raise ValueError(f"rows must be >= 1; got {rows}")
-        if rows == len(self.held) and rows == self.static.batch:
-            return
-        if self.static.use_rows(rows):
-            self._drop_graphs()  # captured on the old buffers
-        self.held = self.held[:rows] + [[] for _ in range(rows - len(self.held))]
-
-    def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
-        return common_prefix(self.held[row], sequence)
-
-    def _ensure(self, length: int) -> None:
-        """Room for rows of `length` tokens plus the scratch slots: double the cache if needed."""
-        if length + SCRATCH <= self.static.max_len:
-            return
-        new = self.static.max_len
-        while length + SCRATCH > new:
-            new *= 2
-        start = time.perf_counter()
-        self.static.resize(new)
-        self._drop_graphs()  # captured on the old buffers
-        self.warmup_seconds += time.perf_counter() - start
-
-    def _plan(self, sequences: Sequence[Sequence[int]], active: Sequence[bool], keep_logits: int) -> list[list[int]]:
-        """Roll each active row back to what it shares with its sequence; return the chunks to feed."""
-        chunks: list[list[int]] = []
-        for b, seq in enumerate(sequences):
-            if not active[b]:
-                chunks.append([])
-                continue
-            keep = min(common_prefix(self.held[b], seq), len(seq) - keep_logits)
-            if keep < 0:
-                raise ValueError("sequences: each active row needs at least keep_logits tokens")
-            del self.held[b][keep:]
-            chunks.append(list(seq[keep:]))
-        self._ensure(max(len(h) for h in self.held) + max(len(c) for c in chunks))
-        return chunks
-
-    def _host_inputs(self, chunks: Sequence[Sequence[int]], width: int,
-                     drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-        """[3, B, width] long on the host: ids, positions and draft tokens, left-aligned per row.
-
-        Columns past a row's chunk (and every column of an inactive row) feed the pad token at
-        positions past the row's end, where nothing valid lives and nothing reads.
-        """
-        bsz = len(chunks)
-        host = torch.empty((3, bsz, width), dtype=torch.long, pin_memory=self.use_graphs)
-        host[0].fill_(self.pad_token_id)
-        host[2].fill_(-1)  # past a row's draft: never equal to a target token, so never accepted
-        starts = torch.tensor([len(h) for h in self.held[:bsz]], dtype=torch.long)
-        torch.add(starts[:, None], torch.arange(width), out=host[1])
-        for b, chunk in enumerate(chunks):
-            if chunk:
-                host[0, b, : len(chunk)] = torch.tensor(chunk)
-            if drafts is not None and drafts[b]:
-                host[2, b, : len(drafts[b])] = torch.tensor(drafts[b])
-        return host
 
     def _drop_graphs(self) -> None:
         """Forget every graph, and capture the next ones into a new memory pool.
@@ -171,20 +102,21 @@ class GraphedModel(TargetRunner):
 
     # ------------------------------------------------------------------ forwards
 
-    def _graph(self, width: int, sampling: SamplingParams | None = None, one_hot: bool = True) -> GraphStep:
+    def _graph(self, width: int, sampling: SamplingParams | None = None, one_hot: bool = True,
+               indexed: bool = False) -> GraphStep:
         head = self.model.get_output_embeddings().weight
         weights = (head.data_ptr(), tuple(head.shape))
         if weights != getattr(self, "_weights", None):  # a trained draft swapped its head rows
             self._drop_graphs()
             self._weights = weights
-        key = self._key(width, sampling, one_hot)
+        key = (0, width, None) if indexed else self._key(width, sampling, one_hot)
         graph = self._graphs.get(key)
         if graph is None:
             start = time.perf_counter()
             # In the scratch slots; wider (the prefill graph), past every row's end.
             slot = self.static.max_len - SCRATCH if width <= SCRATCH else max(len(h) for h in self.held)
-            graph = self._graphs[key] = GraphStep(self.static, self.static.batch, width, self._pool, slot, sampling,
-                                                  one_hot)
+            graph = self._graphs[key] = GraphStep(self.static, 1 if indexed else self.static.batch, width, self._pool,
+                                                  slot, sampling, one_hot, indexed)
             torch.cuda.synchronize(self.device)
             self.captures += 1
             self.warmup_seconds += time.perf_counter() - start
@@ -193,7 +125,8 @@ class GraphedModel(TargetRunner):
     def warm(self, widths: Sequence[int], prefill_width: int = PREFILL_WIDTH) -> None:
         """Capture the graphs of `widths` now (the engine passes 1 and γ + 1 for each γ), and from
         then on pad every greedy step to the smallest of them that fits; and the graph of
-        `prefill_width` (0: none), which then runs every wider chunk piece by piece.
+        `prefill_width` (0: none), which then runs every wider chunk piece by piece (with, once
+        there are ROW_SHARE rows or more, its one-row indexed twin).
 
         Why pad: a copy draft proposes anywhere from 1 to γ tokens, so unpadded steps would need a
         graph per width, each captured (a hundred steps' time) in the middle of some request. On a
@@ -211,6 +144,8 @@ class GraphedModel(TargetRunner):
             if widths and prefill_width > widths[-1]:
                 self._ensure(max(len(h) for h in self.held) + prefill_width)
                 self._graph(prefill_width)
+                if self.static.batch >= ROW_SHARE:
+                    self._graph(prefill_width, indexed=True)
                 self.prefill_width = prefill_width
 
     def _key(self, width: int, sampling: SamplingParams | None, one_hot: bool) -> GraphKey:
@@ -289,6 +224,9 @@ class GraphedModel(TargetRunner):
         row's piece is short or empty); return [B, keep_logits, V], each active row's logits taken
         from the replay of its own last piece (inactive rows: zeros)."""
         width, out = self.prefill_width, None
+        fed = [b for b, a in enumerate(active) if a]
+        if len(fed) * ROW_SHARE <= len(chunks) and (0, width, None) in self._graphs:
+            return self._prefill_rows(chunks, fed, keep_logits)
         for lo in range(0, max(len(c) for c in chunks), width):
             pieces = [c[lo:lo + width] for c in chunks]
             graph = self._replay(pieces, width)
@@ -300,6 +238,62 @@ class GraphedModel(TargetRunner):
                     out[b] = graph.logits[b, len(piece) - keep_logits:len(piece)]
         assert out is not None, "chunks: at least one row feeds tokens (forward_to checks it)"
         return out
+
+    def _prefill_rows(self, chunks: Sequence[Sequence[int]], fed: Sequence[int], keep_logits: int) -> torch.Tensor:
+        """`_prefill_in_pieces` for a few rows `fed` among many: each row's pieces replay the
+        one-row indexed graph on its own cache row, so the other rows cost nothing."""
+        width, out = self.prefill_width, None
+        for b in fed:
+            chunk = chunks[b]
+            for lo in range(0, len(chunk), width):
+                piece = chunk[lo:lo + width]
+                self._ensure(len(self.held[b]) + width)
+                graph = self._graph(width, indexed=True)
+                graph.replay(self._host_inputs([piece], width, first_row=b), slots=[b])
+                self.held[b].extend(piece)
+                if out is None:
+                    out = graph.logits.new_zeros((len(chunks), keep_logits, graph.logits.shape[-1]))
+                if lo + width >= len(chunk):  # row b's last piece: copied before the next replay
+                    out[b] = graph.logits[0, len(piece) - keep_logits:len(piece)]
+        assert out is not None, "fed: at least one row feeds tokens"
+        return out
+
+    @torch.inference_mode()
+    def score_step(self, sequences: Sequence[Sequence[int]], needs: Sequence[int],
+                   drafts: Sequence[Sequence[int] | None], active: Sequence[bool],
+                   while_waiting: Callable[[], None] | None = None) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
+        """One greedy graph replay for rows of different draft lengths and settings (see the
+        `TargetRunner` contract); None when no warmed width holds the longest row's feed (the
+        rows were then only rolled back to what their caches hold).
+
+        Each active row feeds its own tail, at least its last needs[b] tokens, left-aligned and
+        padded to the smallest warmed width that holds the longest (padded columns change no
+        row's logits: `warm`). A row whose feed is exactly its last token and its draft drafts[b]
+        is verified in the graph; its draft slots past len(drafts[b]) hold -1, which no target
+        token equals, so a shorter draft is never accepted past its end. A row verified
+        elsewhere gets its logits instead.
+        """
+        if not self.use_graphs or not self.widths:
+            return None
+        with self._lock:
+            chunks = self._plan(sequences, active, needs)
+            graph_width = next((w for w in self.widths if w >= max(len(c) for c in chunks)), None)
+            if graph_width is None:
+                return None
+            in_graph = [a and d is not None and len(c) == len(d) + 1 for a, d, c in zip(active, drafts, chunks)]
+            graph = self._replay(chunks, graph_width, [d if d is not None and ok else [] for d, ok in zip(drafts, in_graph)])
+            logits: list[torch.Tensor | None] = [  # [need, V] each, copied before the next replay
+                graph.logits[b, len(c) - needs[b]:len(c)].clone() if active[b] and not in_graph[b] else None
+                for b, c in enumerate(chunks)]
+            if while_waiting is not None:
+                while_waiting()
+            result = graph.result.cpu().tolist()  # the step's one sync
+            for b, chunk in enumerate(chunks):
+                self.held[b].extend(chunk)
+        if any(ok and r[0] < 0 for ok, r in zip(in_graph, result)):
+            raise ValueError("the target's logits hold NaN or +inf; check the model's weights and dtype")
+        verified = [r if ok else None for ok, r in zip(in_graph, result)]
+        return verified, logits
 
     @torch.inference_mode()
     def feed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ small tensor per row.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,10 +27,12 @@ class GraphStep:
     `GraphedModel.warm`). Otherwise a sampled step at that temperature, verified by the Triton
     kernel in the graph from the draft's q (`one_hot`: a copy draft, no q) and a seed copied in
     before each replay; its width is exactly γ + 1 (a padded draft slot would be a token to test).
+    indexed: the rows fed are the cache rows in `slots` (set at each replay), not the first
+    `batch`: a scheduler feeds one new prompt without computing the rows beside it.
     """
 
     def __init__(self, static: StaticLlama, batch: int, width: int, pool: _POOL_HANDLE | None, start: int,
-                 sampling: SamplingParams | None = None, one_hot: bool = True) -> None:
+                 sampling: SamplingParams | None = None, one_hot: bool = True, indexed: bool = False) -> None:
         """pool: the memory pool the capture goes into (`torch.cuda.graph_pool_handle()`);
         start: the first slot that warm-up and capture write to (they run the forward for
         real): no row may hold a token from there to start + width."""
@@ -43,6 +46,7 @@ class GraphStep:
         if sampling is not None and not one_hot and width > 1:
             self.q = torch.zeros((batch, width - 1, vocab_size(static.model)), dtype=torch.float32, device=dev)
         self.seed = torch.zeros(1, dtype=torch.long, device=dev)  # the kernel's Philox seed
+        self.slots = torch.arange(batch, device=dev) if indexed else None  # [B] the cache rows fed
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
@@ -50,13 +54,16 @@ class GraphStep:
                 self._body(static)
         torch.cuda.current_stream(dev).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: another thread of the process (a caller's own GPU work, another engine)
+        # may launch kernels while this one captures; in the default global mode its launch
+        # would invalidate the capture and fail the step.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.logits, self.result = self._body(static)
 
     def _body(self, static: StaticLlama) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, W, V] and result [B, 1 + W]: n_accepted (-1 for NaN/+inf logits), then the
         accepted tokens and the recovered or bonus token, PAD after."""
-        logits = static(self.ids, self.positions)
+        logits = static(self.ids, self.positions, slots=self.slots)
         if self.sampling is not None:
             from flashspec_core.verify.triton import verify_triton
 
@@ -72,10 +79,11 @@ class GraphStep:
         return logits, torch.cat([torch.where(bad, -1, n_acc)[:, None], tokens], dim=1)
 
     def replay(self, host: torch.Tensor, q: torch.Tensor | None = None, seed: torch.Tensor | None = None,
-               first: torch.Tensor | None = None) -> None:
+               first: torch.Tensor | None = None, slots: Sequence[int] | None = None) -> None:
         """host: [3, B, W] pinned long: ids, positions, drafts (padded to W). q: [B, W - 1, V] on
         the device (a sampled model draft's); seed: [1] int64 on the device (sampled steps);
-        first: [B] long on the device, the ids of column 0 (a draft's own last token, unread)."""
+        first: [B] long on the device, the ids of column 0 (a draft's own last token, unread);
+        slots: the cache rows fed (an `indexed` graph's)."""
         width = self.ids.shape[1]
         self.ids.copy_(host[0], non_blocking=True)
         if first is not None:
@@ -87,4 +95,8 @@ class GraphStep:
             self.q.copy_(q)
         if seed is not None:
             self.seed.copy_(seed)
+        if slots is not None:
+            assert self.slots is not None  # an indexed graph
+            for b, slot in enumerate(slots):
+                self.slots[b].fill_(slot)
         self.graph.replay()

@@ -208,10 +208,18 @@ class StaticLlama(nn.Module):
         self.values[i][rows, :, positions] = v.to(self.dtype)
         return q.reshape(bsz, nkv, nq // nkv * width, d)
 
+    def _cached(self, i: int, bsz: int, slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values [B, H_kv, S, D] of the rows fed: the first bsz rows (views), or
+        the cache rows `slots` [B] (gathered)."""
+        if slots is None:
+            return self.keys[i][:bsz], self.values[i][:bsz]
+        return self.keys[i].index_select(0, slots), self.values[i].index_select(0, slots)
+
     def _attend_fused(self, i: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                      rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                      slots: torch.Tensor | None = None) -> torch.Tensor:
         """`_attend` in fewer kernels. h: [B, W, hidden]; cos, sin: [B, W, D]; rows, positions: [B, W];
-        mask: [B, 1, G*W, S] (query rows packed per kv head)."""
+        mask: [B, 1, G*W, S] (query rows packed per kv head); slots: `hidden`'s."""
         attn, w = layer.self_attn, self._fused[i]
         bsz, width, _ = h.shape
         d, nq, nkv = self.head_dim, self.n_heads, self.n_kv
@@ -222,10 +230,10 @@ class StaticLlama(nn.Module):
             norms: dict[str, Any] = {}
             if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotation, in the same kernel
                 norms = {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "norm_eps": _eps(attn.q_norm)}
-            q = self.ops.rope_and_cache(qkv, cos, sin, self.keys[i][:bsz], self.values[i][:bsz], rows, positions,
+            q = self.ops.rope_and_cache(qkv, cos, sin, self.keys[i], self.values[i], rows, positions,
                                         nq, nkv, d, **norms)
-        out = F.scaled_dot_product_attention(q, self.keys[i][:bsz], self.values[i][:bsz], attn_mask=mask,
-                                             scale=self.scaling)
+        keys, values = self._cached(i, bsz, slots)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
         out = out.reshape(bsz, nq, width, d).transpose(1, 2).reshape(bsz, width, nq * d)
         return attn.o_proj(out)
 
@@ -238,9 +246,9 @@ class StaticLlama(nn.Module):
         return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def _layers_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-                      positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                      positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer and the final norm on the fused path; x: [B, W, hidden], cos, sin: [B, W, D],
-        rows, positions: [B, W], mask: [B, 1, G*W, S].
+        rows, positions: [B, W], mask: [B, 1, G*W, S], slots: `hidden`'s.
 
         Each norm also does the residual add before it, so the loop carries the residual stream x
         and the normed input h of the next block; returns the final norm's output [B, W, hidden].
@@ -249,16 +257,17 @@ class StaticLlama(nn.Module):
         norms.append(self.model.model.norm)
         x, h = self._add_norm(norms[0], x, None)
         for i, layer in enumerate(self.layers):
-            delta = self._attend_fused(i, layer, h, cos, sin, rows, positions, mask)
+            delta = self._attend_fused(i, layer, h, cos, sin, rows, positions, mask, slots)
             x, h = self._add_norm(norms[2 * i + 1], x, delta)
             x, h = self._add_norm(norms[2 * i + 2], x, self._mlp_fused(i, layer, h))
         return h
 
     def _attend(self, i: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | str | None,
-                length: int | None = None) -> torch.Tensor:
+                length: int | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
         """One attention block. h: [B, W, hidden]; cos, sin: [B, W, D]; positions, rows: [B, W];
-        mask: [B, 1, W, S], or with `length` what `_live_mask` returns (over the first `length` slots).
+        mask: [B, 1, W, S], or with `length` what `_live_mask` returns (over the first `length` slots);
+        slots: `hidden`'s.
 
         q, k and v come from one stacked product where the layers run from GGUF blocks (else three,
         concatenated), and q and k are rotated together (`_rope_and_cache`): element for element
@@ -270,8 +279,8 @@ class StaticLlama(nn.Module):
         q = self._rope_and_cache(i, attn, qkv, cos, sin, rows, positions)  # [B, H_kv, G*W, D]
         q = q.reshape(bsz, self.n_heads, width, self.head_dim)  # [B, H, W, D] (the packing is a reshape)
         if length is None:  # mask: the boolean [B, 1, W, S] tensor
-            out = F.scaled_dot_product_attention(q, self.keys[i][:bsz], self.values[i][:bsz],
-                                                 attn_mask=cast(torch.Tensor, mask),
+            keys, values = self._cached(i, bsz, slots)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cast(torch.Tensor, mask),
                                                  scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
         else:
             first = int(rows[0, 0])  # the cache row of this batch's row 0 (hidden's first_row)
@@ -317,7 +326,7 @@ class StaticLlama(nn.Module):
         return out.reshape(bsz, heads, width, d)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, length: int | None = None,
-               first_row: int = 0) -> torch.Tensor:
+               first_row: int = 0, slots: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output [B, W, hidden] for ids, positions: [B, W] long (positions < max_len).
 
         length: attend only over the first `length` slots of every row (at least 1 + the largest
@@ -325,35 +334,42 @@ class StaticLlama(nn.Module):
         max_len slots per step costs bandwidth. None: all max_len slots, fixed shapes (graphs).
         first_row: the cache row of ids' row 0 (rows first_row .. first_row + B - 1 are fed, the
         others left alone: a scheduler prefills one row without computing the rest); with `length`.
+        slots: [B] long on the device, the cache rows ids' rows feed (any rows, in any order, read
+        and written through an index, so one captured graph serves every choice); without `length`.
         """
         inner = self.model.model
         bsz, width = ids.shape
         if first_row and (length is None or first_row + bsz > self.batch):
             raise ValueError(f"first_row: rows {first_row}..{first_row + bsz - 1} need `length` and at most "
                              f"{self.batch} rows")
+        if slots is not None and (length is not None or tuple(slots.shape) != (bsz,)):
+            raise ValueError(f"slots: one cache row per row of ids ([{bsz}]), without `length`; "
+                             f"got {tuple(slots.shape)}")
         x: torch.Tensor = inner.embed_tokens(ids)  # [B, W, hidden]
         cos, sin = inner.rotary_emb(x, positions)  # [B, W, D] each
         if self.native is not None and length is not None:
             out = self.native(x, cos, sin, positions, first_row)  # the mask's rule (slots 0..position) is in C
             if out is not None:
                 return out
-        rows = torch.arange(first_row, first_row + bsz, device=ids.device)[:, None].expand(bsz, width)
+        rows = (torch.arange(first_row, first_row + bsz, device=ids.device) if slots is None else slots)[:, None]
+        rows = rows.expand(bsz, width)
         mask: torch.Tensor | str | None
         if length is not None:
             if self.fuse:
                 raise ValueError("length: the fused path attends over all max_len slots; use fuse=False")
             mask = self._live_mask(positions, length)
         else:
-            slots = torch.arange(self.max_len, device=ids.device)
-            mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, W, S]
+            cols = torch.arange(self.max_len, device=ids.device)
+            mask = (cols[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, W, S]
         if self.fuse:
             # Additive, once per forward: given booleans, SDPA converts them in every layer (2 kernels).
             seen = cast(torch.Tensor, mask)  # length is None here: the boolean [B, 1, W, S] above
             additive = torch.zeros(seen.shape, dtype=x.dtype, device=x.device).masked_fill_(~seen, float("-inf"))
             additive = additive.repeat(1, 1, self.n_heads // self.n_kv, 1)  # [B, 1, G*W, S], row g*W + w
-            return self._layers_fused(x, cos, sin, rows, positions, additive)
+            return self._layers_fused(x, cos, sin, rows, positions, additive, slots)
         for i, layer in enumerate(self.layers):
-            x = x + self._attend(i, layer, rms_norm(layer.input_layernorm, x), cos, sin, rows, positions, mask, length)
+            h = rms_norm(layer.input_layernorm, x)
+            x = x + self._attend(i, layer, h, cos, sin, rows, positions, mask, length, slots)
             x = x + self._mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
         return rms_norm(inner.norm, x)
 
@@ -366,9 +382,11 @@ class StaticLlama(nn.Module):
         gate, up = project(h, (mlp.gate_proj, mlp.up_proj))
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int | None = None) -> torch.Tensor:
-        """ids, positions: [B, W] long (positions < max_len). Returns logits [B, keep or W, V]."""
-        x = self.hidden(ids, positions)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """ids, positions: [B, W] long (positions < max_len); slots: `hidden`'s. Returns logits
+        [B, keep or W, V]."""
+        x = self.hidden(ids, positions, slots=slots)
         if keep is not None:
             x = x[:, -keep:]
         return self.model.lm_head(x)

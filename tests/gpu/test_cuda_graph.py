@@ -9,10 +9,11 @@ from __future__ import annotations
 import gc
 import random
 import threading
+import time
 
 import pytest
 import torch
-from helpers import tiny_llama, tiny_loaded
+from helpers import RandomRouter, tiny_llama, tiny_loaded
 
 from flashspec_core.backends.cuda_graph import GraphedModel
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
@@ -117,6 +118,37 @@ def test_chunks_wider_than_every_decode_width_replay_the_prefill_graph_piece_by_
     assert runner.static.max_len >= len(seqs[0]) + 32
 
 
+def test_a_few_rows_prefill_alone_by_index_and_leave_the_others_as_they_were(model):
+    """Among 8 rows, one or two feeding a prompt replay the one-row indexed graph on their own
+    cache rows (not the 8-row prefill graph): their logits are a fresh forward's, and every other
+    row's cache still gives its own exact logits afterwards; three or more rows take the 8-row
+    graph."""
+    runner = GraphedModel(model, pad_token_id=0, max_len=256)
+    runner.resize(8)
+    runner.warm([1, 3], prefill_width=8)
+    assert (0, 8, None) in runner._graphs
+    rng = random.Random(9)
+    seqs = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))] for _ in range(8)]
+    runner.forward_to(seqs)
+    for fed, expect_indexed in (([5], True), ([0, 7], True), ([1, 2, 6], False)):
+        replays = []
+        graph = runner._graphs[(0, 8, None)]
+        graph_replay = graph.replay
+        graph.replay = lambda *a, **k: replays.append(k.get("slots")) or graph_replay(*a, **k)
+        for b in fed:  # a new prompt past a reused prefix, several pieces long
+            seqs[b] = seqs[b][:2] + [rng.randrange(VOCAB) for _ in range(rng.randint(9, 30))]
+        out = runner.forward_to([s if b in fed else [] for b, s in enumerate(seqs)], [b in fed for b in range(8)])
+        graph.replay = graph_replay
+        assert bool(replays) == expect_indexed and all(r[0] in fed for r in replays)
+        for b in fed:
+            torch.testing.assert_close(out[b], _fresh(model, seqs[b], 1), atol=1e-4, rtol=1e-4)
+        for b in range(8):  # every row, fed or not, decodes on from an intact cache
+            seqs[b] = seqs[b] + [rng.randrange(VOCAB)]
+        out = runner.forward_to(seqs)
+        for b in range(8):
+            torch.testing.assert_close(out[b], _fresh(model, seqs[b], 1), atol=1e-4, rtol=1e-4)
+
+
 def test_batches_of_changing_size_reuse_their_graphs(model):
     """A server's batches change size from call to call: the cache keeps its largest row count, so
     a row count seen before replays the graphs it captured then, and results stay exact."""
@@ -171,6 +203,81 @@ def test_padded_steps_verify_as_the_reference_and_capture_nothing_new(model):
         assert fused[1][0][: n_ref.item() + 1] == out_ref[0, : n_ref.item() + 1].tolist()
         assert runner.held[0] == ctx + draft, "the cache must hold the real tokens only"
     assert runner.captures == captured and runner.warmup_seconds == warmup
+
+
+def test_one_replay_verifies_rows_of_different_draft_lengths_and_scores_the_rest(model):
+    """score_step: rows with drafts of lengths 0-8 side by side (padded to one warmed width) get
+    what verify_torch gives each alone; rows verified elsewhere get the logits of a fresh
+    forward; an idle row is left as it was; no capture."""
+    runner = GraphedModel(model, pad_token_id=0)
+    runner.resize(4)
+    runner.warm([1, 3, 5, 9])
+    captured = runner.captures
+    rng = random.Random(5)
+    for _ in range(12):
+        ctxs = [[rng.randrange(VOCAB) for _ in range(rng.randint(4, 50))] for _ in range(4)]
+        runner.reset(4)
+        runner.forward_to([c[:-1] for c in ctxs])  # the prefill: a step feeds the last token + draft
+        drafts, sequences, needs = [], [], []
+        for c in ctxs:
+            greedy = _fresh(model, c, 1).argmax(-1).tolist()
+            k = rng.randint(0, 8)
+            drafts.append(([greedy[0]] if rng.random() < 0.6 else []) + [rng.randrange(VOCAB) for _ in range(k)])
+            drafts[-1] = drafts[-1][:k]
+            sequences.append(c + drafts[-1])
+            needs.append(k + 1)
+        in_graph = [True, False, True, True]  # row 1: scored only, as a row with a processor is
+        active = [True, True, True, rng.random() < 0.5]
+        held3 = list(runner.held[3])
+        verified, logits = runner.score_step(sequences, needs, [d if g else None for d, g in zip(drafts, in_graph)],
+                                             active)
+        for b in range(4):
+            fresh = _fresh(model, sequences[b], needs[b])
+            if not active[b]:
+                assert verified[b] is None and logits[b] is None and runner.held[b] == held3
+            elif in_graph[b]:
+                n_ref, out_ref = verify_torch(fresh[None], torch.tensor([drafts[b]], device="cuda").view(1, -1),
+                                              None, SamplingParams())
+                n = n_ref.item()
+                assert logits[b] is None and verified[b][0] == n
+                assert verified[b][1:n + 2] == out_ref[0, :n + 1].tolist()
+            else:
+                assert verified[b] is None
+                torch.testing.assert_close(logits[b], fresh, atol=1e-4, rtol=1e-4)
+            if active[b]:
+                assert runner.held[b] == sequences[b]
+    assert runner.captures == captured
+
+
+def test_rows_of_other_arms_and_settings_step_in_one_replay_and_stay_exact():
+    """Rows joining mid-flight with their own budgets, penalties and arms (the router picks each
+    row's arm at random every step) run their steps as one replay of a warmed graph, and each row
+    is HF `generate`'s output for its prompt and settings."""
+    loaded = tiny_loaded(VOCAB, seed=0, max_positions=1024)
+    target = LoadedModel(loaded.model.cuda(), loaded.tokenizer, loaded.name)
+    arms = [Arm("none", 0), Arm("prompt_lookup", 2), Arm("prompt_lookup", 4), Arm("model", 2)]
+    drafts = [PromptLookupDraft(), ModelDraft(tiny_llama(VOCAB, seed=1, max_positions=1024).cuda(), name="model")]
+    engine = SpecEngine(target, drafts, router=RandomRouter(arms, seed=4), backend="cuda-graph", gammas=(2, 4),
+                        max_batch=8)
+    captured = engine.runner.captures
+    calls = []
+    real = engine.runner.score_step
+    engine.runner.score_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    rng = random.Random(6)
+    prompts = [[rng.randrange(VOCAB - 1) for _ in range(rng.randint(5, 40))] for _ in range(6)]
+    settings = [(30, 1.0), (12, 1.0), (20, 1.3), (25, 1.0), (18, 1.1), (22, 1.0)]
+    handles = []
+    for prompt, (n, penalty) in zip(prompts, settings):
+        handles.append(engine.submit([prompt], n, SamplingParams(repetition_penalty=penalty)))
+        time.sleep(0.005)
+    for h, prompt, (n, penalty) in zip(handles, prompts, settings):
+        ids = torch.tensor([prompt], device="cuda")
+        ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                    repetition_penalty=penalty, pad_token_id=VOCAB - 1)[0, len(prompt):].tolist()
+        got = h.wait()[0].token_ids
+        assert got == ref[:len(got)] and (len(got) == len(ref) or got[-1] == VOCAB - 1)
+    assert calls, "steps of rows with other arms and settings ran as one replay"
+    assert engine.runner.captures == captured
 
 
 @pytest.mark.parametrize("one_hot", [True, False])
@@ -242,12 +349,13 @@ def test_engine_warms_its_widths_at_construction():
     engine = SpecEngine(target, [PromptLookupDraft()], router=FixedRouter(Arm("prompt_lookup", 4)),
                         backend="cuda-graph", gammas=(2, 4), max_batch=4)
     runner = engine.runner
-    # widths 1, 3, 5 and the prefill graph, for each batch size the scheduler grows through (1, 2, 4)
-    assert runner.widths == (1, 3, 5) and runner.prefill_width > 5 and runner.captures == 4 * 3
+    # widths 1, 3, 5 and the prefill graph, for each batch size the scheduler grows through (1, 2, 4),
+    # and the one-row indexed prefill graph
+    assert runner.widths == (1, 3, 5) and runner.prefill_width > 5 and runner.captures == 4 * 3 + 1
     res = engine.generate([1, 2, 3, 4, 5, 1, 2, 3] * 40, max_new_tokens=30)  # a prompt of two pieces
-    assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 12
+    assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 13
     batch = engine.generate([[1, 2, 3, 4, 5] * 3, [6, 7, 8] * 5, [9, 1] * 4], max_new_tokens=20)  # 3 rows: 4 slots
-    assert all(r.warmup_seconds == 0 for b in batch for r in b.stats.records) and runner.captures == 12
+    assert all(r.warmup_seconds == 0 for b in batch for r in b.stats.records) and runner.captures == 13
 
 
 def _engine(target: LoadedModel, drafts, arm) -> SpecEngine:

@@ -1,0 +1,110 @@
+"""The host's record of each cache row of a static KV cache: prefix reuse, rollback, growth, and
+the inputs of a forward.
+
+A row's cache holds its tokens at positions 0..len - 1; `held[b]` is the host's copy of those
+tokens. Feeding a row a sequence rolls it back to what the two share (moving its length: slots
+past it are never read) and feeds the rest; the cache doubles when a row needs more slots. The
+last SCRATCH slots of each row are never a row's: graphs are warmed up and captured there.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from flashspec_core.backends.prefix import common_prefix
+from flashspec_core.backends.static_llama import StaticLlama
+
+SCRATCH = 32  # slots at the end of every row kept for warm-up and capture (widths <= SCRATCH)
+
+
+class StaticRows:
+    """Rows of `static`'s cache and their host records. pad_token_id: what padded columns feed;
+    pinned: build the host inputs in pinned memory (copied to a GPU without a sync)."""
+
+    def __init__(self, static: StaticLlama, pad_token_id: int, pinned: bool) -> None:
+        self.static = static
+        self.pad_token_id = pad_token_id
+        self._pinned = pinned
+        self.held: list[list[int]] = [[]]
+        # Seconds spent on one-time work (growing the cache; a graphed runner adds its captures).
+        self.warmup_seconds = 0.0
+
+    def _drop_graphs(self) -> None:
+        """The cache was reallocated: whatever captured its old tensors is stale (graphs)."""
+
+    def begin(self, batch_size: int) -> None:
+        """A single prompt keeps what the previous single prompt left (prefix reuse)."""
+        if batch_size != 1 or len(self.held) != 1:
+            self.reset(batch_size)
+
+    def reset(self, batch_size: int) -> None:
+        if self.static.use_rows(batch_size):  # graphs of other row counts stay: same tensors
+            self._drop_graphs()
+        self.held = [[] for _ in range(batch_size)]
+
+    def resize(self, rows: int) -> None:
+        """Feed `rows` rows; the first min(rows, now) keep their caches. Graphs of other row
+        counts stay (same tensors) unless the cache had to be reallocated for more rows."""
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1; got {rows}")
+        if rows == len(self.held) and rows == self.static.batch:
+            return
+        if self.static.use_rows(rows):
+            self._drop_graphs()  # captured on the old buffers
+        self.held = self.held[:rows] + [[] for _ in range(rows - len(self.held))]
+
+    def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
+        return common_prefix(self.held[row], sequence)
+
+    def _ensure(self, length: int) -> None:
+        """Room for rows of `length` tokens plus the scratch slots: double the cache if needed."""
+        if length + SCRATCH <= self.static.max_len:
+            return
+        new = self.static.max_len
+        while length + SCRATCH > new:
+            new *= 2
+        start = time.perf_counter()
+        self.static.resize(new)
+        self._drop_graphs()  # captured on the old buffers
+        self.warmup_seconds += time.perf_counter() - start
+
+    def _plan(self, sequences: Sequence[Sequence[int]], active: Sequence[bool],
+              keep_logits: int | Sequence[int]) -> list[list[int]]:
+        """Roll each active row back to what it shares with its sequence (and at least keep_logits,
+        or row b's keep_logits[b], tokens before its end); return the chunks to feed."""
+        chunks: list[list[int]] = []
+        for b, seq in enumerate(sequences):
+            if not active[b]:
+                chunks.append([])
+                continue
+            tail = keep_logits if isinstance(keep_logits, int) else keep_logits[b]
+            keep = min(common_prefix(self.held[b], seq), len(seq) - tail)
+            if keep < 0:
+                raise ValueError("sequences: each active row needs at least keep_logits tokens")
+            del self.held[b][keep:]
+            chunks.append(list(seq[keep:]))
+        self._ensure(max(len(h) for h in self.held) + max(len(c) for c in chunks))
+        return chunks
+
+    def _host_inputs(self, chunks: Sequence[Sequence[int]], width: int,
+                     drafts: Sequence[Sequence[int]] | None = None, first_row: int = 0) -> torch.Tensor:
+        """[3, B, width] long on the host: ids, positions and draft tokens, left-aligned per row
+        (chunks[b] is cache row first_row + b's).
+
+        Columns past a row's chunk (and every column of an inactive row) feed the pad token at
+        positions past the row's end, where nothing valid lives and nothing reads.
+        """
+        bsz = len(chunks)
+        host = torch.empty((3, bsz, width), dtype=torch.long, pin_memory=self._pinned)
+        host[0].fill_(self.pad_token_id)
+        host[2].fill_(-1)  # past a row's draft: never equal to a target token, so never accepted
+        starts = torch.tensor([len(h) for h in self.held[first_row:first_row + bsz]], dtype=torch.long)
+        torch.add(starts[:, None], torch.arange(width), out=host[1])
+        for b, chunk in enumerate(chunks):
+            if chunk:
+                host[0, b, : len(chunk)] = torch.tensor(chunk)
+            if drafts is not None and drafts[b]:
+                host[2, b, : len(drafts[b])] = torch.tensor(drafts[b])
+        return host
