@@ -112,6 +112,8 @@ class Stepper:
         t1 = time.perf_counter()
         prefilled = [row.first is not None for row in rows]
         fused = self._fused(rows, arms, drafted, slots)
+        if fused is None:
+            fused = self._mixed(rows, drafted, slots)
         n_acc, out = fused if fused is not None else self._forward_and_verify(rows, drafted, slots)
         t2 = time.perf_counter()
         self.learn()  # when no graph ran it
@@ -246,19 +248,60 @@ class Stepper:
             n_acc[i], out[i] = result[0][k], result[1][k]
         return n_acc, out
 
+    def _mixed(self, rows: Sequence[Row], drafted: list[Drafted],
+               slots: int) -> tuple[list[int], list[list[int]]] | None:
+        """The step as one graph replay when `_fused` cannot take it (rows of other draft lengths,
+        settings or processors, free or prefilling slots beside them): plain greedy rows are
+        verified in the graph, every other row from its logits of the same replay, through its
+        processors and its own sampling (`_verify_rows`). None without graphs, or when no warmed
+        width holds the step."""
+        if not self.runner.use_graphs:
+            return None
+        sequences: list[list[int]] = [[] for _ in range(slots)]
+        needs, active = [0] * slots, [False] * slots
+        drafts: list[list[int] | None] = [None] * slots
+        for row, d in zip(rows, drafted):
+            need = len(d.tokens) + (row.first is None)
+            if need:  # else a first step without a draft: the prefill's logits score it
+                sequences[row.slot], needs[row.slot], active[row.slot] = row.seq + d.tokens, need, True
+                if row.first is None and row.sampling.greedy and self._graphable(row):
+                    drafts[row.slot] = d.tokens
+        if not any(active):
+            return None
+        result = self.runner.score_step(sequences, needs, drafts, active, self.learn)
+        if result is None:
+            return None
+        verified, logits = result
+        n_acc, out = [0] * len(rows), [[] for _ in rows]  # type: list[int], list[list[int]]
+        rest = []
+        for i, row in enumerate(rows):
+            done = verified[row.slot] if active[row.slot] else None
+            if done is None:
+                rest.append(i)
+            else:
+                n_acc[i], out[i] = done[0], done[1:]
+        if rest:
+            scored = {rows[i].slot: t for i in rest if (t := logits[rows[i].slot]) is not None}
+            accepted, tokens = self._verify_rows([rows[i] for i in rest], [drafted[i] for i in rest], scored)
+            for k, i in enumerate(rest):
+                n_acc[i], out[i] = accepted[k], tokens[k]
+        return n_acc, out
+
     def _score(self, rows: Sequence[Row], drafted: list[Drafted], slots: int) -> dict[int, torch.Tensor]:
         """Slot -> the target's logits [need, V] after each of the row's last `need` path tokens
         (need: the draft's length, plus one unless the prefill scored the first position), all
         rows in one forward. A forward returns the same number of positions for every row and each
         row must feed that many, so rows whose whole path is shorter (a short prompt beside a long
-        draft) get a forward of their own."""
+        draft) get a forward of their own; and without graphs (a CPU, where a forward costs the
+        tokens it computes) each need is its own forward, so no row re-feeds context tokens to
+        match a longer draft beside it."""
         paths = {row.slot: row.seq + d.tokens for row, d in zip(rows, drafted)}
         needs = {row.slot: len(d.tokens) + (row.first is None) for row, d in zip(rows, drafted)}
         pending = [slot for slot, need in needs.items() if need]
         scored: dict[int, torch.Tensor] = {}
         while pending:
             keep = max(needs[s] for s in pending)  # the row needing most has a path at least that long
-            fits = [s for s in pending if len(paths[s]) >= keep]
+            fits = [s for s in pending if len(paths[s]) >= keep and (self.runner.use_graphs or needs[s] == keep)]
             logits = self.runner.forward_to([paths.get(s, []) if s in fits else [] for s in range(slots)],
                                             [s in fits for s in range(slots)], keep_logits=keep)  # [slots, keep, V]
             for s in fits:
@@ -275,9 +318,20 @@ class Stepper:
         On a row's first step the prefill's logits (`row.first`) score its first position and the
         forward scores only its draft (see `prefill`).
         """
-        scored = self._score(rows, drafted, slots)
+        return self._verify_rows(rows, drafted, self._score(rows, drafted, slots))
+
+    def _verify_rows(self, rows: Sequence[Row], drafted: Sequence[Drafted],
+                     scored: Mapping[int, torch.Tensor]) -> tuple[list[int], list[list[int]]]:
+        """Process each row's logits along its path and verify rows of one setting together.
+        scored: slot -> [need, V] (`_score`); host lists out, as `_forward_and_verify`'s. The host
+        reads each group's result once (not once per row: each read waits for the device)."""
         groups: dict[tuple, list[int]] = defaultdict(list)
         processed = []
+        widest = max(len(d.tokens) for d in drafted)
+        host = torch.full((len(rows), widest), -1, dtype=torch.long)  # every row's draft, one copy
+        for i, d in enumerate(drafted):
+            host[i, :len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
+        device_drafts = host.to(self.device, non_blocking=True)
         for i, (row, d) in enumerate(zip(rows, drafted)):
             g = len(d.tokens)
             if row.first is None:
@@ -286,7 +340,7 @@ class Stepper:
                 logits = torch.cat([row.first[None], scored[row.slot][None].to(row.first.device)], dim=1)
             else:
                 logits = row.first[None]  # [1, 1, V]
-            draft_tokens = torch.tensor([d.tokens], dtype=torch.long).view(1, g).to(logits.device, non_blocking=True)
+            draft_tokens = device_drafts[i:i + 1, :g].to(logits.device)  # [1, g]
             assert row.processors is not None  # set up by the prefill
             processed.append((row.processors(logits, [d.tokens], draft_tokens, [True]), draft_tokens))
             # A row's first step verifies on other ops than its later ones (below): that must be
@@ -306,18 +360,18 @@ class Stepper:
             if not lead.sampling.greedy and logits.is_cuda and backend != "torch":
                 # The kernel draws each row's seed from that row's generator, as a graph replay of a
                 # row alone does (`verify_step`), so a seeded row samples the same tokens either way.
-                for k, i in enumerate(members):
-                    accepted, tokens_out = verify(logits[k:k + 1], tokens[k:k + 1], None if probs is None
-                                                  else probs[k:k + 1], lead.sampling, backend=backend,
-                                                  generator=rows[i].generator)
-                    n_acc[i], out[i] = int(accepted[0]), tokens_out[0].tolist()
-                continue
-            uniforms = None if lead.sampling.greedy else torch.cat([  # [n, g+1]: each row's own draws
-                torch.rand((1, tokens.shape[1] + 1), generator=rows[i].generator, device=logits.device)
-                for i in members])
-            accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, uniforms, backend=backend)
-            for k, i in enumerate(members):
-                n_acc[i], out[i] = int(accepted[k]), tokens_out[k].tolist()
+                results = [verify(logits[k:k + 1], tokens[k:k + 1], None if probs is None else probs[k:k + 1],
+                                  lead.sampling, backend=backend, generator=rows[i].generator)
+                           for k, i in enumerate(members)]
+                accepted = torch.cat([r[0] for r in results])  # [n]
+                tokens_out = torch.cat([r[1] for r in results])  # [n, g+1]
+            else:
+                uniforms = None if lead.sampling.greedy else torch.cat([  # [n, g+1]: each row's own draws
+                    torch.rand((1, tokens.shape[1] + 1), generator=rows[i].generator, device=logits.device)
+                    for i in members])
+                accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, uniforms, backend=backend)
+            for i, n, row_tokens in zip(members, accepted.tolist(), tokens_out.tolist()):
+                n_acc[i], out[i] = n, row_tokens
         for row in rows:
             row.first = None
         return n_acc, out
