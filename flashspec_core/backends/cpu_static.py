@@ -83,31 +83,57 @@ class StaticCachedModel(LinearKernels, GraphedModel):
         active = [True] * len(sequences) if active is None else list(active)
         with self._lock:
             chunks = self._plan(sequences, active, keep_logits)
-            # Only the span of active rows is computed: a scheduler's idle or prefilling rows
-            # around it would otherwise each cost a full row of the forward.
-            fed = [b for b, a in enumerate(active) if a] or [0]
-            lo, hi = fed[0], fed[-1] + 1
-            width = max(len(c) for c in chunks[lo:hi])
-            host = self._host_inputs(chunks, width)[:, lo:hi]  # [3, hi - lo, width]: ids, positions, drafts
-            start = max(len(h) for h in self.held[lo:hi])
-            # From empty, one pass (SDPA's causal mask skips the blocks above the diagonal); after
-            # a reused prefix, slices of CHUNK columns, so the explicit mask wastes only the
-            # blocks above each slice's diagonal instead of above the whole feed's (one masked pass
-            # over a long feed costs far more than slices of CHUNK columns).
-            step = width if start == 0 else CHUNK
-            self._use_planned_kernel(min(width, step) * max(1, sum(active)))
-            hidden = torch.cat([self.static.hidden(host[0, :, c:c + step], host[1, :, c:c + step],
-                                                   start + min(c + step, width),  # 1 + the largest position fed
-                                                   first_row=lo)
-                                for c in range(0, width, step)], dim=1)  # [hi - lo, width, hidden]
-            ends = torch.tensor([max(len(c), keep_logits) for c in chunks[lo:hi]])
-            cols = ends[:, None] - keep_logits + torch.arange(keep_logits)  # [hi - lo, keep_logits]
-            kept = hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1]))
+            out: torch.Tensor | None = None
+            for lo, hi in runs(chunks, active):
+                logits = self._forward_run(chunks, lo, hi, keep_logits)  # [hi - lo, keep_logits, V]
+                if (lo, hi) == (0, len(chunks)):
+                    out = logits
+                    break
+                if out is None:  # rows outside every run: meaningless
+                    out = logits.new_zeros((len(chunks), keep_logits, logits.shape[-1]))
+                out[lo:hi] = logits
             for b, chunk in enumerate(chunks):
                 self.held[b].extend(chunk)
-            logits = self.model.lm_head(kept)  # [hi - lo, keep_logits, V]
-            if (lo, hi) == (0, len(chunks)):
-                return logits
-            out = logits.new_empty((len(chunks), keep_logits, logits.shape[-1]))  # rows outside: meaningless
-            out[lo:hi] = logits
+            assert out is not None  # runs() yields at least one run
             return out
+
+    def _forward_run(self, chunks: Sequence[Sequence[int]], lo: int, hi: int, keep_logits: int) -> torch.Tensor:
+        """Feed rows lo..hi-1 (each row's chunk, all of one length) in one forward; return their
+        logits [hi - lo, keep_logits, V] after each row's last `keep_logits` tokens."""
+        width = max(len(c) for c in chunks[lo:hi])
+        host = self._host_inputs(chunks[lo:hi], width, first_row=lo)  # [3, hi - lo, width]: ids, positions, drafts
+        start = max(len(h) for h in self.held[lo:hi])
+        # From empty, one pass (SDPA's causal mask skips the blocks above the diagonal); after
+        # a reused prefix, slices of CHUNK columns, so the explicit mask wastes only the
+        # blocks above each slice's diagonal instead of above the whole feed's (one masked pass
+        # over a long feed costs far more than slices of CHUNK columns).
+        step = width if start == 0 else CHUNK
+        self._use_planned_kernel(min(width, step) * (hi - lo))
+        hidden = torch.cat([self.static.hidden(host[0, :, c:c + step], host[1, :, c:c + step],
+                                               start + min(c + step, width),  # 1 + the largest position fed
+                                               first_row=lo)
+                            for c in range(0, width, step)], dim=1)  # [hi - lo, width, hidden]
+        ends = torch.tensor([max(len(c), keep_logits) for c in chunks[lo:hi]])
+        cols = ends[:, None] - keep_logits + torch.arange(keep_logits)  # [hi - lo, keep_logits]
+        kept = hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1]))
+        return self.model.lm_head(kept)
+
+
+def runs(chunks: Sequence[Sequence[int]], active: Sequence[bool]) -> list[tuple[int, int]]:
+    """The forwards that feed these chunks: maximal runs lo..hi-1 of adjacent active rows whose
+    chunks are equally long ([(0, 1)] when no row is active).
+
+    On a CPU a forward's cost grows with the tokens it computes, so no row is padded to a
+    neighbour's width: a scheduler's rows, each at its own point of its prompt or with its own
+    draft length, cost what they would alone, and adjacent rows of one width share a pass over
+    the weights.
+    """
+    out: list[tuple[int, int]] = []
+    for b, chunk in enumerate(chunks):
+        if not active[b]:
+            continue
+        if out and out[-1][1] == b and len(chunks[out[-1][0]]) == len(chunk):
+            out[-1] = (out[-1][0], b + 1)
+        else:
+            out.append((b, b + 1))
+    return out or [(0, 1)]
