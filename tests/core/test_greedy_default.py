@@ -1,7 +1,7 @@
 """Greedy on the embedded default model: token-identical to `target_model.generate(do_sample=False)`.
 
-Ten prompts of different kinds × 128 tokens, for plain decoding and every draft source (prompt
-lookup, suffix cache, an NF4 copy of the target as a model draft) at γ ∈ {1, 4, 8}. The HF
+Ten prompts of different kinds × 96 tokens, for plain decoding and every draft source (prompt
+lookup at γ 1 and 8, the suffix cache at γ 4, an NF4 copy of the target as a model draft at γ 4). The HF
 reference runs once per prompt on a stock copy of the model, unpadded, and keeps its logits; the engine runs all prompts as one batch per arm. A
 divergence is accepted only where the reference's top-2 logit gap is below 1e-4 (an fp tie that
 batching or a different kernel order may break either way), and the test then says so in a warning.
@@ -28,9 +28,8 @@ from flashspec_workloads.baselines import stock_default_model
 
 pytestmark = pytest.mark.slow
 
-MAX_NEW = 128
+MAX_NEW = 96
 TIE_GAP = 1e-4
-GAMMAS = (1, 4, 8)
 
 DOC = (
     "Northwind Rail operates three lines. The Red Line runs every 10 minutes from 5:30 to 23:30 and "
@@ -123,13 +122,15 @@ def _draft(kind: str, nf4_draft, prompt_ids, references):
     return PromptLookupDraft()
 
 
-# The nf4 draft at one γ only: its forward is the slowest here (three γ cost 3.7 of the suite's
-# ~19 minutes), and γ's bookkeeping is the same code the copy drafts cover at every γ.
+# Each draft at one or two γ: a γ's bookkeeping is the same code for every draft, and the tiny-model
+# exactness tests cover every γ; here each arm costs 15-60 s of the suite (the nf4 draft's forward
+# is the slowest).
 # Every kernel the calibration may keep runs these prompts somewhere; the GGUF block kernel
 # (backends/blockq.py) and the native layer stack on its blocks (backends/native_layers.py) are
 # also forced on every forward, whatever this machine's calibration keeps.
-@pytest.mark.parametrize(("kind", "gamma", "kernel"), [("none", 0, None), ("nf4", 4, None)] + [
-    (kind, gamma, None) for kind in ("prompt_lookup", "suffix_cache") for gamma in GAMMAS] + [
+@pytest.mark.parametrize(("kind", "gamma", "kernel"), [
+    ("none", 0, None), ("nf4", 4, None), ("prompt_lookup", 1, None), ("prompt_lookup", 8, None),
+    ("suffix_cache", 4, None)] + [
     ("none", 0, BLOCKS), ("prompt_lookup", 4, BLOCKS), ("none", 0, NATIVE), ("prompt_lookup", 4, NATIVE)])
 def test_greedy_is_token_identical_to_hf_generate(default_target, prompt_ids, references, nf4_draft,
                                                  kind, gamma, kernel, record_property):
