@@ -54,6 +54,7 @@ class Row:
     processors: PathProcessors | None = None  # set up by the prefill, on the logits' device
     first: torch.Tensor | None = None  # [1, V] the prefill's logits, scoring the first step's first position
     prefilled: int = 0  # prompt tokens fed so far (a long prompt is fed in pieces between steps)
+    admitted: int = 0  # the scheduler's admission count when it got its slot (who is fed first)
 
     @property
     def prompt(self) -> list[int]:

@@ -6,7 +6,11 @@ prompt, so an agent's next step reuses its last one's cache), feeds one piece of
 runs one decode step of every prefilled row (`step.Stepper`: each row with its own arm and
 settings), hands each request's new text to its handle, and retires rows that finished, were
 cancelled or ran out of time. A long prompt is fed in pieces of `prefill_chunk` tokens, one piece
-per turn, so the rows already decoding wait for at most one piece between their steps.
+per turn, so the rows already decoding wait for at most one piece between their steps. On CUDA
+graphs every new prompt gets its piece each turn (a GPU computes rows side by side); without them
+(a CPU, where a forward costs the tokens it computes, so feeding prompts side by side only delays
+every first token) a turn feeds `prefill_chunk` tokens in all, to the earliest admitted requests
+first: several short prompts whole, or one piece of a long one (of each prompt of a batch call).
 
 Callers never touch the device: they submit a `Request` and read its `RequestHandle`. The queue of
 waiting requests is bounded; a full queue refuses with `EngineBusy` at once, so overload is an
@@ -61,6 +65,7 @@ class Scheduler:
         self._warm: set[int] = set()  # free slots whose cache holds a finished row's tokens
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._admissions = 0  # rows admitted so far (Row.admitted)
         self.steps = 0  # decode steps run (for benchmarks and tests)
 
     # ------------------------------------------------------------------ callers' side
@@ -138,6 +143,8 @@ class Scheduler:
             free.remove(best)
             self._warm.discard(best)
             row.slot = best
+            row.admitted = self._admissions
+            self._admissions += 1
             self._slots[best] = row
             for draft in self.drafts.values():
                 draft.begin([row.prompt])
@@ -157,7 +164,7 @@ class Scheduler:
         for request in ending.values():
             self._end_request(request, self._ended(request, now))
         slots = len(self._slots)
-        feeding = [r for r in self._rows() if r.processors is None]  # prompts not fully fed yet
+        feeding = self._feeding()
         if feeding:
             try:
                 self.stepper.prefill(feeding, slots, self.prefill_chunk)
@@ -184,6 +191,29 @@ class Scheduler:
         self.steps += 1
         for row, tokens in zip(ready, new):
             self._deliver(row, tokens)
+
+    def _feeding(self) -> list[Row]:
+        """The rows whose prompts get a piece this turn (see the module doc). Without graphs the
+        budget is counted per request: a request's prompts are fed side by side (a batch call
+        waits for all of them, and its rows then decode together), requests one after another."""
+        waiting = sorted((r for r in self._rows() if r.processors is None), key=lambda r: r.admitted)
+        if self.runner.use_graphs or self.prefill_chunk is None:
+            return waiting
+        requests: dict[int, list[Row]] = {}
+        for row in waiting:
+            requests.setdefault(id(row.request), []).append(row)
+        fed: list[Row] = []
+        budget = self.prefill_chunk
+        for rows in requests.values():
+            left = sum(len(r.prompt) - (r.prefilled or min(self.runner.prefix_len(r.slot, r.prompt), len(r.prompt) - 1))
+                       for r in rows)  # what the slots' caches do not hold yet
+            if fed and left > budget:
+                break
+            fed += rows
+            budget -= left
+            if budget <= 0:
+                break
+        return fed
 
     def _isolate(self, rows: list[Row], slots: int) -> None:
         """After a failed step: step each row alone; a row that fails alone ends its request."""

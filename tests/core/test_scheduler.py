@@ -153,6 +153,37 @@ def test_a_timeout_ends_the_request_with_timeout_error_even_inside_a_long_prefil
     assert engine.generate(PROMPTS[1], max_new_tokens=8).token_ids == hf(tiny_target, PROMPTS[1], 8)
 
 
+def test_without_graphs_the_earliest_requests_are_fed_first_within_the_turns_budget(tiny_target):
+    """On a CPU a turn feeds prefill_chunk prompt tokens in all, earliest request first: two long
+    prompts of two requests are fed one after the other, the prompts of one batch call side by
+    side, short prompts of several requests within the budget; outputs stay HF's."""
+    engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 3)), prefill_chunk=8)
+    fed: list[list[tuple[int, int]]] = []  # per prefill call: (request, tokens its row had left)
+    real = engine._stepper.prefill
+
+    def spy(rows, slots, chunk=None):
+        fed.append([(id(row.request), len(row.prompt) - row.prefilled) for row in rows])
+        return real(rows, slots, chunk)
+
+    engine._stepper.prefill = spy
+    long = [PROMPTS[4] + PROMPTS[0], PROMPTS[0] + PROMPTS[4]]  # 27 tokens each: four pieces of 8
+    handles = [engine.submit([p], 6) for p in long]
+    assert [h.wait()[0].token_ids for h in handles] == [hf(tiny_target, p, 6) for p in long]
+    order = [request for call in fed for request, _ in call]
+    assert all(len(call) == 1 for call in fed) and len(order) == 8
+    assert order == sorted(order, key=order.index) and len(set(order)) == 2, "one request fed after the other"
+    fed.clear()
+    batch = [p[::-1] for p in long]  # no cached prefix to reuse
+    results = engine.generate(batch, max_new_tokens=6)  # one batch call: its prompts side by side
+    assert [r.token_ids for r in results] == [hf(tiny_target, p, 6) for p in batch]
+    assert len(fed[0]) == 2 and len(fed) <= 4, "each turn feeds a piece of both"
+    fed.clear()
+    short = [PROMPTS[1], PROMPTS[3], PROMPTS[1][::-1], PROMPTS[3][::-1]]  # 2 and 5 tokens
+    handles = [engine.submit([p], 4) for p in short]
+    assert [h.wait()[0].token_ids for h in handles] == [hf(tiny_target, p, 4) for p in short]
+    assert all(sum(left for _, left in call) <= 8 or len(call) == 1 for call in fed)
+
+
 def test_a_full_queue_refuses_at_once_and_a_closed_engine_refuses_everything(tiny_target):
     engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), max_batch=1, max_queue=2)
     running = engine.submit([PROMPTS[0]], 200, stream=True)
