@@ -67,7 +67,8 @@ class SpecEngine:
         router: a `Router` (routing/base.py) or a name from `routing.ROUTER_NAMES`.
         max_batch: rows decoded together (each a cache slot; None: 64 on a GPU, 8 on a CPU); more wait in a queue of at most
         `max_queue` requests, past which `submit` raises EngineBusy. prefill_chunk: prompt tokens fed
-        per scheduler turn while other rows decode (None: a whole prompt at once).
+        per scheduler turn while other rows decode (on CUDA graphs to each new prompt, on a CPU in
+        all, earliest request first; None: whole prompts at once).
         """
         if gammas is None:
             from flashspec_core.pool import default_gammas
