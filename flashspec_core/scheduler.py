@@ -143,6 +143,10 @@ class Scheduler:
             free.remove(best)
             self._warm.discard(best)
             row.slot = best
+            # what the slot's cache already holds of the prompt is reused (the last token is fed
+            # again: its logits score the first position)
+            held = reuse[best] if best in reuse else self.runner.prefix_len(best, row.prompt)
+            row.prefilled = row.stats.cached_prompt_tokens = min(held, len(row.prompt) - 1)
             row.admitted = self._admissions
             self._admissions += 1
             self._slots[best] = row
@@ -205,8 +209,7 @@ class Scheduler:
         fed: list[Row] = []
         budget = self.prefill_chunk
         for rows in requests.values():
-            left = sum(len(r.prompt) - (r.prefilled or min(self.runner.prefix_len(r.slot, r.prompt), len(r.prompt) - 1))
-                       for r in rows)  # what the slots' caches do not hold yet
+            left = sum(len(r.prompt) - r.prefilled for r in rows)
             if fed and left > budget:
                 break
             fed += rows

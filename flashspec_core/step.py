@@ -64,8 +64,8 @@ class Stepper:
     # ------------------------------------------------------------------------------ prefill
 
     def prefill(self, rows: Sequence[Row], slots: int, chunk: int | None = None) -> None:
-        """Feed the next piece of each row's prompt (at most `chunk` tokens; None: all of it) into
-        its slot, all in one forward, the runner holding `slots` rows. A row whose whole prompt is
+        """Feed the next piece of each row's prompt (at most `chunk` tokens; None: all of it; it starts
+        at `row.prefilled`, which counts what its slot's cache held at admission) into its slot, all in one forward, the runner holding `slots` rows. A row whose whole prompt is
         fed keeps the logits after it for its first step (`row.first`, [1, V]) and gets its
         processors.
 
@@ -79,10 +79,6 @@ class Stepper:
         active = [False] * slots
         for row in rows:
             prompt = row.prompt
-            if row.prefilled == 0:  # what the slot already holds of this prompt is reused
-                reused = min(runner.prefix_len(row.slot, prompt), len(prompt) - 1)
-                row.stats.cached_prompt_tokens = reused
-                row.prefilled = reused
             row.prefilled = len(prompt) if chunk is None else min(len(prompt), row.prefilled + chunk)
             seqs[row.slot], active[row.slot] = prompt[:row.prefilled], True
         start = time.perf_counter()

@@ -174,7 +174,11 @@ class GraphedModel(StaticRows, TargetRunner):
         (c,) = lengths
         if not self.widths:
             return c if c <= SCRATCH else None
-        return next((w for w in self.widths if w >= c), None)
+        return self._warmed_width(c)
+
+    def _warmed_width(self, tokens: int) -> int | None:
+        """The smallest warmed width that holds `tokens` columns (None: none does)."""
+        return next((w for w in self.widths if w >= tokens), None)
 
     def _replay(self, chunks: Sequence[Sequence[int]], graph_width: int, drafts: Sequence[Sequence[int]] | None = None,
                 sampling: SamplingParams | None = None,
@@ -277,7 +281,7 @@ class GraphedModel(StaticRows, TargetRunner):
             return None
         with self._lock:
             chunks = self._plan(sequences, active, needs)
-            graph_width = next((w for w in self.widths if w >= max(len(c) for c in chunks)), None)
+            graph_width = self._warmed_width(max(len(c) for c in chunks))
             if graph_width is None:
                 return None
             in_graph = [a and d is not None and len(c) == len(d) + 1 for a, d, c in zip(active, drafts, chunks)]
