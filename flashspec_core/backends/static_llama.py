@@ -18,7 +18,8 @@ kernels, since a replayed graph costs about one microsecond-scale slot per kerne
 size: q, k and v come from one matrix product over concatenated weights (and gate and up from
 another), the rotation runs once over q and k together, the norms are `F.rms_norm`, and grouped
 query heads are packed as extra query rows of their key/value head so one fused attention kernel
-takes them. Same function, other rounding (tests/backends compares both with transformers).
+takes them (steps up to SPLIT_WIDTH tokens wide: `decode_attention`'s kernels, which read only the
+slots each row's queries see). Same function, other rounding (tests/backends compares both with transformers).
 Where Triton runs (CUDA, or the CPU under TRITON_INTERPRET=1) the glue between the matrix
 products is `fused_ops`' kernels: each residual add happens inside the next norm's kernel (the
 layer loop carries x and the next block's normed input), the rotation, the cache writes and the
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 CAUSAL = "causal"  # `_live_mask`: every row starts empty, SDPA's own causal mask
+# Widths up to this attend with `decode_attention` on the fused path (a step: few queries, every
+# slot); wider ones (prompt pieces) with SDPA, whose one program per block of queries is then busy.
+SPLIT_WIDTH = 32
 
 
 def _fused_ops(device: torch.device) -> ModuleType | None:
@@ -216,10 +220,11 @@ class StaticLlama(nn.Module):
         return self.keys[i].index_select(0, slots), self.values[i].index_select(0, slots)
 
     def _attend_fused(self, i: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                      rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                       slots: torch.Tensor | None = None) -> torch.Tensor:
         """`_attend` in fewer kernels. h: [B, W, hidden]; cos, sin: [B, W, D]; rows, positions: [B, W];
-        mask: [B, 1, G*W, S] (query rows packed per kv head); slots: `hidden`'s."""
+        mask: [B, 1, G*W, S] (query rows packed per kv head) for SDPA, or None for the split kernel,
+        whose rule (slots 0..position) needs no mask; slots: `hidden`'s."""
         attn, w = layer.self_attn, self._fused[i]
         bsz, width, _ = h.shape
         d, nq, nkv = self.head_dim, self.n_heads, self.n_kv
@@ -232,6 +237,10 @@ class StaticLlama(nn.Module):
                 norms = {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "norm_eps": _eps(attn.q_norm)}
             q = self.ops.rope_and_cache(qkv, cos, sin, self.keys[i], self.values[i], rows, positions,
                                         nq, nkv, d, **norms)
+        if mask is None:  # split along the slots, each row read through its index (`decode_attention`)
+            from flashspec_core.backends.decode_attention import attend  # Triton: imported where it runs
+
+            return attn.o_proj(attend(q, self.keys[i], self.values[i], rows[:, 0], positions, self.scaling))
         keys, values = self._cached(i, bsz, slots)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
         out = out.reshape(bsz, nq, width, d).transpose(1, 2).reshape(bsz, width, nq * d)
@@ -246,9 +255,10 @@ class StaticLlama(nn.Module):
         return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def _layers_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-                      positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor, mask: torch.Tensor | None,
+                      slots: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer and the final norm on the fused path; x: [B, W, hidden], cos, sin: [B, W, D],
-        rows, positions: [B, W], mask: [B, 1, G*W, S], slots: `hidden`'s.
+        rows, positions: [B, W], mask: `_attend_fused`'s, slots: `hidden`'s.
 
         Each norm also does the residual add before it, so the loop carries the residual stream x
         and the normed input h of the next block; returns the final norm's output [B, W, hidden].
@@ -353,6 +363,8 @@ class StaticLlama(nn.Module):
                 return out
         rows = (torch.arange(first_row, first_row + bsz, device=ids.device) if slots is None else slots)[:, None]
         rows = rows.expand(bsz, width)
+        if self.fuse and self.ops is not None and width <= SPLIT_WIDTH:
+            return self._layers_fused(x, cos, sin, rows, positions, None, slots)
         mask: torch.Tensor | str | None
         if length is not None:
             if self.fuse:

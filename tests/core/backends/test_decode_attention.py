@@ -1,0 +1,108 @@
+"""decode_attention's split kernels attend as causal attention over each row's own cache slots.
+
+Without CUDA they run under TRITON_INTERPRET=1 (conftest.py); tests/gpu runs them compiled inside
+the fused forward. The reference is SDPA in fp64 over one row at a time with the boolean mask of
+the rule "a query at position p sees slots 0..p of its row".
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashspec_core.backends.decode_attention import MAX_SPLITS, attend, splits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, else interpreted
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """q: [B, H_kv, G*W, D]; k, v: [R, H_kv, S, D]; returns [B, W, H*D] as `attend` lays it out."""
+    q, k, v, rows, positions = (t.cpu() for t in (q, k, v, rows, positions))
+    bsz, n_kv, gw, d = q.shape
+    width = positions.shape[1]
+    group = gw // width
+    out = torch.empty(bsz, width, n_kv * group, d, dtype=torch.float64)
+    for b in range(bsz):
+        # packed query row g*W + w is query head kv*G + g of token w
+        qb = q[b].double().view(n_kv, group, width, d)
+        seen = torch.arange(k.shape[2])[None, :] <= positions[b][:, None]  # [W, S]
+        o = F.scaled_dot_product_attention(qb, k[rows[b]].double()[:, None], v[rows[b]].double()[:, None],
+                                           attn_mask=seen, scale=scale)  # [H_kv, G, W, D]
+        out[b] = o.permute(2, 0, 1, 3).reshape(width, n_kv * group, d)
+    return out.view(bsz, width, -1)
+
+
+def _case(bsz: int, n_kv: int, group: int, width: int, d: int, slots: int, cache_rows: int, dtype: torch.dtype,
+          seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(bsz, n_kv, group * width, d, generator=gen).to(dtype)
+    k = torch.randn(cache_rows, n_kv, slots, d, generator=gen).to(dtype)
+    v = torch.randn(cache_rows, n_kv, slots, d, generator=gen).to(dtype)
+    rows = torch.randperm(cache_rows, generator=gen)[:bsz]  # any cache rows, in any order
+    starts = torch.randint(0, slots - width + 1, (bsz,), generator=gen)
+    positions = starts[:, None] + torch.arange(width)[None]
+    positions[0] = torch.arange(slots - width, slots)  # one row reaches the last slot
+    return tuple(t.to(DEVICE) for t in (q, k, v, rows, positions))
+
+
+@pytest.mark.parametrize(("bsz", "n_kv", "group", "width", "d", "slots", "cache_rows"), [
+    (1, 3, 3, 1, 64, 512, 1),  # the default model's decode step
+    (2, 3, 3, 17, 64, 700, 4),  # a draft's verify width, slots not a multiple of a split
+    (3, 2, 4, 5, 32, 300, 5),
+    (1, 1, 1, 3, 16, 96, 2),  # fewer slots than one split
+    (2, 2, 8, 9, 48, 5000, 2),  # more slots than MAX_SPLITS splits of the minimum size; 72 query rows
+])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_attend_is_causal_attention_over_each_rows_own_slots(bsz, n_kv, group, width, d, slots, cache_rows,
+                                                            dtype, tol):
+    q, k, v, rows, positions = _case(bsz, n_kv, group, width, d, slots, cache_rows, dtype, seed=slots)
+    scale = 1 / math.sqrt(d)
+    got = attend(q, k, v, rows, positions, scale)
+    assert got.shape == (bsz, width, n_kv * group * d) and got.dtype == dtype
+    torch.testing.assert_close(got.cpu().double(), _reference(q, k, v, rows, positions, scale), atol=tol, rtol=tol)
+
+
+def test_slots_past_a_query_and_other_rows_change_nothing():
+    q, k, v, rows, positions = _case(2, 2, 3, 4, 32, 400, 3, torch.float32, seed=1)
+    before = attend(q, k, v, rows, positions, 0.2)
+    k2, v2 = k.clone(), v.clone()
+    for b in range(2):  # every slot a query of row b cannot see, and the row no query reads
+        k2[rows[b], :, int(positions[b, 0]) + 1:] = 50.0
+        v2[rows[b], :, int(positions[b, 0]) + 1:] = -50.0
+    unread = [r for r in range(3) if r not in rows.tolist()]
+    k2[unread], v2[unread] = 1e4, 1e4
+    after = attend(q, k2, v2, rows, positions, 0.2)
+    # tokens of a row see one more slot each: only the first token's view was left untouched
+    torch.testing.assert_close(after[:, 0], before[:, 0], atol=0, rtol=0)
+    assert not torch.equal(after[:, 1:], before[:, 1:]), "later tokens see the slots changed before them"
+
+
+def test_positions_past_the_cache_read_inside_it():
+    q, k, v, rows, positions = _case(1, 1, 2, 2, 16, 128, 1, torch.float32, seed=2)
+    positions[0] = torch.tensor([127, 400], device=DEVICE)  # a pad's position past the end: clamped, never out of bounds
+    out = attend(q, k, v, rows, positions, 0.25)
+    assert torch.isfinite(out).all()
+    want = _reference(q, k, v, rows, torch.tensor([[127, 127]]), 0.25)
+    torch.testing.assert_close(out.cpu().double(), want, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("slots", [1, 64, 127, 128, 129, 2048, 4096, 32768, 100_000])
+def test_splits_cover_every_slot_in_whole_blocks(slots):
+    n, size = splits(slots)
+    assert 1 <= n <= MAX_SPLITS and size % 64 == 0
+    assert (n - 1) * size < slots <= n * size, "every slot in exactly one split, no empty split"
+
+
+def test_bad_arguments_are_refused_naming_them():
+    q, k, v, rows, positions = _case(2, 2, 2, 3, 16, 64, 2, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="positions"):
+        attend(q, k, v, rows, torch.cat([positions, positions[:, :1]], 1), 0.25)
+    with pytest.raises(ValueError, match="k_cache, v_cache"):
+        attend(q, k[:, :1], v[:, :1], rows, positions, 0.25)
+    with pytest.raises(ValueError, match="rows"):
+        attend(q, k, v, rows[:1], positions, 0.25)
+    with pytest.raises(ValueError, match="q: must be"):
+        attend(q.transpose(2, 3), k, v, rows, positions, 0.25)
