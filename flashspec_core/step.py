@@ -25,7 +25,7 @@ from flashspec_core.proposals import cut_length
 from flashspec_core.request import Row
 from flashspec_core.routing.base import Router
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord
-from flashspec_core.verify import Backend, verify
+from flashspec_core.verify import BAD_INPUT, Backend, verify
 
 # The router learns from at most this many rows a step (in turn): its host work per row (copy
 # drafts scored after the fact) would otherwise grow with the batch, and a few rows a step tell it
@@ -357,7 +357,7 @@ class Stepper:
                 # The kernel draws each row's seed from that row's generator, as a graph replay of a
                 # row alone does (`verify_step`), so a seeded row samples the same tokens either way.
                 results = [verify(logits[k:k + 1], tokens[k:k + 1], None if probs is None else probs[k:k + 1],
-                                  lead.sampling, backend=backend, generator=rows[i].generator)
+                                  lead.sampling, backend=backend, generator=rows[i].generator, check_finite=False)
                            for k, i in enumerate(members)]
                 accepted = torch.cat([r[0] for r in results])  # [n]
                 tokens_out = torch.cat([r[1] for r in results])  # [n, g+1]
@@ -365,8 +365,12 @@ class Stepper:
                 uniforms = None if lead.sampling.greedy else torch.cat([  # [n, g+1]: each row's own draws
                     torch.rand((1, tokens.shape[1] + 1), generator=rows[i].generator, device=logits.device)
                     for i in members])
-                accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, uniforms, backend=backend)
+                accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, uniforms, backend=backend,
+                                              check_finite=False)
+            # One read of the group's result, which also carries the validity test (n < 0: refused)
             for i, n, row_tokens in zip(members, accepted.tolist(), tokens_out.tolist()):
+                if n < 0:
+                    raise ValueError(BAD_INPUT)
                 n_acc[i], out[i] = n, row_tokens
         for row in rows:
             row.first = None

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.verify.reference import PAD, verify_torch
+from flashspec_core.verify.reference import BAD_INPUT, PAD, verify_torch
 
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")
@@ -57,11 +57,15 @@ def verify(
     uniforms: torch.Tensor | None = None,
     backend: Backend = "auto",
     generator: torch.Generator | None = None,
+    check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of each row's draft and append the recovered or bonus token.
 
     target_logits: [B, γ+1, V]; draft_tokens: [B, γ]; draft_probs: [B, γ, V] or None (one-hot);
     uniforms: [B, γ+1] or None. Returns n_accepted [B] and tokens [B, γ+1] (PAD after the last).
+    check_finite=False spares the Triton backend its host sync over the input's validity: a row
+    it cannot verify then has a negative n_accepted, for the caller to refuse when it reads the
+    result (the torch backend checks either way).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
@@ -72,9 +76,9 @@ def verify(
         from flashspec_core.verify import triton as triton_backend
 
         return triton_backend.verify_triton(
-            target_logits, draft_tokens, draft_probs, sampling, uniforms, generator
+            target_logits, draft_tokens, draft_probs, sampling, uniforms, generator, check_finite=check_finite
         )
     return verify_torch(target_logits, draft_tokens, draft_probs, sampling, uniforms, generator)
 
 
-__all__ = ["PAD", "verify", "verify_torch", "BACKENDS"]
+__all__ = ["BAD_INPUT", "PAD", "verify", "verify_torch", "BACKENDS"]

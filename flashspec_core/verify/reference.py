@@ -21,6 +21,8 @@ import torch
 from flashspec_core.processors.sampling import SamplingParams, logprobs_from_logits, sample_from_probs
 
 PAD = -1  # fills `tokens` after the recovered or bonus token
+# The Triton backend's refusal; without its host check a refused row's n_accepted is negative.
+BAD_INPUT = "verify: target_logits hold NaN or +inf (or a row that is all -inf), or a draft token is outside [0, V)"
 
 
 def _refuse_bad_input(

@@ -40,7 +40,7 @@ import torch
 import triton
 
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.verify.reference import PAD, verify_torch
+from flashspec_core.verify.reference import BAD_INPUT, PAD, verify_torch
 from flashspec_core.verify.triton_kernel import PAD_TOKEN, WS_SLOTS, verify_kernel
 
 assert PAD == PAD_TOKEN.value, "the kernel's PAD must be the reference's"
@@ -121,7 +121,8 @@ def verify_triton(
 
     target_logits: [B, γ+1, V] bf16/fp16/fp32; draft_tokens: [B, γ] int;
     draft_probs: [B, γ, V] float or None (one-hot drafts); uniforms: [B, γ+1] in [0, 1) or None.
-    check_finite: raise ValueError on NaN/+inf logits (one host sync; skipped under graph capture).
+    check_finite: raise ValueError on NaN/+inf logits (one host sync; skipped under graph capture);
+    False leaves the test to the caller, which finds such rows' n_accepted negative (`BAD_INPUT`).
     seed: [1] int64 on the logits' device, the Philox seed when sampling without `uniforms`
     (instead of one drawn from `generator`): a CUDA graph captures the pointer, and the caller
     copies a seed drawn from the request's generator into it before each replay.
@@ -209,10 +210,7 @@ def verify_triton(
     )
     if check_finite and not capturing:
         if bool((n_acc < 0).any()):
-            raise ValueError(
-                "verify_triton: target_logits hold NaN or +inf (or a row that is all -inf), or a "
-                "draft token is outside [0, V)"
-            )
+            raise ValueError(BAD_INPUT)
     return n_acc, tokens
 
 
