@@ -8,7 +8,9 @@ program per (split, row, head, block of queries), and a program reads only slots
 see (a query at position p sees slots 0..p of its row), so a split past the row's length exits at
 once: the work follows each row's length inside one fixed graph. A second kernel merges the
 splits' partial softmax sums (the online-softmax rule of flash decoding) and writes the output in
-the layout the output projection reads, so no copy follows.
+the layout the output projection reads, so no copy follows. A query's result is the same bits
+whatever else the step feeds (other rows, other widths): every shape runs one compiled kernel, and
+slots a query cannot see add exact zeros.
 
 Rows are read through an index (`rows`), so a step may feed any cache rows in any order without
 gathering them, and no mask tensor is built. Numerics: scores and sums in fp32 (fp32 products when
@@ -23,6 +25,9 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 64  # slots per inner iteration of a split
+# Packed query rows per program, whatever the step's width: one compiled kernel, so a query's
+# sums run in the same order alone or beside others (a row's output does not depend on its batch).
+BLOCK_M = 64
 MIN_SPLIT = 128  # slots per split at least (each split costs a partial result)
 MAX_SPLITS = 32  # splits per row and head at most (bounds the partial buffers)
 
@@ -49,14 +54,13 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: 
     bsz, n_kv, gw, d = q.shape
     width = positions.shape[1]
     n_split, size = splits(k_cache.shape[2])
-    block_m = max(16, min(64, triton.next_power_of_2(gw)))
-    m_blocks = triton.cdiv(gw, block_m)
+    m_blocks = triton.cdiv(gw, BLOCK_M)
     part = torch.empty((bsz * n_kv, n_split, gw, d), dtype=torch.float32, device=q.device)
     stats = torch.empty((2, bsz * n_kv, n_split, gw), dtype=torch.float32, device=q.device)  # max, sum
     out = torch.empty((bsz, width, n_kv * (gw // width), d), dtype=q.dtype, device=q.device)
     if not out.numel():
         return out.view(bsz, width, -1)
-    dp = triton.next_power_of_2(d)
+    dp = max(16, triton.next_power_of_2(d))  # tl.dot takes inner dimensions of 16 or more
     # fp32 products: an fp32 model (no TF32), and the CPU interpreter, whose dot is wrong in bf16
     ieee = q.dtype == torch.float32 or q.device.type == "cpu"
     _split_kernel[(n_split, bsz * n_kv, m_blocks)](
@@ -64,7 +68,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), rows.stride(0),
         positions.stride(0), positions.stride(1), scale,
         n_kv, gw, width, d, k_cache.shape[2], size, n_split,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, DP=dp, IEEE=ieee, num_warps=4)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DP=dp, IEEE=ieee, num_warps=4)
     _merge_kernel[(bsz * n_kv * gw,)](
         part, stats, positions, out, positions.stride(0), positions.stride(1),
         n_kv, gw, width, d, k_cache.shape[2], size, n_split, DP=dp, num_warps=1 if dp <= 64 else 2)
@@ -94,7 +98,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: 
 # Arguments are annotated `tl.tensor` (a pointer or a scalar inside a kernel), as in fused_ops.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["GW", "W"])  # one compiled kernel for every step shape (see BLOCK_M)
 def _split_kernel(q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor,  # q [B, NKV, GW, D]; caches [R, NKV, S, D]
                   rows_ptr: tl.tensor, pos_ptr: tl.tensor,  # [B], [B, W]
                   part_ptr: tl.tensor, stats_ptr: tl.tensor,  # [B*NKV, NS, GW, D], [2, B*NKV, NS, GW] fp32
@@ -149,7 +153,7 @@ def _split_kernel(q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor,  # q [B,
     tl.store(stats_ptr + plane + at, total, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["GW", "W"])
 def _merge_kernel(part_ptr: tl.tensor, stats_ptr: tl.tensor, pos_ptr: tl.tensor, out_ptr: tl.tensor,
                   stride_pb: tl.tensor, stride_pw: tl.tensor,
                   NKV: tl.tensor, GW: tl.tensor, W: tl.tensor, D: tl.tensor, S: tl.tensor, SIZE: tl.tensor,

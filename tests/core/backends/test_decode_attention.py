@@ -80,6 +80,28 @@ def test_slots_past_a_query_and_other_rows_change_nothing():
     assert not torch.equal(after[:, 1:], before[:, 1:]), "later tokens see the slots changed before them"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_querys_result_is_the_same_bits_alone_and_beside_others(dtype):
+    """One query alone (batch 1, width 1) and the same query as token 5 of row 1 in a batch of 3
+    rows 17 wide: what a scheduler's steps feed it from one step to the next. Its output must not
+    move by one bit, or a row's greedy tokens would depend on its neighbours."""
+    gen = torch.Generator().manual_seed(4)
+    n_kv, group, d, slots = 3, 3, 64, 700
+    k = torch.randn(4, n_kv, slots, d, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(4, n_kv, slots, d, generator=gen).to(dtype).to(DEVICE)
+    one = torch.randn(n_kv, group, d, generator=gen).to(dtype).to(DEVICE)  # the query's heads
+    alone = attend(one.reshape(1, n_kv, group, d).contiguous(), k, v, torch.tensor([2], device=DEVICE),
+                   torch.tensor([[411]], device=DEVICE), 0.125)
+    width = 17
+    q = torch.randn(3, n_kv, group, width, d, generator=gen).to(dtype).to(DEVICE)
+    q[1, :, :, 5] = one
+    positions = torch.randint(0, slots, (3, width), generator=gen).to(DEVICE)
+    positions[1] = torch.arange(406, 406 + width, device=DEVICE)  # token 5 at 411
+    beside = attend(q.reshape(3, n_kv, group * width, d), k, v, torch.tensor([0, 2, 3], device=DEVICE),
+                    positions, 0.125)
+    assert torch.equal(beside[1, 5], alone[0, 0])
+
+
 def test_positions_past_the_cache_read_inside_it():
     q, k, v, rows, positions = _case(1, 1, 2, 2, 16, 128, 1, torch.float32, seed=2)
     positions[0] = torch.tensor([127, 400], device=DEVICE)  # a pad's position past the end: clamped, never out of bounds
