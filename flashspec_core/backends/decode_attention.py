@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashspec_core.backends.fused_ops import check_caches
+
 BLOCK_N = 64  # slots per inner iteration of a split
 # Packed query rows per program, whatever the step's width: one compiled kernel, so a query's
 # sums run in the same order alone or beside others (a row's output does not depend on its batch).
@@ -86,10 +88,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: 
             or gw % max(1, positions.shape[1]):
         raise ValueError(f"positions: must be [B, W] integers with G*W = {gw} query rows; got "
                          f"{tuple(positions.shape)} {positions.dtype}")
-    if k_cache.dim() != 4 or (k_cache.shape[1], k_cache.shape[3]) != (n_kv, d) or k_cache.shape != v_cache.shape \
-            or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache, v_cache: must be [R, {n_kv}, S, {d}] {q.dtype} with equal strides; "
-                         f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)} {k_cache.dtype}")
+    check_caches(k_cache, v_cache, n_kv, d, q.dtype)
     if rows.shape != (bsz,) or rows.dtype.is_floating_point:
         raise ValueError(f"rows: must be [B] = [{bsz}] integers; got {tuple(rows.shape)} {rows.dtype}")
     if len({t.device for t in (q, k_cache, v_cache, rows, positions)}) != 1:

@@ -127,6 +127,15 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     return q.view(bsz, n_kv, (n_q // n_kv) * width, head_dim)
 
 
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, n_kv: int, d: int, dtype: torch.dtype) -> None:
+    """k_cache, v_cache: [R, n_kv, S, d] of `dtype`, equal strides, contiguous last dimension (what
+    a kernel indexing both with one set of strides needs); else a ValueError naming them."""
+    if k_cache.dim() != 4 or (k_cache.shape[1], k_cache.shape[3]) != (n_kv, d) or k_cache.shape != v_cache.shape \
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.dtype != dtype:
+        raise ValueError(f"k_cache, v_cache: must be [R, {n_kv}, S, {d}] {dtype} with equal strides; "
+                         f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)} {k_cache.dtype}")
+
+
 def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, n_q: int, n_kv: int,
                 d: int) -> None:
@@ -143,10 +152,7 @@ def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
         if t.shape != (bsz, width, d) or t.stride(-1) != 1 or t.dtype != qkv.dtype:
             raise ValueError(f"{name}: must be [B, W, D] = {(bsz, width, d)} {qkv.dtype}, last dim contiguous; "
                              f"got {tuple(t.shape)} {t.dtype}")
-    if k_cache.dim() != 4 or (k_cache.shape[1], k_cache.shape[3]) != (n_kv, d) or k_cache.shape != v_cache.shape \
-            or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.dtype != qkv.dtype:
-        raise ValueError(f"k_cache, v_cache: must be [B, {n_kv}, S, {d}] {qkv.dtype} with equal strides; "
-                         f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)} {k_cache.dtype}")
+    check_caches(k_cache, v_cache, n_kv, d, qkv.dtype)
     for name, t in (("rows", rows), ("positions", positions)):
         if t.shape != (bsz, width) or t.dtype.is_floating_point:
             raise ValueError(f"{name}: must be [B, W] = {(bsz, width)} integers; got {tuple(t.shape)} {t.dtype}")
