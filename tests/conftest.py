@@ -95,8 +95,9 @@ def default_engine(flashspec_cache_dir):
     return SpecEngine.from_default()
 
 
-# Under pytest-xdist (`-n` in pyproject's addopts, `--dist loadgroup`): the modules and packages
-# that take longest on a 2-core CPU, longest first, so that no worker starts a long one last.
+
+# Under pytest-xdist (pyproject's addopts): the modules and packages that take longest on a 2-core
+# CPU, longest first, so that no worker starts a long one last.
 LONGEST_FIRST = (
     "tests/integrations/serve/",
     "tests/core/test_engine_joint.py",
@@ -112,24 +113,37 @@ LONGEST_FIRST = (
     "tests/core/backends/test_blockq.py",
     "tests/core/drafts/test_trained.py",
 )
+SERVE = "tests/integrations/serve/"
 
 
-def _xdist_group(item: pytest.Item) -> str:
-    """One group per test module, and one for the serve package: a group runs whole on one worker,
-    so module fixtures are built once and the serve tests share one Ray instance and deployment."""
-    path = item.nodeid.split("::", 1)[0]
-    return "tests/integrations/serve/" if path.startswith("tests/integrations/serve/") else path
+def _group(nodeid: str) -> str:
+    """A test's unit of work under xdist: its module, or the serve package for a serve test (one
+    Ray instance and deployment for the package)."""
+    path = nodeid.split("::", 1)[0]
+    return SERVE if path.startswith(SERVE) else path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups from the marks
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Each group runs whole on one worker, so module and package fixtures are built once; groups
+    go to the workers in collection order as they free up."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not getattr(config.option, "loadgroup", False):  # what xdist sets on its workers for --dist loadgroup
+    """On an xdist worker, the longest groups first (the controller queues groups in the order the
+    workers collected them)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
 
     def rank(item: pytest.Item) -> int:
-        group = _xdist_group(item)
+        group = _group(item.nodeid)
         return next((i for i, g in enumerate(LONGEST_FIRST) if group.startswith(g)), len(LONGEST_FIRST))
 
     items.sort(key=rank)  # stable: the collection order within each rank
