@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import tiny_loaded
 
 from flashspec_integrations.cli import main
 
@@ -72,8 +73,14 @@ def test_console_script_is_installed_and_lists_its_commands():
     assert done.returncode == 0 and "--chat-file" in done.stdout
 
 
-@pytest.mark.slow
-def test_calibrate_measures_and_prints_the_table(default_target, capsys):
-    assert main(["calibrate", "--backend", "hf"]) == 0
+def test_calibrate_measures_and_prints_the_table(tmp_path, capsys):
+    """On a tiny target saved to a folder (`--model`): the command's own path, from loading to the
+    printed table, without a forced minute-long measurement of the default model (the engine's
+    calibration of the default model runs in the default-model tests)."""
+    loaded = tiny_loaded(16, seed=0, max_positions=2048)  # room for the calibration's longer context
+    folder = tmp_path / "tiny"
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    assert main(["calibrate", "--model", str(folder), "--backend", "hf"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("CPU: ") and "w=1" in out and "kept" in out

@@ -123,8 +123,10 @@ def test_the_gguf_kernels_are_kept_only_where_they_are_measured_faster(flashspec
 
     monkeypatch.setattr(PackedLinear, "forward", slowed)
     monkeypatch.setattr(NativeLayers, "__call__", slowed_native)
+    # longer=0: the kept kernels are chosen from the timings at `context`; the per-token slopes
+    # (timed after another 1,024 tokens) are not asserted here and cost most of the time.
     cal = calibrate(runner, f"default-slow-{slow}", "hf", [1, 3], vocab=default_target.model.config.vocab_size,
-                    context=32)
+                    context=32, longer=0)
     kept = set(cal.best.values())
     if slow == NATIVE:
         assert NATIVE not in kept, cal.table()
