@@ -9,8 +9,8 @@ see (a query at position p sees slots 0..p of its row), so a split past the row'
 once: the work follows each row's length inside one fixed graph. A second kernel merges the
 splits' partial softmax sums (the online-softmax rule of flash decoding) and writes the output in
 the layout the output projection reads, so no copy follows. A query's result is the same bits
-whatever else the step feeds (other rows, other widths): every shape runs one compiled kernel, and
-slots a query cannot see add exact zeros.
+whatever else the step feeds (other rows, other widths, a cache grown for another row): every
+shape runs one compiled kernel, splits have one size, and slots a query cannot see add exact zeros.
 
 Rows are read through an index (`rows`), so a step may feed any cache rows in any order without
 gathering them, and no mask tensor is built. Numerics: scores and sums in fp32 (fp32 products when
@@ -30,15 +30,14 @@ BLOCK_N = 64  # slots per inner iteration of a split
 # Packed query rows per program, whatever the step's width: one compiled kernel, so a query's
 # sums run in the same order alone or beside others (a row's output does not depend on its batch).
 BLOCK_M = 64
-MIN_SPLIT = 128  # slots per split at least (each split costs a partial result)
-MAX_SPLITS = 32  # splits per row and head at most (bounds the partial buffers)
+# Slots per split, whatever the cache's size: the splits a query's slots fall into, and so the
+# order its sums are merged in, do not change when the cache grows for another row.
+SPLIT = 128
 
 
 def splits(slots: int) -> tuple[int, int]:
     """(number of splits, slots per split) for a cache of `slots` slots per row."""
-    n = max(1, min(MAX_SPLITS, triton.cdiv(slots, MIN_SPLIT)))
-    size = triton.cdiv(triton.cdiv(slots, n), BLOCK_N) * BLOCK_N
-    return triton.cdiv(slots, size), size
+    return triton.cdiv(slots, SPLIT), SPLIT
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
@@ -50,8 +49,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: 
     cache row of each batch row; positions: [B, W] int, query w of row b sees slots
     0..positions[b, w] of its cache row (positions must lie in 0..S-1: a graph cannot check).
     Returns [B, W, H_kv*G*D] in q's dtype (head h's D values at columns h*D..), the input of the
-    output projection. Scratch: the splits' partial outputs, B*H_kv*splits*G*W*D fp32 (a captured
-    graph keeps them in its memory pool; 20 MB for 64 rows 17 wide of the default model).
+    output projection. Scratch: the splits' partial outputs, B*H_kv*(S/128)*G*W*D fp32, an eighth
+    of the K/V cache's size for 64 rows 17 wide of the default model (a captured graph keeps it in
+    its memory pool; 20 MB at 2,048 slots).
     """
     _check(q, k_cache, v_cache, rows, positions)
     bsz, n_kv, gw, d = q.shape

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashspec_core.backends.decode_attention import MAX_SPLITS, attend, splits
+from flashspec_core.backends.decode_attention import SPLIT, attend, splits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, else interpreted
 
@@ -53,7 +53,7 @@ def _case(bsz: int, n_kv: int, group: int, width: int, d: int, slots: int, cache
     (2, 3, 3, 17, 64, 700, 4),  # a draft's verify width, slots not a multiple of a split
     (3, 2, 4, 5, 32, 300, 5),
     (1, 1, 1, 3, 16, 96, 2),  # fewer slots than one split
-    (2, 2, 8, 9, 48, 5000, 2),  # more slots than MAX_SPLITS splits of the minimum size; 72 query rows
+    (2, 2, 8, 9, 48, 5000, 2),  # 40 splits; 72 query rows
 ])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 def test_attend_is_causal_attention_over_each_rows_own_slots(bsz, n_kv, group, width, d, slots, cache_rows,
@@ -82,9 +82,9 @@ def test_slots_past_a_query_and_other_rows_change_nothing():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_querys_result_is_the_same_bits_alone_and_beside_others(dtype):
-    """One query alone (batch 1, width 1) and the same query as token 5 of row 1 in a batch of 3
-    rows 17 wide: what a scheduler's steps feed it from one step to the next. Its output must not
-    move by one bit, or a row's greedy tokens would depend on its neighbours."""
+    """One query alone (batch 1, width 1), the same query as token 5 of row 1 in a batch of 3 rows
+    17 wide, and alone again after the cache grew: what a scheduler's steps may feed it. Its
+    output must not move by one bit, or a row's greedy tokens would depend on its neighbours."""
     gen = torch.Generator().manual_seed(4)
     n_kv, group, d, slots = 3, 3, 64, 700
     k = torch.randn(4, n_kv, slots, d, generator=gen).to(dtype).to(DEVICE)
@@ -100,6 +100,12 @@ def test_a_querys_result_is_the_same_bits_alone_and_beside_others(dtype):
     beside = attend(q.reshape(3, n_kv, group * width, d), k, v, torch.tensor([0, 2, 3], device=DEVICE),
                     positions, 0.125)
     assert torch.equal(beside[1, 5], alone[0, 0])
+    more = (4, n_kv, 4300, d)  # the cache grown to 5,000 slots for another row's sake: more splits
+    grown_k, grown_v = (torch.cat([t, torch.randn(more, generator=gen).to(dtype).to(DEVICE)], dim=2)
+                        for t in (k, v))
+    again = attend(one.reshape(1, n_kv, group, d).contiguous(), grown_k, grown_v, torch.tensor([2], device=DEVICE),
+                   torch.tensor([[411]], device=DEVICE), 0.125)
+    assert torch.equal(again, alone)
 
 
 def test_positions_past_the_cache_read_inside_it():
@@ -114,7 +120,7 @@ def test_positions_past_the_cache_read_inside_it():
 @pytest.mark.parametrize("slots", [1, 64, 127, 128, 129, 2048, 4096, 32768, 100_000])
 def test_splits_cover_every_slot_in_whole_blocks(slots):
     n, size = splits(slots)
-    assert 1 <= n <= MAX_SPLITS and size % 64 == 0
+    assert size == SPLIT and size % 64 == 0
     assert (n - 1) * size < slots <= n * size, "every slot in exactly one split, no empty split"
 
 
