@@ -246,11 +246,13 @@ class Scheduler:
         handle, output = row.request.handle, row.output
         delta = output.take_delta() if handle.stream else ""
         if output.finished:
+            # Retired first: the router has learned the row's steps and written them when its
+            # caller sees the end (a client reading the statistics after its answer finds them).
+            self._retire(row)
             stats = row.stats
             handle.post(StreamChunk(delta, tokens, output.finish_reason, stats))
             handle.finish(row.index, GenerationResult(output.text, list(output.token_ids), output.finish_reason or "length",
                                                       stats, prompt_tokens=stats.prompt_tokens))
-            self._retire(row)
         elif delta or tokens:
             handle.post(StreamChunk(delta, tokens))
 

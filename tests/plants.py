@@ -43,7 +43,8 @@ def redraw(bug: str, p: torch.Tensor, q: torch.Tensor, n_acc: torch.Tensor, toke
 def planted_verify(bug: str):
     """A drop-in for `flashspec_core.verify.verify` (torch backend) with `bug` planted."""
 
-    def run(target_logits, draft_tokens, draft_probs, sampling, uniforms=None, backend="auto", generator=None):
+    def run(target_logits, draft_tokens, draft_probs, sampling, uniforms=None, backend="auto", generator=None,
+            check_finite=True):
         bsz, positions, vocab = target_logits.shape
         if uniforms is None:
             uniforms = torch.rand((bsz, positions), generator=generator, device=target_logits.device)
