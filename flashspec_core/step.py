@@ -66,8 +66,8 @@ class Stepper:
     def prefill(self, rows: Sequence[Row], slots: int, chunk: int | None = None) -> None:
         """Feed the next piece of each row's prompt (at most `chunk` tokens; None: all of it; it starts
         at `row.prefilled`, which counts what its slot's cache held at admission) into its slot, all
-        in one forward, the runner holding `slots` rows. A row whose whole prompt is fed keeps the logits after it for its first step (`row.first`, [1, V]) and gets its
-        processors.
+        in one forward, the runner holding `slots` rows. A row whose whole prompt is fed keeps the
+        logits after it for its first step (`row.first`, [1, V]) and gets its processors.
 
         The first token is scored from the prompt's own forward, as plain decoding scores it
         (HF `generate` and llama.cpp alike): some kernels round a long batch differently from a
