@@ -26,6 +26,7 @@ from flashspec_core.request import Row
 from flashspec_core.routing.base import Router
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 from flashspec_core.verify import BAD_INPUT, Backend, verify
+from flashspec_core.verify.greedy_rows import accept_greedy, greedy_targets
 
 # The router learns from at most this many rows a step (in turn): its host work per row (copy
 # drafts scored after the fact) would otherwise grow with the batch, and a few rows a step tell it
@@ -318,10 +319,12 @@ class Stepper:
 
     def _verify_rows(self, rows: Sequence[Row], drafted: Sequence[Drafted],
                      scored: Mapping[int, torch.Tensor]) -> tuple[list[int], list[list[int]]]:
-        """Process each row's logits along its path and verify rows of one setting together.
-        scored: slot -> [need, V] (`_score`); host lists out, as `_forward_and_verify`'s. The host
-        reads each group's result once (not once per row: each read waits for the device)."""
-        groups: dict[tuple, list[int]] = defaultdict(list)
+        """Process each row's logits along its path and verify them: greedy rows all together,
+        sampled rows of one setting and draft length together. scored: slot -> [need, V] (`_score`);
+        host lists out, as `_forward_and_verify`'s. The host reads the step's results once (not
+        once per row or group: each read waits for the device)."""
+        groups: dict[tuple, list[int]] = defaultdict(list)  # sampled rows by setting and shape
+        greedy: list[int] = []
         processed = []
         widest = max(len(d.tokens) for d in drafted)
         host = torch.full((len(rows), widest), -1, dtype=torch.long)  # every row's draft, one copy
@@ -339,10 +342,16 @@ class Stepper:
             draft_tokens = device_drafts[i:i + 1, :g].to(logits.device)  # [1, g]
             assert row.processors is not None  # set up by the prefill
             processed.append((row.processors(logits, [d.tokens], draft_tokens, [True]), draft_tokens))
-            # A row's first step verifies on other ops than its later ones (below): that must be
-            # the row's own state, never its neighbours', or its random draws would depend on them.
-            groups[(row.sampling.model_dump_json(), g, d.probs is None, row.first is not None)].append(i)
-        n_acc, out = [0] * len(rows), [[] for _ in rows]  # type: list[int], list[list[int]]
+            if row.sampling.greedy:
+                greedy.append(i)
+            else:
+                # A row's first step verifies on other ops than its later ones (below): that must be
+                # the row's own state, never its neighbours', or its random draws would depend on them.
+                groups[(row.sampling.model_dump_json(), g, d.probs is None, row.first is not None)].append(i)
+        # Every row's result in one read of the device: the greedy rows' argmaxes (every draft
+        # length and setting together), then each sampled group's accepted counts and tokens.
+        parts = [greedy_targets([processed[i][0][0] for i in greedy])] if greedy else []
+        shapes = []
         for members in groups.values():
             lead = rows[members[0]]
             logits = torch.cat([processed[i][0] for i in members])  # [n, g+1, V]
@@ -353,7 +362,7 @@ class Stepper:
             # shape at first use, which the router would charge to the step's arm and width.
             first = lead.first is not None
             backend: Backend = "torch" if first and self.verify_backend == "auto" else self.verify_backend
-            if not lead.sampling.greedy and logits.is_cuda and backend != "torch":
+            if logits.is_cuda and backend != "torch":
                 # The kernel draws each row's seed from that row's generator, as a graph replay of a
                 # row alone does (`verify_step`), so a seeded row samples the same tokens either way.
                 results = [verify(logits[k:k + 1], tokens[k:k + 1], None if probs is None else probs[k:k + 1],
@@ -362,16 +371,25 @@ class Stepper:
                 accepted = torch.cat([r[0] for r in results])  # [n]
                 tokens_out = torch.cat([r[1] for r in results])  # [n, g+1]
             else:
-                uniforms = None if lead.sampling.greedy else torch.cat([  # [n, g+1]: each row's own draws
+                uniforms = torch.cat([  # [n, g+1]: each row's own draws
                     torch.rand((1, tokens.shape[1] + 1), generator=rows[i].generator, device=logits.device)
                     for i in members])
                 accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, uniforms, backend=backend,
                                               check_finite=False)
-            # One read of the group's result, which also carries the validity test (n < 0: refused)
-            for i, n, row_tokens in zip(members, accepted.tolist(), tokens_out.tolist()):
-                if n < 0:
+            parts += [accepted, tokens_out.flatten()]
+            shapes.append((members, tokens.shape[1] + 1))
+        flat = torch.cat([part.to(self.device) for part in parts]).tolist()
+        n_acc, out = [0] * len(rows), [[] for _ in rows]  # type: list[int], list[list[int]]
+        start = sum(len(drafted[i].tokens) + 1 for i in greedy)
+        for i, (n, row_tokens) in zip(greedy, accept_greedy(flat[:start], [drafted[i].tokens for i in greedy])):
+            n_acc[i], out[i] = n, row_tokens
+        for members, width in shapes:
+            counts, start = flat[start:start + len(members)], start + len(members)
+            for k, (i, n) in enumerate(zip(members, counts)):
+                if n < 0:  # the Triton verify's refusal (check_finite=False above)
                     raise ValueError(BAD_INPUT)
-                n_acc[i], out[i] = n, row_tokens
+                n_acc[i], out[i] = n, flat[start + k * width:start + (k + 1) * width]
+            start += len(members) * width
         for row in rows:
             row.first = None
         return n_acc, out
