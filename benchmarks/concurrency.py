@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=8, help="the engine's max_batch")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="the target's dtype (default: the device's usual one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps-file", default=None, help="the workload as JSON (warm-up steps first)")
     parser.add_argument("--out", default="bench_out/concurrency")
@@ -173,7 +175,8 @@ def main() -> None:
         """An engine of its own for each mode (the target is loaded once per process): no mode
         finds what an earlier one left in the cache or the suffix draft, or a router it trained."""
         start = time.perf_counter()
-        engine = SpecEngine.from_pretrained(None, device=args.device, max_batch=args.max_batch)
+        engine = SpecEngine.from_pretrained(None, device=args.device, max_batch=args.max_batch,
+                                            dtype=getattr(torch, args.dtype) if args.dtype else None)
         for job in warm:  # warm-up (kernels, the router's first steps) on other requests: untimed
             run_one(engine, job, Timed())
         warmups.append(time.perf_counter() - start)
@@ -202,7 +205,8 @@ def main() -> None:
 
     gpu = torch.cuda.is_available() and args.device != "cpu"
     device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if gpu else machine_line()
-    title = (f"{len(work)} agent requests, greedy, budgets {min(j.max_new_tokens for j in work)}-{longest}; {device}; "
+    dtype = str(engine._target.model.dtype).removeprefix("torch.")
+    title = (f"{len(work)} agent requests, greedy, budgets {min(j.max_new_tokens for j in work)}-{longest}; {device}; {dtype}; "
              f"max_batch {args.max_batch}; engine start and warm-up {statistics.median(warmups):.1f} s (median of {len(warmups)})")
     print(title)
     print(f"{'mode':<16}{'tokens':>8}{'s':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  same")
