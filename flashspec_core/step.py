@@ -25,7 +25,7 @@ from flashspec_core.proposals import cut_length
 from flashspec_core.request import Row
 from flashspec_core.routing.base import Router
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord
-from flashspec_core.verify import BAD_INPUT, Backend, verify
+from flashspec_core.verify import BAD_INPUT, Backend, draw_seed, kernel_samples, triton_usable, verify
 from flashspec_core.verify.greedy_rows import accept_greedy, greedy_targets
 
 # The router learns from at most this many rows a step (in turn): its host work per row (copy
@@ -347,7 +347,9 @@ class Stepper:
             else:
                 # A row's first step verifies on other ops than its later ones (below): that must be
                 # the row's own state, never its neighbours', or its random draws would depend on them.
-                groups[(row.sampling.model_dump_json(), g, d.probs is None, row.first is not None)].append(i)
+                # Not the seed: each row draws from its own generator whatever its group.
+                key = row.sampling.model_dump_json(exclude={"seed"})
+                groups[(key, g, d.probs is None, row.first is not None)].append(i)
         # Every row's result in one read of the device: the greedy rows' argmaxes (every draft
         # length and setting together), then each sampled group's accepted counts and tokens.
         parts = [greedy_targets([processed[i][0][0] for i in greedy])] if greedy else []
@@ -362,14 +364,13 @@ class Stepper:
             # shape at first use, which the router would charge to the step's arm and width.
             first = lead.first is not None
             backend: Backend = "torch" if first and self.verify_backend == "auto" else self.verify_backend
-            if logits.is_cuda and backend != "torch":
-                # The kernel draws each row's seed from that row's generator, as a graph replay of a
-                # row alone does (`verify_step`), so a seeded row samples the same tokens either way.
-                results = [verify(logits[k:k + 1], tokens[k:k + 1], None if probs is None else probs[k:k + 1],
-                                  lead.sampling, backend=backend, generator=rows[i].generator, check_finite=False)
-                           for k, i in enumerate(members)]
-                accepted = torch.cat([r[0] for r in results])  # [n]
-                tokens_out = torch.cat([r[1] for r in results])  # [n, g+1]
+            if backend != "torch" and triton_usable(logits) and kernel_samples(lead.sampling, logits.shape[-1]):
+                # One kernel for the group, each row drawing from a seed taken from its own
+                # generator, as a graph replay of a row alone does (`verify_step`): a seeded row
+                # samples the same tokens alone, in a graph or beside others.
+                seeds = torch.cat([draw_seed(rows[i].generator, logits.device) for i in members])  # [n]
+                accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, backend=backend,
+                                              check_finite=False, seed=seeds)
             else:
                 uniforms = torch.cat([  # [n, g+1]: each row's own draws
                     torch.rand((1, tokens.shape[1] + 1), generator=rows[i].generator, device=logits.device)

@@ -33,6 +33,7 @@ from flashspec_core.backends.static_llama import StaticLlama
 from flashspec_core.backends.static_rows import SCRATCH, StaticRows
 from flashspec_core.models import vocab_size
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.verify import draw_seed, kernel_samples
 
 MAX_SAMPLED_ROWS = 256  # rows the Triton kernel's workspace holds from the start (verify/triton.py)
 MAX_SAMPLED_GRAPHS = 32  # past this many, sampled steps of new (width, temperature) run eagerly
@@ -55,7 +56,7 @@ GraphKey = tuple[int, int, tuple[float, bool] | None]
 def graphed_sampling(sampling: SamplingParams, vocab: int) -> bool:
     """Whether a sampled step can verify inside the graph: the Triton kernel takes temperature,
     not top-k / top-p (those need a sort per row; they run eagerly through `verify`)."""
-    return not sampling.greedy and not 0 < sampling.top_k < vocab and sampling.top_p >= 1.0
+    return not sampling.greedy and kernel_samples(sampling, vocab)
 
 
 class GraphedModel(StaticRows, TargetRunner):
@@ -369,7 +370,7 @@ class GraphedModel(StaticRows, TargetRunner):
             elif self._sampled_graphs_full(width, sampling, draft_probs is None):
                 return None  # the rows were only rolled back, as above
             else:
-                seed = torch.randint(0, 2**62, (1,), device=self.device, generator=generator)
+                seed = draw_seed(generator, self.device)
                 graph = self._replay(chunks, width, drafts, sampling, draft_probs, seed)
             if while_waiting is not None:
                 while_waiting()

@@ -41,12 +41,28 @@ def _check_inputs(
         raise ValueError(f"uniforms must be [B, γ+1] = {(bsz, gp1)}; got {tuple(uniforms.shape)}")
 
 
-def _triton_usable(target_logits: torch.Tensor) -> bool:
+def triton_usable(target_logits: torch.Tensor) -> bool:
+    """Whether the Triton backend takes these logits ([B, γ+1, V]; CUDA, or the CPU interpreter)."""
     try:
         from flashspec_core.verify import triton as triton_backend
     except ImportError:
         return False
     return triton_backend.supports(target_logits)
+
+
+def kernel_samples(sampling: SamplingParams, vocab: int) -> bool:
+    """Whether the Triton backend draws this setting's tokens in its kernel: top-k and top-p need a
+    sort or a threshold search per row and verify on torch ops instead (exact, slower)."""
+    return sampling.greedy or not (0 < sampling.top_k < vocab or sampling.top_p < 1.0)
+
+
+def draw_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The Philox seed the Triton verify draws from `generator` (None: torch's default CPU one), as
+    a [1] int64 tensor on `device`: one draw per step, on the generator's own device, so a graph
+    replay, a row verified alone and a row verified beside others consume its state alike."""
+    if generator is not None and generator.device.type == "cuda":
+        return torch.randint(0, 2**62, (1,), device=generator.device, generator=generator).to(device)
+    return torch.randint(0, 2**62, (1,), generator=generator).to(device, non_blocking=True)
 
 
 def verify(
@@ -58,6 +74,7 @@ def verify(
     backend: Backend = "auto",
     generator: torch.Generator | None = None,
     check_finite: bool = True,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of each row's draft and append the recovered or bonus token.
 
@@ -65,20 +82,24 @@ def verify(
     uniforms: [B, γ+1] or None. Returns n_accepted [B] and tokens [B, γ+1] (PAD after the last).
     check_finite=False spares the Triton backend its host sync over the input's validity: a row
     it cannot verify then has a negative n_accepted, for the caller to refuse when it reads the
-    result (the torch backend checks either way).
+    result (the torch backend checks either way). seed: [1] or [B] int64 Philox seeds on the
+    logits' device for the Triton backend (one per row: each row draws as it would alone); the
+    torch backend takes `uniforms` instead.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     _check_inputs(target_logits, draft_tokens, draft_probs, uniforms)
     if backend == "auto":
-        backend = "triton" if target_logits.is_cuda and _triton_usable(target_logits) else "torch"
+        backend = "triton" if target_logits.is_cuda and triton_usable(target_logits) else "torch"
+    if seed is not None and backend != "triton":
+        raise ValueError("seed: only the triton backend draws from seeds; give the torch backend uniforms")
     if backend == "triton":
         from flashspec_core.verify import triton as triton_backend
 
         return triton_backend.verify_triton(
-            target_logits, draft_tokens, draft_probs, sampling, uniforms, generator, check_finite=check_finite
-        )
+            target_logits, draft_tokens, draft_probs, sampling, uniforms, generator, check_finite=check_finite,
+            seed=seed)
     return verify_torch(target_logits, draft_tokens, draft_probs, sampling, uniforms, generator)
 
 
-__all__ = ["BAD_INPUT", "PAD", "verify", "verify_torch", "BACKENDS"]
+__all__ = ["BAD_INPUT", "PAD", "draw_seed", "kernel_samples", "triton_usable", "verify", "verify_torch", "BACKENDS"]

@@ -23,8 +23,12 @@ legal: they mark masked tokens (grammar constraints), exactly as in the referenc
 
 Randomness without `uniforms`: Philox (tl.rand) keyed by a seed drawn from `generator` (on the
 device for a CUDA generator, so no sync) or from torch's default CPU generator, so a seeded
-generator reproduces its draws. A host seed would be frozen into a CUDA graph, so a call captured
-with one also mixes in a per-sequence step counter kept on the device: each replay draws anew.
+generator reproduces its draws; sequences of one call are told apart by their index. With a seed
+per sequence (`seed` of shape [B], each drawn from that row's generator) the index is left out,
+so a row draws the same numbers whatever else the call verifies: an engine step verifies all its
+sampled rows of one setting in one launch, and each row samples what it would alone. A host seed
+would be frozen into a CUDA graph, so a call captured with one also mixes in a per-sequence step
+counter kept on the device: each replay draws anew.
 
 The counters live in one small workspace per device that the kernel resets itself: do not run two
 verify steps on one device concurrently on different streams, and call `verify_triton` once before
@@ -40,6 +44,7 @@ import torch
 import triton
 
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.verify import kernel_samples
 from flashspec_core.verify.reference import BAD_INPUT, PAD, verify_torch
 from flashspec_core.verify.triton_kernel import PAD_TOKEN, WS_SLOTS, verify_kernel
 
@@ -123,15 +128,19 @@ def verify_triton(
     draft_probs: [B, γ, V] float or None (one-hot drafts); uniforms: [B, γ+1] in [0, 1) or None.
     check_finite: raise ValueError on NaN/+inf logits (one host sync; skipped under graph capture);
     False leaves the test to the caller, which finds such rows' n_accepted negative (`BAD_INPUT`).
-    seed: [1] int64 on the logits' device, the Philox seed when sampling without `uniforms`
-    (instead of one drawn from `generator`): a CUDA graph captures the pointer, and the caller
-    copies a seed drawn from the request's generator into it before each replay.
+    seed: [1] or [B] int64 on the logits' device, the Philox seed when sampling without
+    `uniforms` (instead of one drawn from `generator`): a CUDA graph captures the pointer, and the
+    caller copies a seed drawn from the request's generator into it before each replay. [B]: a
+    seed per sequence, whose draws then do not depend on its index in the batch (a row verified
+    beside others samples what it samples alone with that seed).
     block, tiles: launch-plan overrides for tuning and tests; None picks them from the shape.
     Returns n_accepted [B] int64 and tokens [B, γ+1] int64 (PAD after the recovered/bonus token).
     """
     vocab = target_logits.shape[-1]
-    if not sampling.greedy and (0 < sampling.top_k < vocab or sampling.top_p < 1.0):
-        # Documented fall-back: top-k / top-p need a sort or a threshold search per row.
+    if not kernel_samples(sampling, vocab):  # the documented fall-back
+        if seed is not None and uniforms is None:
+            raise ValueError("seed: top-k and top-p verify on torch ops, which draw from uniforms or a "
+                             "generator; pass one of those for this setting")
         return verify_torch(target_logits, draft_tokens, draft_probs, sampling, uniforms, generator)
     if not supports(target_logits):
         raise ValueError(
@@ -164,10 +173,14 @@ def verify_triton(
     seed_from_ptr = False
     seed_t = n_acc
     host_seed = 1
+    seed_stride = 0
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not has_u and not sampling.greedy:
         if seed is not None:
-            seed_t, seed_from_ptr = seed, True
+            if seed.shape not in ((1,), (bsz,)) or seed.dtype != torch.int64 or seed.device != device:
+                raise ValueError(f"seed: must be [1] or [B] = [{bsz}] int64 on {device}; got "
+                                 f"{tuple(seed.shape)} {seed.dtype} on {seed.device}")
+            seed_t, seed_from_ptr, seed_stride = seed, True, int(seed.shape[0] == bsz > 1)
         elif generator is not None and generator.device.type == "cuda":
             seed_t = torch.randint(0, 2**62, (1,), device=generator.device, generator=generator)
             seed_from_ptr = True
@@ -193,7 +206,7 @@ def verify_triton(
         drafts, drafts.stride(0),
         q, q.stride(0), q.stride(1),
         u, u.stride(0),
-        seed_t, host_seed, int(capturing and not seed_from_ptr),
+        seed_t, host_seed, seed_stride, int(capturing and not seed_from_ptr),
         ws, fs, is_, n_acc, tokens,
         temperature, inv_t, exp2_scale,
         bsz, gamma, vocab, n_chunks, tiles, n_tiles, lag,

@@ -60,7 +60,7 @@ def _stop_row_masses(logits_row: tl.tensor, q_row: tl.tensor, draft_tok: tl.tens
     return p, r
 
 
-@triton.jit(do_not_specialize=["seed", "use_step", "B", "G", "NC", "TILES", "NT", "LAG"])
+@triton.jit(do_not_specialize=["seed", "seed_stride", "use_step", "B", "G", "NC", "TILES", "NT", "LAG"])
 def verify_kernel(
     # Arguments are annotated `tl.tensor` (a pointer or a scalar inside a kernel), not int or float:
     # Triton reads those annotations as fixed i32 / fp32 types and would stop specialising on them.
@@ -70,8 +70,9 @@ def verify_kernel(
     q_ptr: tl.tensor, stride_qb: tl.tensor, stride_qg: tl.tensor,  # [B, G, V] draft probs (any float),
     # unused when ONE_HOT
     u_ptr: tl.tensor, stride_ub: tl.tensor,  # [B, G+1] float32 uniforms, unused unless HAS_U
-    seed_ptr: tl.tensor,  # [1] int64 seed on the device, used when SEED_FROM_PTR
+    seed_ptr: tl.tensor,  # [1] or [B] int64 seeds on the device, used when SEED_FROM_PTR
     seed: tl.tensor,  # host seed, used otherwise
+    seed_stride: tl.tensor,  # 1: seed_ptr holds one seed per sequence (its draws leave b out); 0: one seed
     use_step: tl.tensor,  # 1: mix the per-sequence step counter into the Philox offset (graph replays)
     ws_ptr: tl.tensor,  # [1 + WS_SLOTS * B] int32 persistent, self-resetting counters
     fs_ptr: tl.tensor,  # float32 scratch: partial max [B, G+1, NC], partial sum [B, G+1, NC], stop [B, 3],
@@ -174,7 +175,7 @@ def verify_kernel(
         if done == r1 - 1:
             tl.debug_barrier()
             _accept(b, G, V, NC, seq_logits, stride_lg, draft_ptr, stride_db, q_ptr, stride_qb,
-                    stride_qg, u_ptr, stride_ub, seed_ptr, seed, use_step, ws_b, part_m, part_s, part_idx,
+                    stride_qg, u_ptr, stride_ub, seed_ptr, seed, seed_stride, use_step, ws_b, part_m, part_s, part_idx,
                     part_bad, stop_f, stop_i, n_acc_ptr, tokens_ptr, temperature, inv_t, exp2_scale,
                     r1, GP, NCP, GREEDY, ONE_HOT, HAS_U, SEED_FROM_PTR, RECIP)
     else:
@@ -207,7 +208,7 @@ def verify_kernel(
 def _accept(b: tl.tensor, G: tl.tensor, V: tl.tensor, NC: tl.tensor, seq_logits: tl.tensor, stride_lg: tl.tensor,
             draft_ptr: tl.tensor, stride_db: tl.tensor, q_ptr: tl.tensor, stride_qb: tl.tensor,
             stride_qg: tl.tensor, u_ptr: tl.tensor, stride_ub: tl.tensor, seed_ptr: tl.tensor, seed: tl.tensor,
-            use_step: tl.tensor, ws_b: tl.tensor, part_m: tl.tensor, part_s: tl.tensor, part_idx: tl.tensor,
+            seed_stride: tl.tensor, use_step: tl.tensor, ws_b: tl.tensor, part_m: tl.tensor, part_s: tl.tensor, part_idx: tl.tensor,
             part_bad: tl.tensor, stop_f: tl.tensor, stop_i: tl.tensor, n_acc_ptr: tl.tensor, tokens_ptr: tl.tensor,
             temperature: tl.tensor, inv_t: tl.tensor, exp2_scale: tl.tensor, r1: tl.tensor,
             GP: tl.constexpr, NCP: tl.constexpr, GREEDY: tl.constexpr, ONE_HOT: tl.constexpr,
@@ -263,11 +264,12 @@ def _accept(b: tl.tensor, G: tl.tensor, V: tl.tensor, NC: tl.tensor, seq_logits:
             u = tl.load(u_ptr + b * stride_ub + jj, mask=is_row, other=0.5)
         else:
             if SEED_FROM_PTR:
-                key = tl.load(seed_ptr)
+                key = tl.load(seed_ptr + b * seed_stride)
             else:
                 key = seed
             step = tl.atomic_add(ws_b + 3, 0, sem="relaxed").to(tl.int64) * use_step
-            u = tl.rand(key, (step * 65536 + b) * 32 + jj.to(tl.int64))
+            # A sequence with a seed of its own draws the same numbers at any index b of a batch.
+            u = tl.rand(key, (step * 65536 + b * (1 - seed_stride)) * 32 + jj.to(tl.int64))
         if ONE_HOT:
             accept = tl.log(u) < logp
         else:

@@ -62,10 +62,11 @@ def _count(tokens: torch.Tensor, counts: dict) -> None:
 
 
 def sample_step(design: Design, rows: int, seed: int, backend: str, device: str = "cpu",
-                bugs: tuple[str, ...] = ()) -> dict[str, dict]:
+                bugs: tuple[str, ...] = (), per_row: bool = False) -> dict[str, dict]:
     """Outcome counts of `rows` independent verify steps under `design`, and of each planted bug.
 
-    The torch backend gets explicit uniforms (the bugs re-use them); Triton draws its own.
+    The torch backend gets explicit uniforms (the bugs re-use them); Triton draws its own, from
+    one generator, or with `per_row` from a seed per row (what a step's sampled rows get).
     """
     gen = torch.Generator().manual_seed(seed)
     device_gen = torch.Generator(device).manual_seed(seed + 1)
@@ -82,9 +83,10 @@ def sample_step(design: Design, rows: int, seed: int, backend: str, device: str 
             draft = torch.stack([torch.multinomial(q[j], size, replacement=True, generator=gen) for j in range(gamma)], 1)
             probs = q.to(device).expand(size, -1, -1)
         uniforms = torch.rand(size, gamma + 1, generator=gen) if backend == "torch" else None
+        seeds = torch.randint(0, 2**62, (size,), generator=gen).to(device) if per_row else None
         n_acc, tokens = verify(logits.expand(size, -1, -1), draft.to(device), probs, T1,
                                uniforms=None if uniforms is None else uniforms.to(device),
-                               backend=backend, generator=device_gen)
+                               backend=backend, generator=device_gen, seed=seeds)
         n_acc, tokens = n_acc.cpu(), tokens.cpu()
         _count(tokens, counts["verify"])
         for bug in bugs:
@@ -133,18 +135,31 @@ def test_the_power_calculation_holds_by_simulation(design_name, gamma):
     assert rejected["2% off"] >= 0.84 and rejected["exact"] <= 0.04, rejected
 
 
-TRITON_CASES = [pytest.param(d, g, marks=(pytest.mark.gpu, needs_cuda), id=f"{d}-g{g}")
-                for d, g in CASES + [("one_hot", 4), ("model_q", 4)]]
+TRITON_CASES = [pytest.param(d, g, per_row, marks=(pytest.mark.gpu, needs_cuda), id=f"{d}-g{g}{'-rows' * per_row}")
+                for d, g, per_row in [(d, g, False) for d, g in CASES + [("one_hot", 4), ("model_q", 4)]]
+                + [("one_hot", 4, True), ("model_q", 4, True)]]
 
 
-@pytest.mark.parametrize("design_name, gamma", TRITON_CASES)
-def test_kernel_joint_law_with_its_own_random_numbers_on_gpu(design_name, gamma):
+@pytest.mark.parametrize("design_name, gamma, per_row", TRITON_CASES)
+def test_kernel_joint_law_with_its_own_random_numbers_on_gpu(design_name, gamma, per_row):
     pytest.importorskip("triton")
     design = hazard_design(gamma, one_hot=design_name == "one_hot")
     law = step_law(design.p, design.q)
     rows = rows_for(law)
     check_exact(lambda rep: (g_test(sample_step(design, rows, _seed("triton", design_name, gamma, rep), "triton",
-                                                "cuda")["verify"], law),), f"triton {design_name} γ={gamma}")
+                                                "cuda", per_row=per_row)["verify"], law),),
+                f"triton {design_name} γ={gamma}{' seeds per row' * per_row}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the full-size test above")
+def test_kernel_joint_law_with_a_seed_per_row_under_the_interpreter(torch_one_thread):
+    """As below, each row drawing from a seed of its own (a step's sampled rows)."""
+    pytest.importorskip("triton")
+    design = hazard_design(INTERPRET_GAMMA, one_hot=True)
+    law = step_law(design.p, design.q)
+    check_exact(lambda rep: (g_test(sample_step(design, INTERPRET_ROWS, _seed("interpret-rows", rep), "triton",
+                                                per_row=True)["verify"], law),),
+                f"triton (interpreter, seeds per row) γ={INTERPRET_GAMMA}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the full-size test above")

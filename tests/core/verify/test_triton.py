@@ -228,6 +228,32 @@ def test_seed_tensor_is_the_generators_draw():
     assert not torch.equal(verify_triton(*args, None, None, seed=seed)[1], want[1])
 
 
+def test_a_seed_per_row_draws_as_each_row_alone():
+    """`seed=` of shape [B]: row b draws from seed[b] alone, its index in the batch left out, so a
+    row verified beside others gets what it gets verified alone with that seed."""
+    case = make_case(6, 3, 30, torch.float32, True, 0.8, seed=47)
+    args = (case["target_logits"], case["draft_tokens"], case["draft_probs"], SamplingParams(temperature=0.8))
+    seeds = torch.tensor([11, 12, 13, 11, 99, 5], device=DEVICE)
+    n_acc, tokens = verify_triton(*args, None, None, seed=seeds)
+    for b in range(6):
+        alone = verify_triton(*(a[b:b + 1] for a in args[:3]), args[3], None, None, seed=seeds[b:b + 1])
+        assert int(alone[0]) == int(n_acc[b]) and torch.equal(alone[1][0], tokens[b])
+    shared = verify_triton(*args, None, None, seed=seeds[:1])  # one seed: rows told apart by index
+    assert not torch.equal(shared[1], tokens)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "top_k"])
+def test_bad_seeds_are_refused_naming_the_argument(bad):
+    case = make_case(3, 2, 30, torch.float32, True, 1.0, seed=53)
+    sampling = SamplingParams(temperature=1.0, top_k=5 if bad == "top_k" else 0)
+    seed = {"shape": torch.zeros(2, dtype=torch.long), "dtype": torch.zeros(3, dtype=torch.int32),
+            "top_k": torch.zeros(3, dtype=torch.long)}[bad].to(DEVICE)
+    with pytest.raises(ValueError, match="seed"):
+        verify_triton(case["target_logits"], case["draft_tokens"], case["draft_probs"], sampling, None, None, seed=seed)
+    with pytest.raises(ValueError, match="seed"):
+        verify(case["target_logits"], case["draft_tokens"], case["draft_probs"], sampling, backend="torch", seed=seed)
+
+
 def g_test_passes(tokens: torch.Tensor, probs: torch.Tensor) -> bool:
     """G-test (log-likelihood ratio) of sampled tokens against probs, at alpha = 0.01."""
     observed = torch.bincount(tokens.cpu(), minlength=probs.numel()).double().numpy()
