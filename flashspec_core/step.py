@@ -364,12 +364,13 @@ class Stepper:
             # shape at first use, which the router would charge to the step's arm and width.
             first = lead.first is not None
             backend: Backend = "torch" if first and self.verify_backend == "auto" else self.verify_backend
-            if backend != "torch" and triton_usable(logits) and kernel_samples(lead.sampling, logits.shape[-1]):
+            kernel = backend == "triton" or (backend == "auto" and logits.is_cuda)
+            if kernel and triton_usable(logits) and kernel_samples(lead.sampling, logits.shape[-1]):
                 # One kernel for the group, each row drawing from a seed taken from its own
                 # generator, as a graph replay of a row alone does (`verify_step`): a seeded row
                 # samples the same tokens alone, in a graph or beside others.
                 seeds = torch.cat([draw_seed(rows[i].generator, logits.device) for i in members])  # [n]
-                accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, backend=backend,
+                accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, backend="triton",
                                               check_finite=False, seed=seeds)
             else:
                 uniforms = torch.cat([  # [n, g+1]: each row's own draws

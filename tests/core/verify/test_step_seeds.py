@@ -61,3 +61,16 @@ def test_a_seeded_row_samples_alike_alone_and_at_any_index_of_a_shared_launch():
     # A request of two rows with one seed: row 0 draws as the request of one row, row 1 anew.
     batch = crowded.generate([PROMPTS[1], PROMPTS[1]], max_new_tokens=16, sampling=mine)
     assert batch[0].token_ids == expected and batch[1].token_ids != expected
+
+
+def test_on_the_cpu_auto_verifies_sampled_rows_on_torch_even_where_the_interpreter_could():
+    """"auto" picks the kernel on CUDA only: with the interpreter on (as here), a CPU engine's
+    sampled rows still verify on torch ops, with each row's own uniforms."""
+    loaded = tiny_loaded(16, seed=0)
+    sampling = SamplingParams(temperature=1.0, seed=5)
+    runs = []
+    for backend in ("auto", "torch"):
+        engine = SpecEngine(loaded, [PromptLookupDraft()], router=FixedRouter(Arm("prompt_lookup", 3)),
+                            verify_backend=backend)
+        runs.append([r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=12, sampling=sampling)])
+    assert runs[0] == runs[1]
