@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import tiny_loaded
 
+from flashspec_core import step as step_module
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
@@ -26,7 +27,7 @@ def _engine(loaded) -> SpecEngine:
 
 
 @pytest.mark.timeout(300)
-def test_a_seeded_row_samples_alike_alone_and_at_any_index_of_a_shared_launch():
+def test_a_seeded_row_samples_alike_alone_and_at_any_index_of_a_shared_launch(monkeypatch):
     loaded = tiny_loaded(16, seed=0)
     if not triton_usable(torch.zeros(1, 2, 16)):
         pytest.skip("the tiny model runs on the CPU; the Triton verify there needs TRITON_INTERPRET=1")
@@ -35,8 +36,7 @@ def test_a_seeded_row_samples_alike_alone_and_at_any_index_of_a_shared_launch():
     expected = alone.generate(PROMPTS[1], max_new_tokens=16, sampling=mine).token_ids
 
     crowded = _engine(loaded)
-    launches: list[int] = []
-    from flashspec_core import step as step_module
+    launches: list[int] = []  # rows per launch with a seed per row
     real = step_module.verify
 
     def counting(logits, *args, seed=None, **kwargs):
@@ -44,17 +44,14 @@ def test_a_seeded_row_samples_alike_alone_and_at_any_index_of_a_shared_launch():
             launches.append(logits.shape[0])
         return real(logits, *args, seed=seed, **kwargs)
 
-    step_module.verify = counting
-    try:
-        # Same setting, other seeds, submitted first (lower slots: ahead of the row in the launch),
-        # and a setting of its own beside them.
-        handles = [crowded.submit([p], 16, SamplingParams(temperature=1.0, seed=40 + i))
-                   for i, p in enumerate([PROMPTS[0], PROMPTS[2]])]
-        handles.append(crowded.submit([PROMPTS[0]], 16, SamplingParams(temperature=0.6, seed=3)))
-        got = crowded.submit([PROMPTS[1]], 16, mine).wait()[0].token_ids
-        others = [h.wait()[0].token_ids for h in handles]
-    finally:
-        step_module.verify = real
+    monkeypatch.setattr(step_module, "verify", counting)
+    # Same setting, other seeds, submitted first (lower slots: ahead of the row in the launch), and
+    # a setting of its own beside them.
+    handles = [crowded.submit([p], 16, SamplingParams(temperature=1.0, seed=40 + i))
+               for i, p in enumerate([PROMPTS[0], PROMPTS[2]])]
+    handles.append(crowded.submit([PROMPTS[0]], 16, SamplingParams(temperature=0.6, seed=3)))
+    got = crowded.submit([PROMPTS[1]], 16, mine).wait()[0].token_ids
+    others = [h.wait()[0].token_ids for h in handles]
     assert got == expected
     assert max(launches) >= 3, "the rows of one setting shared a launch"
     assert others[0] != got and all(others)
