@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from flashspec_core.backends.prefix import common_prefix
 from flashspec_core.verify.reference import BAD_INPUT
 
 
@@ -53,9 +54,7 @@ def accept_greedy(targets: Sequence[int], drafts: Sequence[Sequence[int]]) -> li
         start += len(draft) + 1
         if min(row) < 0:
             raise ValueError(BAD_INPUT)
-        n = 0
-        while n < len(draft) and draft[n] == row[n]:
-            n += 1
+        n = common_prefix(draft, row)  # at most len(draft): row has one position more
         out.append((n, row[:n + 1]))
     return out
 
