@@ -25,7 +25,7 @@ from flashspec_core.proposals import cut_length
 from flashspec_core.request import Row
 from flashspec_core.routing.base import Router
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord
-from flashspec_core.verify import BAD_INPUT, Backend, draw_seed, kernel_samples, triton_usable, verify
+from flashspec_core.verify import BAD_INPUT, Backend, draw_seed, kernel_samples, pick_backend, verify
 from flashspec_core.verify.greedy_rows import accept_greedy, greedy_targets
 
 # The router learns from at most this many rows a step (in turn): its host work per row (copy
@@ -364,8 +364,7 @@ class Stepper:
             # shape at first use, which the router would charge to the step's arm and width.
             first = lead.first is not None
             backend: Backend = "torch" if first and self.verify_backend == "auto" else self.verify_backend
-            kernel = backend == "triton" or (backend == "auto" and logits.is_cuda)
-            if kernel and triton_usable(logits) and kernel_samples(lead.sampling, logits.shape[-1]):
+            if pick_backend(backend, logits) == "triton" and kernel_samples(lead.sampling, logits.shape[-1]):
                 # One kernel for the group, each row drawing from a seed taken from its own
                 # generator, as a graph replay of a row alone does (`verify_step`): a seeded row
                 # samples the same tokens alone, in a graph or beside others.

@@ -50,6 +50,14 @@ def triton_usable(target_logits: torch.Tensor) -> bool:
     return triton_backend.supports(target_logits)
 
 
+def pick_backend(backend: Backend, target_logits: torch.Tensor) -> Backend:
+    """The backend that verifies these logits: "auto" is the Triton kernel on CUDA when it takes
+    them, torch otherwise; a pinned backend is itself."""
+    if backend == "auto":
+        return "triton" if target_logits.is_cuda and triton_usable(target_logits) else "torch"
+    return backend
+
+
 def kernel_samples(sampling: SamplingParams, vocab: int) -> bool:
     """Whether the Triton backend draws this setting's tokens in its kernel: top-k and top-p need a
     sort or a threshold search per row and verify on torch ops instead (exact, slower)."""
@@ -89,8 +97,7 @@ def verify(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     _check_inputs(target_logits, draft_tokens, draft_probs, uniforms)
-    if backend == "auto":
-        backend = "triton" if target_logits.is_cuda and triton_usable(target_logits) else "torch"
+    backend = pick_backend(backend, target_logits)
     if seed is not None and backend != "triton":
         raise ValueError("seed: only the triton backend draws from seeds; give the torch backend uniforms")
     if backend == "triton":
@@ -102,4 +109,4 @@ def verify(
     return verify_torch(target_logits, draft_tokens, draft_probs, sampling, uniforms, generator)
 
 
-__all__ = ["BAD_INPUT", "PAD", "draw_seed", "kernel_samples", "triton_usable", "verify", "verify_torch", "BACKENDS"]
+__all__ = ["BAD_INPUT", "PAD", "draw_seed", "kernel_samples", "pick_backend", "triton_usable", "verify", "verify_torch", "BACKENDS"]
