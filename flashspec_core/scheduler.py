@@ -262,7 +262,7 @@ class Scheduler:
         self._warm.add(row.slot)
         for draft in self.drafts.values():
             draft.end([row.prompt], [row.output.token_ids])
-        self.stepper.learn()
+        self.stepper.learn_row(row)
         self.router.flush()
 
     def _end_request(self, request: Request, error: BaseException) -> None:

@@ -28,9 +28,11 @@ from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 from flashspec_core.verify import BAD_INPUT, Backend, draw_seed, kernel_samples, pick_backend, verify
 from flashspec_core.verify.greedy_rows import accept_greedy, greedy_targets
 
-# The router learns from at most this many rows a step (in turn): its host work per row (copy
-# drafts scored after the fact) would otherwise grow with the batch, and a few rows a step tell it
-# as much about each domain's arms. At the CPU's default batch every row is learned from.
+# The router is handed at most this many rows' records a step (in turn), and at most this many
+# wait to be learned: its host work per row (copy drafts scored after the fact) would otherwise
+# grow with the batch, and a few rows a step tell it as much about each domain's arms. At the
+# CPU's default batch every row is learned from; on CUDA graphs learning fills the time the GPU
+# computes (`Stepper.learn`), and what does not fit is dropped, oldest first.
 LEARN_ROWS = 8
 
 
@@ -58,8 +60,8 @@ class Stepper:
         self.verify_backend = verify_backend
         self._json_tokens = json_tokens  # [V] bool: what the n-gram ban spares under a schema
         # finished steps the router has not learned from, with their row's grammar state (a draft
-        # that reads it is scored after the fact against that row's grammar)
-        self._unlearned: list[tuple[StepRecord, Constraint | None]] = []
+        # that reads it is scored after the fact against that row's grammar) and their row
+        self._unlearned: list[tuple[StepRecord, Constraint | None, Row]] = []
         self._turn = 0  # which rows the router learns from next
 
     # ------------------------------------------------------------------------------ prefill
@@ -113,7 +115,6 @@ class Stepper:
             fused = self._mixed(rows, drafted, slots)
         n_acc, out = fused if fused is not None else self._forward_and_verify(rows, drafted, slots)
         t2 = time.perf_counter()
-        self.learn()  # when no graph ran it
         new = []
         for row, n, tokens in zip(rows, n_acc, out):
             kept = row.output.append(tokens[: n + 1])
@@ -132,7 +133,7 @@ class Stepper:
                 sequence=row.seq, rows=1, catchup_seconds=min(d.catchup, max(d.seconds, 1e-9)),
                 warmup_seconds=warmup_share if warmup_share < verify_share else 0.0, draft_lengths=self._lengths(row),
                 prefilled=first)
-            records.append((record, row.constraint))
+            records.append((record, row.constraint, row))
             st = row.stats
             st.drafted += len(d.tokens)
             st.accepted += n
@@ -146,22 +147,40 @@ class Stepper:
             row.stats.host_seconds += host
         return [kept for kept, _ in new]
 
-    def learn(self) -> None:
-        """Hand the router the finished steps it has not learned from yet."""
-        while self._unlearned:
-            record, constraint = self._unlearned.pop(0)
-            for draft in self.drafts.values():
-                draft.bind_constraint(constraint)
-            self.router.update(record)
+    def learn(self, busy: Callable[[], bool] | None = None) -> None:
+        """Hand the router the finished steps it has not learned from yet. busy: given while the
+        device computes a step (`TargetRunner.score_step`'s while_waiting), it tells whether the
+        device still does: then one step is learned, and more only while busy() holds, so
+        learning fills the device's time and adds at most one update to the step's; the rest
+        wait for the next step's (at most LEARN_ROWS wait)."""
+        learned = 0
+        while self._unlearned and (busy is None or not learned or busy()):
+            self._learn_one(*self._unlearned.pop(0)[:2])
+            learned += 1
 
-    def _queue_learning(self, records: list[tuple[StepRecord, Constraint | None]]) -> None:
-        """At most LEARN_ROWS of this step's records, taken in turn across steps."""
+    def learn_row(self, row: Row) -> None:
+        """Hand the router the steps of `row` not learned yet (it is leaving the batch: a caller
+        reading the router's statistics after its answer finds them)."""
+        mine = [item for item in self._unlearned if item[2] is row]
+        self._unlearned = [item for item in self._unlearned if item[2] is not row]
+        for record, constraint, _ in mine:
+            self._learn_one(record, constraint)
+
+    def _learn_one(self, record: StepRecord, constraint: Constraint | None) -> None:
+        for draft in self.drafts.values():
+            draft.bind_constraint(constraint)
+        self.router.update(record)
+
+    def _queue_learning(self, records: list[tuple[StepRecord, Constraint | None, Row]]) -> None:
+        """At most LEARN_ROWS of this step's records, taken in turn across steps; of what waits,
+        the newest LEARN_ROWS are kept."""
         if len(records) <= LEARN_ROWS:
             self._unlearned.extend(records)
-            return
-        start = self._turn % len(records)
-        self._unlearned.extend((records + records)[start:start + LEARN_ROWS])
-        self._turn += LEARN_ROWS
+        else:
+            start = self._turn % len(records)
+            self._unlearned.extend((records + records)[start:start + LEARN_ROWS])
+            self._turn += LEARN_ROWS
+        del self._unlearned[:-LEARN_ROWS]
 
     # ------------------------------------------------------------------------------ drafting
 

@@ -22,6 +22,10 @@ from flashspec_core.processors.sampling import SamplingParams
 if TYPE_CHECKING:
     from flashspec_core.backends.calibration import Calibration
 
+# Host work a runner runs between a step's launch and its result, while the device computes. It is
+# passed `busy`: whether the device still computes (the work may stop once it does not).
+WhileWaiting = Callable[[Callable[[], bool]], None]
+
 
 class TargetRunner(Protocol):
     """Runs a causal LM's forward over a batch of rows whose caches it keeps."""
@@ -74,7 +78,7 @@ class TargetRunner(Protocol):
     def verify_step(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
                     active: Sequence[bool], sampling: SamplingParams, draft_probs: torch.Tensor | None = None,
                     generator: torch.Generator | None = None,
-                    while_waiting: Callable[[], None] | None = None) -> tuple[list[int], list[list[int]]] | None:
+                    while_waiting: WhileWaiting | None = None) -> tuple[list[int], list[list[int]]] | None:
         """Forward and verify one step in one call (a graph replay): (accepted per row, tokens per
         row), or None when this runner or this step cannot, and the engine runs `forward_to` and
         `verify` instead. draft_probs: [B, γ, V] or None (one-hot). None by default."""
@@ -82,7 +86,7 @@ class TargetRunner(Protocol):
 
     def score_step(self, sequences: Sequence[Sequence[int]], needs: Sequence[int],
                    drafts: Sequence[Sequence[int] | None], active: Sequence[bool],
-                   while_waiting: Callable[[], None] | None = None) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
+                   while_waiting: WhileWaiting | None = None) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
         """One forward (a graph replay) for rows of different draft lengths and settings: each
         active row b comes to hold sequences[b]. Where drafts[b] is None the row gets the logits
         after its last needs[b] tokens ([needs[b], V], logits[b]); where drafts[b] is its draft

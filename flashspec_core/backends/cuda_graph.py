@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from flashspec_core.backends.base import TargetRunner
+from flashspec_core.backends.base import TargetRunner, WhileWaiting
 from flashspec_core.backends.graph_step import GraphStep
 from flashspec_core.backends.static_llama import StaticLlama
 from flashspec_core.backends.static_rows import SCRATCH, StaticRows
@@ -57,6 +57,13 @@ def graphed_sampling(sampling: SamplingParams, vocab: int) -> bool:
     """Whether a sampled step can verify inside the graph: the Triton kernel takes temperature,
     not top-k / top-p (those need a sort per row; they run eagerly through `verify`)."""
     return not sampling.greedy and kernel_samples(sampling, vocab)
+
+
+def launched(device: torch.device) -> Callable[[], bool]:
+    """Whether the work queued on `device`'s stream so far is still running (asked without waiting)."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    return lambda: not done.query()
 
 
 class GraphedModel(StaticRows, TargetRunner):
@@ -266,7 +273,7 @@ class GraphedModel(StaticRows, TargetRunner):
     @torch.inference_mode()
     def score_step(self, sequences: Sequence[Sequence[int]], needs: Sequence[int],
                    drafts: Sequence[Sequence[int] | None], active: Sequence[bool],
-                   while_waiting: Callable[[], None] | None = None) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
+                   while_waiting: WhileWaiting | None = None) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
         """One greedy graph replay for rows of different draft lengths and settings (see the
         `TargetRunner` contract); None when no warmed width holds the longest row's feed (the
         rows were then only rolled back to what their caches hold).
@@ -291,7 +298,7 @@ class GraphedModel(StaticRows, TargetRunner):
                 graph.logits[b, len(c) - needs[b]:len(c)].clone() if active[b] and not in_graph[b] else None
                 for b, c in enumerate(chunks)]
             if while_waiting is not None:
-                while_waiting()
+                while_waiting(launched(self.device))
             result = graph.result.cpu().tolist()  # the step's one sync
             for b, chunk in enumerate(chunks):
                 self.held[b].extend(chunk)
@@ -336,7 +343,7 @@ class GraphedModel(StaticRows, TargetRunner):
     def verify_step(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
                     active: Sequence[bool], sampling: SamplingParams, draft_probs: torch.Tensor | None = None,
                     generator: torch.Generator | None = None,
-                    while_waiting: Callable[[], None] | None = None) -> tuple[list[int], list[list[int]]] | None:
+                    while_waiting: WhileWaiting | None = None) -> tuple[list[int], list[list[int]]] | None:
         """One step in one graph replay: feed each active row's context + draft, verify in the
         graph and return (n_accepted per row, tokens per row), or None when this step cannot
         replay a graph (rows at different widths, top-k / top-p, a generator off the GPU, more
@@ -373,7 +380,7 @@ class GraphedModel(StaticRows, TargetRunner):
                 seed = draw_seed(generator, self.device)
                 graph = self._replay(chunks, width, drafts, sampling, draft_probs, seed)
             if while_waiting is not None:
-                while_waiting()
+                while_waiting(launched(self.device))
             result = graph.result.cpu().tolist()  # the step's one sync
             for b, chunk in enumerate(chunks):
                 self.held[b].extend(chunk)

@@ -14,6 +14,7 @@ from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.base import Router
+from flashspec_core.step import LEARN_ROWS
 from flashspec_core.types import Arm, StepRecord
 from flashspec_core.verify import verify
 
@@ -47,6 +48,7 @@ class GraphLike:
         self.inner, self.router = inner, router
         self.at_launch: list[int] = []  # steps the router had learned when each step started
         self.after_wait: list[int] = []
+        self.busy = lambda: True  # the device still computing, whatever the host does meanwhile
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -58,7 +60,7 @@ class GraphLike:
         n_acc, out = verify(logits, torch.tensor(drafts, dtype=torch.long).view(len(contexts), g), draft_probs,
                             sampling, backend="torch", generator=generator)
         if while_waiting is not None:  # the GPU would still be computing here
-            while_waiting()
+            while_waiting(self.busy)
         self.after_wait.append(len(self.router.learned))
         return n_acc.tolist(), out.tolist()
 
@@ -136,3 +138,26 @@ def test_sampled_steps_on_graphs_cut_proposals_to_warmed_widths(tiny_target):
     greedy = engine.generate([6, 6, 6, 6, 1], max_new_tokens=24)  # greedy steps pad instead: uncut
     assert {r.drafted for r in greedy.stats.records} - {0, 2, 4}
     assert {r.draft_lengths for r in greedy.stats.records} == {()}
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_learning_fills_the_devices_time_and_never_piles_up(tiny_target, busy):
+    """Many rows: each step hands the router LEARN_ROWS records. While the device computes
+    (busy), the window learns all of them; once it is done, one record a step (learning never
+    holds the next step back by more) and the rest waits, at most LEARN_ROWS of it, newest kept;
+    a row leaving the batch has its waiting records learned."""
+    rows = LEARN_ROWS + 4
+    router = Recording()
+    engine = SpecEngine(tiny_target, [PromptLookupDraft()], router=router, calibrate=False, max_batch=rows)
+    runner = engine.runner = GraphLike(engine.runner, router)
+    runner.busy = lambda: busy
+    results = engine.generate([PROMPT] * rows, max_new_tokens=20)  # identical rows: every step fuses
+    records = [r for res in results for r in res.stats.records]
+    window = [b - a for a, b in zip(runner.at_launch, runner.after_wait)]
+    steps = len(runner.at_launch)
+    assert steps > 3 and all(r.rows == 1 for r in records)
+    assert window == ([0] + [LEARN_ROWS] * (steps - 1) if busy else [0] + [1] * (steps - 1))
+    assert all(any(r is s for s in records) for r in router.learned)  # only real steps, each once
+    assert len({id(r) for r in router.learned}) == len(router.learned)
+    # all learned: the first step's, every window's, and what waited when the rows left
+    assert len(router.learned) == LEARN_ROWS + sum(window) + LEARN_ROWS
