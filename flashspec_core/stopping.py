@@ -1,9 +1,13 @@
 """Per-row output text: EOS, max_new_tokens and stop strings spanning several tokens.
 
-Text is decoded from all output tokens each step (outputs are short next to the model's cost, and
-incremental decoding of byte-level BPE is where bugs hide). Stop strings cut the text exactly
-before their first occurrence; streamed text holds back any tail that could still grow into a stop
-string, and any incomplete UTF-8 character.
+Each step the row's text is brought up to date, because stop strings and streamed deltas read it.
+Decoding all output tokens every step costs each row time in proportion to its length, which at
+many rows a step is more host time than the step's GPU work; so where the tokenizer decodes by
+concatenation (`decodes_by_concatenation`) only the tokens after the last whole character are
+decoded again, and the text is the same string a full decode gives. Other tokenizers decode
+everything each step. Stop strings cut the text exactly before their first occurrence; streamed
+text holds back any tail that could still grow into a stop string, and any incomplete UTF-8
+character.
 """
 from __future__ import annotations
 
@@ -11,7 +15,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
+
+
+def decodes_by_concatenation(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether decode(a + b) == decode(a) + decode(b) for every a whose decode holds no U+FFFD.
+
+    True for byte-level BPE without clean-up (GPT-2, Llama 3, Qwen, SmolLM): each token stands
+    for bytes, the text is the UTF-8 decoding of their concatenation, and UTF-8 decoding starts
+    afresh after a whole character (a U+FFFD-free decode of a means a ends on one; a literal
+    U+FFFD only makes the test stricter). Not for SentencePiece decoders (a sequence's first
+    space is dropped), WordPiece's, or tokenizers that clean up spaces after decoding.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
+        return False
+    return not getattr(tokenizer, "clean_up_tokenization_spaces", True)
 
 
 @dataclass
@@ -24,6 +44,12 @@ class RowOutput:
     text: str = ""
     finish_reason: str | None = None
     streamed: int = 0  # characters of `text` already handed out
+    _concatenates: bool = field(init=False, default=False)
+    _settled: int = field(init=False, default=0)  # leading tokens whose text is final
+    _settled_text: str = field(init=False, default="")  # their text
+
+    def __post_init__(self) -> None:
+        self._concatenates = decodes_by_concatenation(self.tokenizer)
 
     @property
     def finished(self) -> bool:
@@ -31,6 +57,17 @@ class RowOutput:
 
     def _decode(self, ids: list[int]) -> str:
         return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one string
+
+    def _text_now(self) -> str:
+        """decode(token_ids): where the tokenizer decodes by concatenation, the settled text plus
+        the decode of what follows it, which settles in turn once it ends on a whole character."""
+        if not self._concatenates:
+            return self._decode(self.token_ids)
+        tail = self._decode(self.token_ids[self._settled:])
+        text = self._settled_text + tail
+        if "\ufffd" not in tail:
+            self._settled, self._settled_text = len(self.token_ids), text
+        return text
 
     def append(self, new_tokens: Sequence[int]) -> list[int]:
         """Add a step's verified tokens; return the ones kept (cut at EOS, length or a stop string)."""
@@ -45,7 +82,7 @@ class RowOutput:
                 break
         start = len(self.token_ids)
         self.token_ids.extend(kept)
-        self.text = self._decode(self.token_ids)
+        self.text = self._text_now()
         if self.stop:
             self._apply_stop(start)
         return self.token_ids[start:]
@@ -60,6 +97,7 @@ class RowOutput:
             partial = self._decode(self.token_ids[:k])
             if any(partial.find(s) == cut for s in self.stop):
                 del self.token_ids[k:]
+                self._settled, self._settled_text = 0, ""  # the text is cut below: nothing stays settled
                 break
         self.text = self.text[:cut]
         self.finish_reason = "stop"
