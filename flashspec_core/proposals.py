@@ -1,6 +1,7 @@
-"""A sampled step's proposal on CUDA graphs is cut to a length some graph was warmed for.
+"""A row's proposal for a step, and the cut of a sampled step's proposal on CUDA graphs to a
+length some graph was warmed for.
 
-Why: such a step replays a graph of its exact width (a padded slot would be a token to test),
+Why the cut: such a step replays a graph of its exact width (a padded slot would be a token to test),
 captured per temperature at first use; copy drafts propose anything from 1 to γ tokens, so uncut
 they would capture up to γ graphs per temperature mid-request. Exact: the cut depends on the
 proposal's length only. The router scores copy drafts with the same cut.
@@ -8,6 +9,19 @@ proposal's length only. The router scores copy drafts with the same cut.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Drafted:
+    """One row's proposal for this step."""
+
+    tokens: list[int]  # at most the row's γ ids
+    probs: torch.Tensor | None  # [g, V] on the target's device, or None (one-hot)
+    seconds: float  # the row's share of its draft call
+    catchup: float  # the part of `seconds` the draft spent catching up on unseen context
 
 
 def cut_length(proposed: int, lengths: Sequence[int]) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -21,12 +20,12 @@ from flashspec_core.backends.base import TargetRunner
 from flashspec_core.constrained.constraint import Constraint
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.paths import PathProcessors
-from flashspec_core.proposals import cut_length
+from flashspec_core.proposals import Drafted, cut_length
 from flashspec_core.request import Row
 from flashspec_core.routing.base import Router
+from flashspec_core.row_verify import verify_rows
 from flashspec_core.types import NO_DRAFT, Arm, StepRecord
-from flashspec_core.verify import BAD_INPUT, Backend, draw_seed, kernel_samples, pick_backend, verify
-from flashspec_core.verify.greedy_rows import accept_greedy, greedy_targets
+from flashspec_core.verify import Backend
 
 # The router is handed at most this many rows' records a step (in turn), and at most this many
 # wait to be learned: its host work per row (copy drafts scored after the fact) would otherwise
@@ -34,16 +33,6 @@ from flashspec_core.verify.greedy_rows import accept_greedy, greedy_targets
 # CPU's default batch every row is learned from; on CUDA graphs learning fills the time the GPU
 # computes (`Stepper.learn`), and what does not fit is dropped, oldest first.
 LEARN_ROWS = 8
-
-
-@dataclass
-class Drafted:
-    """One row's proposal for this step."""
-
-    tokens: list[int]  # at most the row's γ ids
-    probs: torch.Tensor | None  # [g, V] on the target's device, or None (one-hot)
-    seconds: float  # the row's share of its draft call
-    catchup: float  # the part of `seconds` the draft spent catching up on unseen context
 
 
 class Stepper:
@@ -269,7 +258,7 @@ class Stepper:
         """The step as one graph replay when `_fused` cannot take it (rows of other draft lengths,
         settings or processors, free or prefilling slots beside them): plain greedy rows are
         verified in the graph, every other row from its logits of the same replay, through its
-        processors and its own sampling (`_verify_rows`). None without graphs, or when no warmed
+        processors and its own sampling (`row_verify.verify_rows`). None without graphs, or when no warmed
         width holds the step."""
         if not self.runner.use_graphs:
             return None
@@ -298,7 +287,8 @@ class Stepper:
                 n_acc[i], out[i] = done[0], done[1:]
         if rest:
             scored = {rows[i].slot: t for i in rest if (t := logits[rows[i].slot]) is not None}
-            accepted, tokens = self._verify_rows([rows[i] for i in rest], [drafted[i] for i in rest], scored)
+            accepted, tokens = verify_rows([rows[i] for i in rest], [drafted[i] for i in rest], scored, self.device,
+                                           self.verify_backend)
             for k, i in enumerate(rest):
                 n_acc[i], out[i] = accepted[k], tokens[k]
         return n_acc, out
@@ -334,82 +324,4 @@ class Stepper:
         On a row's first step the prefill's logits (`row.first`) score its first position and the
         forward scores only its draft (see `prefill`).
         """
-        return self._verify_rows(rows, drafted, self._score(rows, drafted, slots))
-
-    def _verify_rows(self, rows: Sequence[Row], drafted: Sequence[Drafted],
-                     scored: Mapping[int, torch.Tensor]) -> tuple[list[int], list[list[int]]]:
-        """Process each row's logits along its path and verify them: greedy rows all together,
-        sampled rows of one setting and draft length together. scored: slot -> [need, V] (`_score`);
-        host lists out, as `_forward_and_verify`'s. The host reads the step's results once (not
-        once per row or group: each read waits for the device)."""
-        groups: dict[tuple, list[int]] = defaultdict(list)  # sampled rows by setting and shape
-        greedy: list[int] = []
-        processed = []
-        widest = max(len(d.tokens) for d in drafted)
-        host = torch.full((len(rows), widest), -1, dtype=torch.long)  # every row's draft, one copy
-        for i, d in enumerate(drafted):
-            host[i, :len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
-        device_drafts = host.to(self.device, non_blocking=True)
-        for i, (row, d) in enumerate(zip(rows, drafted)):
-            g = len(d.tokens)
-            if row.first is None:
-                logits = scored[row.slot][None]  # [1, g+1, V]
-            elif g:
-                logits = torch.cat([row.first[None], scored[row.slot][None].to(row.first.device)], dim=1)
-            else:
-                logits = row.first[None]  # [1, 1, V]
-            draft_tokens = device_drafts[i:i + 1, :g].to(logits.device)  # [1, g]
-            assert row.processors is not None  # set up by the prefill
-            processed.append((row.processors(logits, [d.tokens], draft_tokens, [True]), draft_tokens))
-            if row.sampling.greedy:
-                greedy.append(i)
-            else:
-                # A row's first step verifies on other ops than its later ones (below): that must be
-                # the row's own state, never its neighbours', or its random draws would depend on them.
-                # Not the seed: each row draws from its own generator whatever its group.
-                key = row.sampling.model_dump_json(exclude={"seed"})
-                groups[(key, g, d.probs is None, row.first is not None)].append(i)
-        # Every row's result in one read of the device: the greedy rows' argmaxes (every draft
-        # length and setting together), then each sampled group's accepted counts and tokens.
-        parts = [greedy_targets([processed[i][0][0] for i in greedy])] if greedy else []
-        shapes = []
-        for members in groups.values():
-            lead = rows[members[0]]
-            logits = torch.cat([processed[i][0] for i in members])  # [n, g+1, V]
-            tokens = torch.cat([processed[i][1] for i in members])  # [n, g]
-            probs = None if drafted[members[0]].probs is None else torch.stack(
-                [drafted[i].probs for i in members])  # type: ignore[misc]  # [n, g, V]
-            # A row's first step verifies on torch ops unless pinned: Triton compiles its kernel per
-            # shape at first use, which the router would charge to the step's arm and width.
-            first = lead.first is not None
-            backend: Backend = "torch" if first and self.verify_backend == "auto" else self.verify_backend
-            if pick_backend(backend, logits) == "triton" and kernel_samples(lead.sampling, logits.shape[-1]):
-                # One kernel for the group, each row drawing from a seed taken from its own
-                # generator, as a graph replay of a row alone does (`verify_step`): a seeded row
-                # samples the same tokens alone, in a graph or beside others.
-                seeds = torch.cat([draw_seed(rows[i].generator, logits.device) for i in members])  # [n]
-                accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, backend="triton",
-                                              check_finite=False, seed=seeds)
-            else:
-                uniforms = torch.cat([  # [n, g+1]: each row's own draws
-                    torch.rand((1, tokens.shape[1] + 1), generator=rows[i].generator, device=logits.device)
-                    for i in members])
-                accepted, tokens_out = verify(logits, tokens, probs, lead.sampling, uniforms, backend=backend,
-                                              check_finite=False)
-            parts += [accepted, tokens_out.flatten()]
-            shapes.append((members, tokens.shape[1] + 1))
-        flat = torch.cat([part.to(self.device) for part in parts]).tolist()
-        n_acc, out = [0] * len(rows), [[] for _ in rows]  # type: list[int], list[list[int]]
-        start = sum(len(drafted[i].tokens) + 1 for i in greedy)
-        for i, (n, row_tokens) in zip(greedy, accept_greedy(flat[:start], [drafted[i].tokens for i in greedy])):
-            n_acc[i], out[i] = n, row_tokens
-        for members, width in shapes:
-            counts, start = flat[start:start + len(members)], start + len(members)
-            for k, (i, n) in enumerate(zip(members, counts)):
-                if n < 0:  # the Triton verify's refusal (check_finite=False above)
-                    raise ValueError(BAD_INPUT)
-                n_acc[i], out[i] = n, flat[start + k * width:start + (k + 1) * width]
-            start += len(members) * width
-        for row in rows:
-            row.first = None
-        return n_acc, out
+        return verify_rows(rows, drafted, self._score(rows, drafted, slots), self.device, self.verify_backend)

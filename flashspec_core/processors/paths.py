@@ -33,6 +33,11 @@ class PathProcessors:
         self.outputs = OutputTokens([[] for _ in prompts], device) if sampling.no_repeat_ngram_size else None
         self.exempt = exempt if constraint is not None else None
 
+    def penalty_alone(self) -> SeenTokens | None:
+        """The tokens seen, when the repetition penalty is the only processor on (`penalize_rows`
+        can then take this request's rows together with other requests'); else None."""
+        return self.seen if self.constraint is None and self.outputs is None else None
+
     def __call__(self, logits: torch.Tensor, drafts: Sequence[Sequence[int]], draft_tokens: torch.Tensor,
                  active: Sequence[bool]) -> torch.Tensor:
         """logits: [B, g+1, V] the target's at each position of each row's path; drafts: B host

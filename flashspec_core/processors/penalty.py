@@ -58,9 +58,35 @@ def penalize_paths(logits: torch.Tensor, seen: SeenTokens, drafts: torch.Tensor,
     """
     if penalty == 1.0:
         return logits
+    return _penalize(logits, seen.mask.to(logits.device), drafts, penalty)
+
+
+def penalize_rows(logits: Sequence[torch.Tensor], seen: Sequence[SeenTokens], drafts: torch.Tensor,
+                  penalty: float) -> list[torch.Tensor]:
+    """`penalize_paths` for rows of different requests (each its own tokens seen) and different
+    path lengths, in one set of device ops for all of them rather than one per row. The penalty is
+    one number, as penalize_paths takes it: a number and a tensor of numbers may round a division
+    differently (CUDA divides by a host number as a product with its reciprocal).
+
+    logits: n tensors [P_i, V]; seen: each row's (one row each); drafts: [n, >= max P_i - 1] long on
+    the logits' device, row i's draft first (ids past it are ignored). Returns n float32 tensors
+    [P_i, V], each equal to penalize_paths on its row alone.
+    """
+    lengths = [t.shape[0] for t in logits]
+    stacked = torch.nn.utils.rnn.pad_sequence(list(logits), batch_first=True)  # [n, max P_i, V], zeros past P_i
+    mask = torch.cat([s.mask for s in seen]).to(stacked.device)  # [n, V]
+    # past a row's draft, padding ids (< 0) would index nothing: their positions are dropped below
+    path = drafts[:, : max(max(lengths) - 1, 0)].clamp(min=0)
+    out = _penalize(stacked, mask, path, penalty)
+    return [out[i, :n] for i, n in enumerate(lengths)]
+
+
+def _penalize(logits: torch.Tensor, seen: torch.Tensor, drafts: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits: [B, P, V]; seen: [B, V] bool; drafts: [B, >= P - 1] long. Returns [B, P, V]
+    float32 (see penalize_paths)."""
     logits = logits.float()
     positions = logits.shape[1]
-    marked = seen.mask.to(logits.device)[:, None, :].repeat(1, positions, 1)  # [B, P, V]
+    marked = seen[:, None, :].repeat(1, positions, 1)  # [B, P, V]
     if positions > 1:
         # Position j (>= 1) also holds drafts[:, :j]: a [B, P - 1, P - 1] index whose entries k >= j
         # repeat drafts[:, 0] (held at every j >= 1), so every write is a True that belongs there.

@@ -268,14 +268,17 @@ def test_engine_exact_under_a_router_switching_arms_at_random(tiny_target, tiny_
     assert any(a.draft == NO_DRAFT for a in routers[0].chosen)
 
 
-@pytest.mark.parametrize("name, sampling_name", [("penalize_paths", "T1-rep3"), ("ban_repeated_ngrams", "T1-ng1")])
-def test_engine_tests_reject_a_processor_blind_to_the_draft_path(tiny_target, monkeypatch, name, sampling_name):
+@pytest.mark.parametrize("module, name, sampling_name", [("penalty", "_penalize", "T1-rep3"),
+                                                        ("paths", "ban_repeated_ngrams", "T1-ng1")])
+def test_engine_tests_reject_a_processor_blind_to_the_draft_path(tiny_target, monkeypatch, module, name, sampling_name):
     """The planted bug: penalise (or ban) every verify position by the verified tokens only, so a
     drafted token does not count at the positions after it (with the ban, the second token may
     then repeat the first, which the law forbids). The first token is unaffected (its prefix is
-    the verified context), so the joint test of the first two tokens must reject, on two samples."""
-    from flashspec_core.processors import paths as engine_module  # where the processors run along the path
+    the verified context), so the joint test of the first two tokens must reject, on two samples.
+    The penalty is planted where a row alone and rows penalized together both compute it."""
+    import importlib
 
+    engine_module = importlib.import_module(f"flashspec_core.processors.{module}")
     original = getattr(engine_module, name)
 
     def blind(logits, history, drafts, *args):

@@ -90,6 +90,32 @@ def test_a_seeded_sampled_row_draws_the_same_tokens_whatever_runs_beside_it(tiny
     assert batch[0].token_ids == expected and batch[1].token_ids != expected
 
 
+def test_rows_of_one_penalty_are_penalized_together_each_as_alone(tiny_target, draft_model, monkeypatch):
+    """Requests sharing a repetition penalty, beside rows without one: penalized in one batch,
+    greedy rows are HF's output and a seeded sampled row draws what it draws alone. A model
+    draft proposes tokens the rows have not seen, which only the penalty along the path marks."""
+    import flashspec_core.step as step
+
+    batches: list[int] = []
+    real = step.penalize_rows
+    monkeypatch.setattr(step, "penalize_rows", lambda logits, *a: (batches.append(len(logits)), real(logits, *a))[1])
+    greedy, sampled = SamplingParams(repetition_penalty=2.0), SamplingParams(temperature=1.0, repetition_penalty=2.0, seed=5)
+    arm = FixedRouter(Arm("model", 4))
+    alone = engine_over(tiny_target, arm, draft_model).generate(PROMPTS[3], 20, sampled).token_ids
+    engine = engine_over(tiny_target, arm, draft_model)
+    plain = []  # rows without a penalty between them: the penalized rows are not the batch's first
+    handles = []
+    for p in PROMPTS:
+        plain.append(engine.submit([p], 20))
+        handles.append(engine.submit([p], 20, greedy))
+    handles.append(engine.submit([PROMPTS[3]], 20, sampled))
+    results = [h.wait()[0].token_ids for h in handles]
+    assert results[:-1] == [hf(tiny_target, p, 20, 2.0) for p in PROMPTS]
+    assert results[-1] == alone
+    assert [h.wait()[0].token_ids for h in plain] == [hf(tiny_target, p, 20) for p in PROMPTS]
+    assert max(batches) >= 4, "the rows were penalized together"
+
+
 def test_a_batch_wider_than_max_batch_runs_in_turns_and_reuses_slots(tiny_target):
     engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 4)), max_batch=2)
     prompts = PROMPTS * 2
