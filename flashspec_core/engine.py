@@ -34,7 +34,7 @@ from flashspec_core.routing.domains import resolve_domain
 from flashspec_core.routing.priors import seed_router
 from flashspec_core.scheduler import GPU_MAX_ROWS, MAX_QUEUE, MAX_ROWS, PREFILL_CHUNK, Scheduler, buckets
 from flashspec_core.step import Stepper
-from flashspec_core.stopping import RowOutput
+from flashspec_core.stopping import RowOutput, decodes_by_concatenation
 from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_core.verify import BACKENDS, Backend
 
@@ -94,6 +94,7 @@ class SpecEngine:
         self._router: Router = router
         self.verify_backend: Backend = verify_backend  # type: ignore[assignment]  # checked against BACKENDS above
         self.eos_ids = eos_ids(target)
+        self._concatenates = decodes_by_concatenation(self.tokenizer)  # how rows' text is kept (stopping.py)
         self.context_window = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.backend = resolve_backend(backend, target)
@@ -356,7 +357,8 @@ class SpecEngine:
     def _row(self, request: Request, index: int) -> Row:
         prompt = request.prompts[index]
         return Row(request, index, slot=-1,
-                   output=RowOutput(self.tokenizer, self.eos_ids, request.stops, request.max_new_tokens),
+                   output=RowOutput(self.tokenizer, self.eos_ids, request.stops, request.max_new_tokens,
+                                    concatenates=self._concatenates),
                    stats=GenerationStats(request.domain, prompt_tokens=len(prompt)),
                    generator=request_generator(request.sampling, self._device, index), seq=list(prompt))
 

@@ -18,6 +18,9 @@ from typing import cast
 from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 
+# Text holding every pattern the clean-up of decoded text rewrites (" ." -> ".", " n't" -> "n't", ...)
+CLEANUP_PROBE = "a . b , c ! d ? e n't f 'm g 's h 've i 're j ' k"
+
 
 def decodes_by_concatenation(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether decode(a + b) == decode(a) + decode(b) for every a whose decode holds no U+FFFD.
@@ -26,12 +29,15 @@ def decodes_by_concatenation(tokenizer: PreTrainedTokenizerBase) -> bool:
     for bytes, the text is the UTF-8 decoding of their concatenation, and UTF-8 decoding starts
     afresh after a whole character (a U+FFFD-free decode of a means a ends on one; a literal
     U+FFFD only makes the test stricter). Not for SentencePiece decoders (a sequence's first
-    space is dropped), WordPiece's, or tokenizers that clean up spaces after decoding.
+    space is dropped), WordPiece's, or where decoding cleans up spaces. Whether it does is asked
+    of the tokenizer itself (its flag alone does not say: some transformers versions skip the
+    clean-up for BPE whatever the flag).
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
         return False
-    return not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    ids = tokenizer.encode(CLEANUP_PROBE, add_special_tokens=False)
+    return cast(str, tokenizer.decode(ids)) == backend.decode(ids)
 
 
 @dataclass
@@ -44,12 +50,9 @@ class RowOutput:
     text: str = ""
     finish_reason: str | None = None
     streamed: int = 0  # characters of `text` already handed out
-    _concatenates: bool = field(init=False, default=False)
+    concatenates: bool = False  # decodes_by_concatenation(tokenizer), asked once by the engine
     _settled: int = field(init=False, default=0)  # leading tokens whose text is final
     _settled_text: str = field(init=False, default="")  # their text
-
-    def __post_init__(self) -> None:
-        self._concatenates = decodes_by_concatenation(self.tokenizer)
 
     @property
     def finished(self) -> bool:
@@ -61,7 +64,7 @@ class RowOutput:
     def _text_now(self) -> str:
         """decode(token_ids): where the tokenizer decodes by concatenation, the settled text plus
         the decode of what follows it, which settles in turn once it ends on a whole character."""
-        if not self._concatenates:
+        if not self.concatenates:
             return self._decode(self.token_ids)
         tail = self._decode(self.token_ids[self._settled:])
         text = self._settled_text + tail

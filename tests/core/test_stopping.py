@@ -15,9 +15,8 @@ TEXTS = ["plain ascii words", "naïve café — déjà vu", "日本語のテキ�
 def stepped(tokenizer, ids: list[int], rng: random.Random, stop: tuple[str, ...] = (), whole: bool = False):
     """Append `ids` in random steps of 1-5 tokens; yield the output after each step.
     whole: decode everything each step (the reference)."""
-    out = RowOutput(tokenizer, frozenset(), stop, max_new_tokens=10_000)
-    if whole:
-        out._concatenates = False
+    out = RowOutput(tokenizer, frozenset(), stop, max_new_tokens=10_000,
+                    concatenates=not whole and decodes_by_concatenation(tokenizer))
     i = 0
     while i < len(ids) and not out.finished:
         n = rng.randint(1, 5)
@@ -30,6 +29,14 @@ def test_which_tokenizers_decode_by_concatenation(default_target):
     assert decodes_by_concatenation(byte_tokenizer())  # byte-level BPE: one byte a token here
     assert decodes_by_concatenation(default_target.tokenizer)
     assert not decodes_by_concatenation(tiny_tokenizer(16))  # WordLevel: joins tokens with spaces
+    cleaning = byte_tokenizer()
+    cleaning.clean_up_tokenization_spaces = True  # transformers skips the clean-up for BPE unless forced
+    cleaning.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert cleaning.decode(cleaning.encode("a .")) == "a."
+    assert not decodes_by_concatenation(cleaning)
+    flagged = byte_tokenizer()
+    flagged.clean_up_tokenization_spaces = True  # the flag alone: whatever this transformers does with it
+    assert decodes_by_concatenation(flagged) == (flagged.decode(flagged.encode("a .")) == "a .")
 
 
 @pytest.mark.parametrize("seed", range(6))
