@@ -1,13 +1,13 @@
 """Per-row output text: EOS, max_new_tokens and stop strings spanning several tokens.
 
-Each step the row's text is brought up to date, because stop strings and streamed deltas read it.
-Decoding all output tokens every step costs each row time in proportion to its length, which at
-many rows a step is more host time than the step's GPU work; so where the tokenizer decodes by
-concatenation (`decodes_by_concatenation`) only the tokens after the last whole character are
-decoded again, and the text is the same string a full decode gives. Other tokenizers decode
-everything each step. Stop strings cut the text exactly before their first occurrence; streamed
-text holds back any tail that could still grow into a stop string, and any incomplete UTF-8
-character.
+A row's text is decoded when read: each step for a row with stop strings or a streaming reader,
+else once, when it finishes. Decoding all output tokens every step costs each row time in
+proportion to its length, which at many rows a step is more host time than the step's GPU work;
+so where the tokenizer decodes by concatenation (`decodes_by_concatenation`) only the tokens after
+the last whole character are decoded again, and the text is the same string a full decode gives.
+Other tokenizers decode everything each time. Stop strings cut the text exactly before their
+first occurrence; streamed text holds back any tail that could still grow into a stop string,
+and any incomplete UTF-8 character.
 """
 from __future__ import annotations
 
@@ -47,16 +47,25 @@ class RowOutput:
     stop: tuple[str, ...]
     max_new_tokens: int
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
     finish_reason: str | None = None
     streamed: int = 0  # characters of `text` already handed out
     concatenates: bool = False  # decodes_by_concatenation(tokenizer), asked once by the engine
+    _text: str = field(init=False, default="")  # the text of the first `_text_of` tokens
+    _text_of: int = field(init=False, default=0)
     _settled: int = field(init=False, default=0)  # leading tokens whose text is final
     _settled_text: str = field(init=False, default="")  # their text
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The row's text so far: decoded when read (each step only for a row with stop strings or
+        a streaming reader; else once, when it finishes), cut before a stop string."""
+        if self._text_of != len(self.token_ids):
+            self._text, self._text_of = self._text_now(), len(self.token_ids)
+        return self._text
 
     def _decode(self, ids: list[int]) -> str:
         return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one string
@@ -85,13 +94,13 @@ class RowOutput:
                 break
         start = len(self.token_ids)
         self.token_ids.extend(kept)
-        self.text = self._text_now()
         if self.stop:
             self._apply_stop(start)
         return self.token_ids[start:]
 
     def _apply_stop(self, step_start: int) -> None:
-        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        text = self.text
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if not hits:
             return
         cut = min(hits)
@@ -102,23 +111,24 @@ class RowOutput:
                 del self.token_ids[k:]
                 self._settled, self._settled_text = 0, ""  # the text is cut below: nothing stays settled
                 break
-        self.text = self.text[:cut]
+        self._text, self._text_of = text[:cut], len(self.token_ids)  # final: the row has finished
         self.finish_reason = "stop"
 
     def take_delta(self) -> str:
         """The next piece of text that can be streamed without ever being taken back."""
-        safe = len(self.text)
+        text = self.text
+        safe = len(text)
         if not self.finished:
             hold = 0
             for s in self.stop:
                 for n in range(min(len(s) - 1, safe), 0, -1):
-                    if self.text.endswith(s[:n]):
+                    if text.endswith(s[:n]):
                         hold = max(hold, n)
                         break
             safe -= hold
-            while safe > 0 and self.text[safe - 1] == "\ufffd":
+            while safe > 0 and text[safe - 1] == "\ufffd":
                 safe -= 1
         safe = max(safe, self.streamed)
-        delta = self.text[self.streamed:safe]
+        delta = text[self.streamed:safe]
         self.streamed = safe
         return delta

@@ -74,3 +74,21 @@ def test_stop_strings_cut_where_a_full_decode_cuts(seed):
     assert fast.finish_reason == whole.finish_reason == "stop"
     assert (fast.text, fast.token_ids) == (whole.text, whole.token_ids)
     assert fast.text == text[:text.find(stop[0])]
+
+
+def test_text_is_decoded_only_when_read_unless_stop_strings_need_it():
+    tok = byte_tokenizer()
+    calls = []
+    real = tok.decode
+    tok.decode = lambda ids, **kw: (calls.append(len(ids)), real(ids, **kw))[1]
+    ids = tok.encode("no stop strings here, " * 4, add_special_tokens=False)
+    plain = RowOutput(tok, frozenset(), (), max_new_tokens=10_000, concatenates=True)
+    for i in range(0, len(ids), 3):
+        plain.append(ids[i:i + 3])
+    assert calls == [] and plain.text == real(ids) and len(calls) == 1
+    calls.clear()
+    stopping = RowOutput(tok, frozenset(), ("never",), max_new_tokens=10_000, concatenates=True)
+    for i in range(0, len(ids), 3):
+        stopping.append(ids[i:i + 3])
+    assert len(calls) == len(range(0, len(ids), 3))  # one short decode a step: what followed the last whole character
+    assert max(calls) <= 3
