@@ -18,7 +18,7 @@ Per mode: aggregate output tokens/s, time to first token and inter-token gap (p5
 requests), and whether every request's output equals its sequential run (greedy: it must).
 
     python benchmarks/concurrency.py --requests 8 --concurrency 1,4,8 --out bench_out/concurrency
-    python benchmarks/concurrency.py --device cuda --requests 64 --concurrency 1,16,64 --max-batch 64
+    python benchmarks/concurrency.py --device cuda --requests 256 --concurrency 1,16,64 --max-batch 64
 
 Prints the table (CPU model and threads, or the GPU) and writes results.json and concurrency.png.
 """

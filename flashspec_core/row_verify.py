@@ -21,40 +21,13 @@ from flashspec_core.verify import BAD_INPUT, Backend, draw_seed, kernel_samples,
 from flashspec_core.verify.greedy_rows import accept_greedy, greedy_targets
 
 
-def _process(rows: Sequence[Row], drafted: Sequence[Drafted], inputs: list[tuple[torch.Tensor, torch.Tensor]],
-         drafts: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each row's logits [1, g+1, V] through its processors (inputs: with its draft [1, g] on
-    their device; drafts: every row's, [rows, widest], -1 past each). Rows whose one processor
-    is the repetition penalty, at one penalty, are penalized together: one set of device ops
-    for them all, not one per row."""
-    out = list(inputs)
-    together: dict[float, list[tuple[int, SeenTokens]]] = defaultdict(list)
-    for i, row in enumerate(rows):
-        assert row.processors is not None  # set up by the prefill
-        if (seen := row.processors.penalty_alone()) is not None:
-            together[row.sampling.repetition_penalty].append((i, seen))
-    batched = {penalty: members for penalty, members in together.items() if len(members) >= 2}
-    for penalty, members in batched.items():
-        index = torch.tensor([i for i, _ in members]).to(drafts.device, non_blocking=True)
-        done = penalize_rows([inputs[i][0][0] for i, _ in members], [seen for _, seen in members],
-                             drafts.index_select(0, index), penalty)
-        for (i, _), logits in zip(members, done):
-            out[i] = (logits[None], inputs[i][1])
-    alone = set(range(len(rows))) - {i for members in batched.values() for i, _ in members}
-    for i in sorted(alone):
-        logits, draft_tokens = inputs[i]
-        processors = rows[i].processors
-        assert processors is not None
-        out[i] = (processors(logits, [drafted[i].tokens], draft_tokens, [True]), draft_tokens)
-    return out
-
 def verify_rows(rows: Sequence[Row], drafted: Sequence[Drafted], scored: Mapping[int, torch.Tensor],
-            device: torch.device, verify_backend: Backend) -> tuple[list[int], list[list[int]]]:
+                device: torch.device, verify_backend: Backend) -> tuple[list[int], list[list[int]]]:
     """Process each row's logits along its path and verify them: greedy rows all together,
     sampled rows of one setting and draft length together. scored: slot -> [need, V] (the
     target's logits after the row's last `need` path tokens); host lists out: accepted per row,
-    and per row the accepted draft tokens then the recovered or bonus token. The host reads the step's results once (not
-    once per row or group: each read waits for the device)."""
+    and per row the accepted draft tokens then the recovered or bonus token. The host reads the
+    step's results once (not once per row or group: each read waits for the device)."""
     groups: dict[tuple, list[int]] = defaultdict(list)  # sampled rows by setting and shape
     greedy: list[int] = []
     processed = []
@@ -126,3 +99,31 @@ def verify_rows(rows: Sequence[Row], drafted: Sequence[Drafted], scored: Mapping
     for row in rows:
         row.first = None
     return n_acc, out
+
+
+def _process(rows: Sequence[Row], drafted: Sequence[Drafted], inputs: list[tuple[torch.Tensor, torch.Tensor]],
+             drafts: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each row's logits [1, g+1, V] through its processors (inputs: with its draft [1, g] on
+    their device; drafts: every row's, [rows, widest], -1 past each). Rows whose one processor
+    is the repetition penalty, at one penalty, are penalized together: one set of device ops
+    for them all, not one per row."""
+    out = list(inputs)
+    together: dict[float, list[tuple[int, SeenTokens]]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        assert row.processors is not None  # set up by the prefill
+        if (seen := row.processors.penalty_alone()) is not None:
+            together[row.sampling.repetition_penalty].append((i, seen))
+    batched = {penalty: members for penalty, members in together.items() if len(members) >= 2}
+    for penalty, members in batched.items():
+        index = torch.tensor([i for i, _ in members]).to(drafts.device, non_blocking=True)
+        done = penalize_rows([inputs[i][0][0] for i, _ in members], [seen for _, seen in members],
+                             drafts.index_select(0, index), penalty)
+        for (i, _), logits in zip(members, done):
+            out[i] = (logits[None], inputs[i][1])
+    alone = set(range(len(rows))) - {i for members in batched.values() for i, _ in members}
+    for i in sorted(alone):
+        logits, draft_tokens = inputs[i]
+        processors = rows[i].processors
+        assert processors is not None
+        out[i] = (processors(logits, [drafted[i].tokens], draft_tokens, [True]), draft_tokens)
+    return out
