@@ -30,22 +30,53 @@ class SeenTokens:
     """Which tokens each row's sequence holds so far, on the logits' device, for one request.
 
     mask: [B, V] bool. The engine builds it from the prompts and commits each step's verified
-    tokens, so the penalty never rereads the sequence from the host.
+    tokens, so the penalty never rereads the sequence from the host. Commits wait on the host
+    until the mask is read, and rows of many requests penalized together (`penalize_rows`) write
+    theirs in one device op (`stacked`), not a few ops per row and step.
     """
 
     def __init__(self, contexts: Sequence[Sequence[int]], vocab: int, device: torch.device | str = "cpu"):
         """contexts: B token lists (the prompts); vocab: V, the logits' last dimension."""
-        self.mask = torch.zeros((len(contexts), vocab), dtype=torch.bool, device=device)  # [B, V]
+        self._mask = torch.zeros((len(contexts), vocab), dtype=torch.bool, device=device)  # [B, V]
+        self._rows: list[int] = []  # committed (row, token) pairs not written to the mask yet
+        self._ids: list[int] = []
         for row, tokens in enumerate(contexts):
             self.commit(row, tokens)
 
     def commit(self, row: int, tokens: Sequence[int]) -> None:
         """Mark `tokens` as seen in `row` (ids outside [0, V) are ignored, as HF ignores them)."""
-        vocab = self.mask.shape[1]
+        vocab = self._mask.shape[1]
         ids = [int(t) for t in tokens if 0 <= t < vocab]
-        if ids:  # an async copy of a few ids and one fill: no host sync
-            index = torch.tensor(ids, dtype=torch.long).to(self.mask.device, non_blocking=True)
-            self.mask[row].index_fill_(0, index, True)
+        self._rows += [row] * len(ids)
+        self._ids += ids
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, V] bool: every token committed so far (written now if some wait)."""
+        if self._ids:
+            _write(self._mask, self._rows, self._ids)
+            self._rows, self._ids = [], []
+        return self._mask
+
+    @staticmethod
+    def stacked(seen: Sequence[SeenTokens]) -> torch.Tensor:
+        """[n, V]: the masks of n one-row requests, one under the other, with every waiting commit
+        written in one op; each request's mask is then its row of the result (a view)."""
+        if any(s._mask.shape[0] != 1 for s in seen):
+            raise ValueError("seen: SeenTokens.stacked takes requests of one row each")
+        stack = torch.cat([s._mask for s in seen])  # [n, V]
+        rows = [i for i, s in enumerate(seen) for _ in s._ids]
+        _write(stack, rows, [t for s in seen for t in s._ids])
+        for i, s in enumerate(seen):
+            s._mask, s._rows, s._ids = stack[i:i + 1], [], []
+        return stack
+
+
+def _write(mask: torch.Tensor, rows: list[int], ids: list[int]) -> None:
+    """mask[rows[k], ids[k]] = True for every k: an async copy of the indices and one write, no host sync."""
+    if ids:
+        index = torch.tensor([rows, ids], dtype=torch.long).to(mask.device, non_blocking=True)  # [2, n]
+        mask.index_put_((index[0], index[1]), torch.ones((), dtype=torch.bool, device=mask.device))
 
 
 def penalize_paths(logits: torch.Tensor, seen: SeenTokens, drafts: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -74,7 +105,7 @@ def penalize_rows(logits: Sequence[torch.Tensor], seen: Sequence[SeenTokens], dr
     """
     lengths = [t.shape[0] for t in logits]
     stacked = torch.nn.utils.rnn.pad_sequence(list(logits), batch_first=True)  # [n, max P_i, V], zeros past P_i
-    mask = torch.cat([s.mask for s in seen]).to(stacked.device)  # [n, V]
+    mask = SeenTokens.stacked(seen).to(stacked.device)  # [n, V]
     # past a row's draft, padding ids (< 0) would index nothing: their positions are dropped below
     path = drafts[:, : max(max(lengths) - 1, 0)].clamp(min=0)
     out = _penalize(stacked, mask, path, penalty)

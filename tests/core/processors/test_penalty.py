@@ -53,19 +53,27 @@ def test_hf_penalty_on_random_paths_with_commits_and_unequal_rows(positions):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_penalized_together_equal_each_alone(dtype):
     """Rows of other requests and path lengths (a row without a draft among them), penalized in
-    one set of ops, give bit for bit what each gives alone, the drafts' padding (-1) ignored."""
+    one set of ops step after step, tokens committed between steps: bit for bit what each gives
+    alone, the drafts' padding (-1) ignored; each request's own mask stays its own."""
     gen = torch.Generator().manual_seed(3)
     vocab, lengths = 12, [4, 1, 6, 2, 6]
-    seen = [SeenTokens([torch.randint(vocab, (n,), generator=gen).tolist()], vocab) for n in (3, 5, 1, 8, 2)]
-    drafts = torch.full((5, 7), -1)  # [n, widest draft + 1]: -1 past each row's draft
-    for i, n in enumerate(lengths):
-        drafts[i, :n - 1] = torch.randint(vocab, (n - 1,), generator=gen)
-    logits = [(torch.randn((n, vocab), generator=gen) * 3).to(dtype) for n in lengths]  # [P_i, V]
-    got = penalize_rows(logits, seen, drafts, 1.4)
-    for i, n in enumerate(lengths):
-        alone = penalize_paths(logits[i][None], seen[i], drafts[i:i + 1, :n - 1], 1.4)[0]
-        assert got[i].shape == (n, vocab) and got[i].dtype == torch.float32
-        assert torch.equal(got[i], alone)
+    history = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (3, 5, 1, 8, 2)]
+    seen = [SeenTokens([h], vocab) for h in history]
+    for step in range(3):
+        for i, h in enumerate(history):  # the step before committed a few tokens per row
+            new = torch.randint(vocab, (step,), generator=gen).tolist()
+            seen[i].commit(0, new)
+            h += new
+        drafts = torch.full((5, 7), -1)  # [n, widest draft + 1]: -1 past each row's draft
+        for i, n in enumerate(lengths):
+            drafts[i, :n - 1] = torch.randint(vocab, (n - 1,), generator=gen)
+        logits = [(torch.randn((n, vocab), generator=gen) * 3).to(dtype) for n in lengths]  # [P_i, V]
+        got = penalize_rows(logits, seen, drafts, 1.4)
+        for i, n in enumerate(lengths):
+            alone = penalize_paths(logits[i][None], SeenTokens([history[i]], vocab), drafts[i:i + 1, :n - 1], 1.4)[0]
+            assert got[i].shape == (n, vocab) and got[i].dtype == torch.float32
+            assert torch.equal(got[i], alone)
+            assert torch.equal(seen[i].mask, SeenTokens([history[i]], vocab).mask)
 
 
 def test_penalty_one_is_the_identity_and_the_input_is_left_alone():
