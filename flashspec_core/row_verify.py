@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 
+from flashspec_core.backends.static_rows import padded
 from flashspec_core.processors.penalty import SeenTokens, penalize_rows
 from flashspec_core.proposals import Drafted
 from flashspec_core.request import Row
@@ -32,9 +32,7 @@ def verify_rows(rows: Sequence[Row], drafted: Sequence[Drafted], scored: Mapping
     greedy: list[int] = []
     processed = []
     widest = max(len(d.tokens) for d in drafted)
-    padded = [[*d.tokens, *[-1] * (widest - len(d.tokens))] for d in drafted]  # every row's draft, one copy
-    device_drafts = torch.from_numpy(np.array(padded, dtype=np.int64).reshape(len(rows), widest)).to(
-        device, non_blocking=True)  # [rows, widest]
+    device_drafts = padded([d.tokens for d in drafted], widest, -1).to(device, non_blocking=True)  # [rows, widest]
     for i, (row, d) in enumerate(zip(rows, drafted)):
         g = len(d.tokens)
         if row.first is None:
@@ -113,15 +111,19 @@ def _process(rows: Sequence[Row], drafted: Sequence[Drafted], inputs: list[tuple
         assert row.processors is not None  # set up by the prefill
         if (seen := row.processors.penalty_alone()) is not None:
             together[row.sampling.repetition_penalty].append((i, seen))
-    batched = {penalty: members for penalty, members in together.items() if len(members) >= 2}
-    for penalty, members in batched.items():
+    grouped: set[int] = set()
+    for penalty, members in together.items():
+        if len(members) < 2:
+            continue
         index = torch.tensor([i for i, _ in members]).to(drafts.device, non_blocking=True)
         done = penalize_rows([inputs[i][0][0] for i, _ in members], [seen for _, seen in members],
                              drafts.index_select(0, index), penalty)
         for (i, _), logits in zip(members, done):
             out[i] = (logits[None], inputs[i][1])
-    alone = set(range(len(rows))) - {i for members in batched.values() for i, _ in members}
-    for i in sorted(alone):
+            grouped.add(i)
+    for i in range(len(rows)):
+        if i in grouped:
+            continue
         logits, draft_tokens = inputs[i]
         processors = rows[i].processors
         assert processors is not None

@@ -98,15 +98,17 @@ class StaticRows:
         positions past the row's end, where nothing valid lives and nothing reads.
         """
         bsz = len(chunks)
-        pad = self.pad_token_id
-        no_drafts: Sequence[Sequence[int]] = [()] * bsz
-        # one conversion of padded host lists per kind, not a copy per row: at 64 rows the per-row
-        # copies took longer on the host than the GPU's whole step
-        ids = [[*c, *[pad] * (width - len(c))] for c in chunks]
-        marks = [[*d, *[-1] * (width - len(d))] for d in (drafts or no_drafts)]  # -1: never a target token
         host = torch.empty((3, bsz, width), dtype=torch.long, pin_memory=self._pinned)
-        host[0].copy_(torch.from_numpy(np.array(ids, dtype=np.int64)))
-        host[2].copy_(torch.from_numpy(np.array(marks, dtype=np.int64)))
+        host[0].copy_(padded(chunks, width, self.pad_token_id))
+        host[2].copy_(padded(drafts or [()] * bsz, width, -1))  # -1: never a target token, so never accepted
         starts = torch.tensor([len(h) for h in self.held[first_row:first_row + bsz]], dtype=torch.long)
         torch.add(starts[:, None], torch.arange(width), out=host[1])
         return host
+
+
+def padded(rows: Sequence[Sequence[int]], width: int, fill: int) -> torch.Tensor:
+    """[len(rows), width] long on the host: each row's ids, then `fill`. One conversion of padded
+    host lists, not a tensor and a copy per row: at 64 rows a step the per-row copies took longer
+    on the host than the GPU's whole step."""
+    lists = [[*r, *[fill] * (width - len(r))] for r in rows]
+    return torch.from_numpy(np.array(lists, dtype=np.int64).reshape(len(rows), width))
