@@ -6,10 +6,12 @@
  * differs from a dense fp32 product only in the order of its sums (as MKL's gemv and gemm do).
  *
  * Why: a CPU decode step is bound by the bytes of weights it reads; these blocks are 0.75 (q4_1)
- * and 1.125 (q8_0) bytes a weight against fp32's 4. A tile of 4 rows x CMAX columns (tokens) keeps
+ * and 1.125 (q8_0) bytes a weight against fp32's 4. A tile of R rows x C columns (tokens) keeps
  * every accumulator in a register, so a verify pass of M tokens dequantises each block
- * ceil(M / CMAX) times, not M times. (benchmarks/blockq_kernel.py: all 210 layer matrices of the
- * default model, one token, 2-core Xeon: 10 ms against fp32 F.linear's 22.) Built per machine
+ * ceil(M / C) times, not M times. Tiles of one row read W as one stream per thread and leave
+ * registers for 8 columns; tiles of 4 rows reuse each load of x 4 times but read 8 streams at once.
+ * Which is faster is the machine's (blockq_set_rows; the calibration times both): every row's sums
+ * run in the same order either way, so the results are identical bit for bit. Built per machine
  * with -march=native (blockq.py), so the AVX-512 or AVX2 path is the one this CPU runs; a plain C
  * loop elsewhere. */
 #include <stdint.h>
@@ -82,7 +84,7 @@ int blockq_lanes(void) {
 /* One tile: R rows of W against C columns of x, every accumulator in a register. */
 INLINE void q4_tile(const int R, const int C, const uint8_t *q, const float *s, int nb, const float *x, int K,
                     float *y, int N) {
-    vf acc[4][4];
+    vf acc[4][8];  /* [R][C]: only the tile's own are used */
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = VZERO;
     for (int b = 0; b < nb; b++) {
@@ -105,7 +107,7 @@ INLINE void q4_tile(const int R, const int C, const uint8_t *q, const float *s, 
 
 INLINE void q8_tile(const int R, const int C, const int8_t *q, const float *s, int nb, const float *x, int K,
                     float *y, int N) {
-    vf acc[4][4];
+    vf acc[4][8];  /* [R][C]: only the tile's own are used */
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = VZERO;
     for (int b = 0; b < nb; b++) {
@@ -122,15 +124,23 @@ INLINE void q8_tile(const int R, const int C, const int8_t *q, const float *s, i
         for (int c = 0; c < C; c++) y[(size_t)c * N + r] = VSUM(acc[r][c]);
 }
 
+/* columns per tile: of 4 rows (4 x C accumulators and 4 dequantised pairs in registers), of 1 row */
 #if VW == 16
-#define CMAX 4
+#define C4 4
+#define C1 8
 #else
-#define CMAX 2  /* AVX2 has 16 registers */
+#define C4 2  /* AVX2 has 16 registers */
+#define C1 4
 #endif
 
-#define DISPATCH(TILE, R, cols, ...) do { switch (cols) { \
-    case 1: TILE(R, 1, __VA_ARGS__); break; case 2: TILE(R, 2, __VA_ARGS__); break; \
-    case 3: TILE(R, CMAX >= 3 ? 3 : 1, __VA_ARGS__); break; default: TILE(R, CMAX, __VA_ARGS__); } } while (0)
+#define DISPATCH4(TILE, cols, ...) do { switch (cols) { \
+    case 1: TILE(4, 1, __VA_ARGS__); break; case 2: TILE(4, 2, __VA_ARGS__); break; \
+    case 3: TILE(4, C4 >= 3 ? 3 : 1, __VA_ARGS__); break; default: TILE(4, C4, __VA_ARGS__); } } while (0)
+#define DISPATCH1(TILE, cols, ...) do { switch (cols) { \
+    case 1: TILE(1, 1, __VA_ARGS__); break; case 2: TILE(1, 2, __VA_ARGS__); break; \
+    case 3: TILE(1, 3, __VA_ARGS__); break; case 4: TILE(1, 4, __VA_ARGS__); break; \
+    case 5: TILE(1, C1 >= 5 ? 5 : 1, __VA_ARGS__); break; case 6: TILE(1, C1 >= 6 ? 6 : 1, __VA_ARGS__); break; \
+    case 7: TILE(1, C1 >= 7 ? 7 : 1, __VA_ARGS__); break; default: TILE(1, C1, __VA_ARGS__); } } while (0)
 #endif
 
 
@@ -154,16 +164,22 @@ static float row_dot(int kind, const uint8_t *q, const float *s, int nb, const f
 }
 #endif
 
-/* Rows in tiles of 4 (a tail of single rows), split over the threads of the enclosing parallel
- * region (an orphaned `omp for`, so the layer stack of decode_layers.c runs all its products in one
- * region; called outside one it runs on the calling thread); columns CMAX at a time. */
+/* Rows of W per tile: 1 or 4 (blockq_set_rows). A process-wide setting read at each call; it
+ * changes the speed of a product, never its result. */
+static int tile_rows = 1;
+
+void blockq_set_rows(int rows) { tile_rows = rows == 4 ? 4 : 1; }
+
+/* Rows in tiles of `tile_rows` (a tail of single rows), split over the threads of the enclosing
+ * parallel region (an orphaned `omp for`, so the layer stack of decode_layers.c runs all its
+ * products in one region; called outside one it runs on the calling thread); columns C at a time. */
 void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y, int N) {
-    const int nb = K / 32;
+    const int nb = K / 32, tile = tile_rows;
     const size_t row_bytes = kind == Q4_1 ? (size_t)nb * 16 : (size_t)K;
     const size_t row_scales = kind == Q4_1 ? (size_t)nb * 2 : (size_t)nb;
     #pragma omp for schedule(static)
-    for (int n = 0; n < N; n += 4) {
-        const int rows = N - n < 4 ? N - n : 4;
+    for (int n = 0; n < N; n += tile) {
+        const int rows = N - n < tile ? N - n : tile;
         const int R = rows == 4 ? 4 : 1;
         for (int r0 = 0; r0 < rows; r0 += R) {
             const uint8_t *q = qs + (size_t)(n + r0) * row_bytes;
@@ -174,14 +190,15 @@ void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const
                 for (int j = 0; j < M; j++)
                     yr[(size_t)j * N + r] = row_dot(kind, q + r * row_bytes, s + r * row_scales, nb, x + (size_t)j * K);
 #else
+            const int C = R == 4 ? C4 : C1;
             for (int j0 = 0; j0 < M;) {
-                const int step = M - j0 >= CMAX ? CMAX : M - j0;
+                const int step = M - j0 >= C ? C : M - j0;
                 const float *xj = x + (size_t)j0 * K;
                 float *yj = yr + (size_t)j0 * N;
-                if (kind == Q4_1 && R == 4) DISPATCH(q4_tile, 4, step, q, s, nb, xj, K, yj, N);
-                else if (kind == Q4_1) DISPATCH(q4_tile, 1, step, q, s, nb, xj, K, yj, N);
-                else if (R == 4) DISPATCH(q8_tile, 4, step, (const int8_t *)q, s, nb, xj, K, yj, N);
-                else DISPATCH(q8_tile, 1, step, (const int8_t *)q, s, nb, xj, K, yj, N);
+                if (kind == Q4_1 && R == 4) DISPATCH4(q4_tile, step, q, s, nb, xj, K, yj, N);
+                else if (kind == Q4_1) DISPATCH1(q4_tile, step, q, s, nb, xj, K, yj, N);
+                else if (R == 4) DISPATCH4(q8_tile, step, (const int8_t *)q, s, nb, xj, K, yj, N);
+                else DISPATCH1(q8_tile, step, (const int8_t *)q, s, nb, xj, K, yj, N);
                 j0 += step;
             }
 #endif

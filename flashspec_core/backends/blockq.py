@@ -116,6 +116,8 @@ def load(path: Path) -> ctypes.CDLL:
         fn.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, i32]
         fn.restype = None
     lib.blockq_lanes.restype = i32
+    lib.blockq_set_rows.argtypes = [i32]
+    lib.blockq_set_rows.restype = None
     lib.decode_layers.argtypes = [ptr] * 4 + [i32] + [ptr] * 6 + [i32]
     lib.decode_layers.restype = None
     lib.decode_layers_work.argtypes = [ptr, i32, i32]
@@ -146,6 +148,20 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+TILE_ROWS = (1, 4)
+
+
+def set_tile_rows(rows: int, lib: ctypes.CDLL | None = None) -> None:
+    """Rows of a weight per tile of the kernel from now on, process-wide: 1 (one stream of blocks per
+    thread, up to 8 tokens a tile) or 4 (each load of the input reused by 4 rows, 8 streams). The
+    faster one is the machine's (the calibration times both); results are identical either way."""
+    if rows not in TILE_ROWS:
+        raise ValueError(f"rows must be one of {TILE_ROWS}; got {rows!r}")
+    lib = lib or library()
+    if lib is not None:
+        lib.blockq_set_rows(rows)
 
 
 def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None,

@@ -83,13 +83,14 @@ class Calibration:
         """The measured table, for the CLI and BENCHMARKS.md."""
         widths = sorted(self.best)
         col = max(9, 2 + max(len(k) for k in self.seconds))
+        first = max(12, 1 + max(len(k) for k in self.seconds))
         lines = [f"CPU: {self.cpu}; torch threads: {self.threads}; ms per forward after a cached context",
-                 f"{'kernel':<12}" + "".join(f"{'w=' + str(w):>{col}}" for w in widths)]
+                 f"{'kernel':<{first}}" + "".join(f"{'w=' + str(w):>{col}}" for w in widths)]
         for name, row in self.seconds.items():
-            lines.append(f"{name:<12}" + "".join(f"{row.get(w, float('nan')) * 1e3:>{col}.1f}" for w in widths))
-        lines.append(f"{'kept':<12}" + "".join(f"{self.best[w]:>{col}}" for w in widths))
+            lines.append(f"{name:<{first}}" + "".join(f"{row.get(w, float('nan')) * 1e3:>{col}.1f}" for w in widths))
+        lines.append(f"{'kept':<{first}}" + "".join(f"{self.best[w]:>{col}}" for w in widths))
         if self.slopes:
-            lines.append(f"{'µs/ctx tok':<12}" + "".join(
+            lines.append(f"{'µs/ctx tok':<{first}}" + "".join(
                 f"{self.slopes[w] * 1e6:>{col}.2f}" if w in self.slopes else f"{'':>{col}}" for w in widths))
         return "\n".join(lines)
 

@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from flashspec_core.backends import blockq
 from flashspec_core.backends.cpu_linear import BLOCKS
 from flashspec_core.backends.cuda_graph import GraphedModel
 from flashspec_core.backends.hf import LinearKernels
-from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible
+from flashspec_core.backends.native_layers import NATIVE, NATIVE_4ROW, NativeLayers, eligible
 
 INITIAL_LEN = 512  # slots per row at first; doubled as needed (the GPU runner starts at 2048)
 CHUNK = 512  # columns per pass of a long feed after a reused prefix (see forward_to)
@@ -51,14 +52,16 @@ class StaticCachedModel(LinearKernels, GraphedModel):
         self._native = NativeLayers(self.static) if self.block_layers and eligible(self.static) else None
 
     def kernels(self) -> tuple[str, ...]:
-        """The linear kernels (`LinearKernels.kernels`), and NATIVE where the whole layer stack can
-        run from blocks in `decode_layers.c` (`native_layers.py`)."""
-        return super().kernels() + ((NATIVE,) if self._native is not None else ())
+        """The linear kernels (`LinearKernels.kernels`), and NATIVE and NATIVE_4ROW where the whole
+        layer stack can run from blocks in `decode_layers.c` (`native_layers.py`)."""
+        return super().kernels() + ((NATIVE, NATIVE_4ROW) if self._native is not None else ())
 
     def use_kernel(self, name: str) -> None:
-        """NATIVE runs the layers natively and everything else (the LM head) from blocks."""
-        if name == NATIVE and self._native is not None:
+        """NATIVE runs the layers natively and everything else (the LM head) from blocks; NATIVE_4ROW
+        the same in the block kernel's tiles of 4 rows."""
+        if name in (NATIVE, NATIVE_4ROW) and self._native is not None:
             super().use_kernel(BLOCKS)
+            blockq.set_tile_rows(4 if name == NATIVE_4ROW else 1)
             self.static.native = self._native
             return
         super().use_kernel(name)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from flashspec_core.backends import blockq
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.cpu_linear import BLOCKS, PACKED, STOCK, PackedLinear, use_packed_linear
 from flashspec_core.backends.prefix import common_prefix
@@ -45,8 +46,6 @@ class LinearKernels:
         self.block_layers = 0  # layers computing from GGUF blocks under the BLOCKS kernel
         if self._choice is None:
             return
-        from flashspec_core.backends import blockq
-
         if gguf is not None and blockq.available():
             from flashspec_core.backends import gguf_weights
 
@@ -66,6 +65,8 @@ class LinearKernels:
             raise ValueError(f"kernel must be one of {self.kernels()}; got {name!r}")
         if self._choice is not None:
             self._choice.name = name
+        if name == BLOCKS:
+            blockq.set_tile_rows(1)
 
     def _use_planned_kernel(self, tokens: int) -> None:
         """Switch to the kernel `plan` keeps for a forward of `tokens` tokens (rows x width)."""

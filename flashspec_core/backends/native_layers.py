@@ -8,8 +8,8 @@ in one OpenMP region over the same blocks and the same cache tensors, in fp32, s
 transformers computes it (its docstring says where the rounding may differ). The embedding, the
 rotary cos and sin (transformers' own, whatever the rope scaling) and the LM head stay in torch.
 
-Which widths it runs is the calibration's measurement (`StaticCachedModel` offers it as the kernel
-NATIVE), like any other kernel. It takes Llama-family models whose seven projections per layer are
+Which widths it runs is the calibration's measurement (`StaticCachedModel` offers it as the kernels
+NATIVE and NATIVE_4ROW, its products in tiles of 1 and of 4 rows), like any other kernel. It takes Llama-family models whose seven projections per layer are
 all blocks without biases and whose MLP is SiLU-gated, with no per-head q/k norms (Qwen3) or
 attention biases (Qwen2); the others keep the torch forward.
 """
@@ -26,6 +26,7 @@ from flashspec_core.backends.cpu_linear import PackedLinear, _stacked_blocks
 from flashspec_core.backends.static_llama import _RMS_NORMS, StaticLlama, _eps
 
 NATIVE = "gguf-native"
+NATIVE_4ROW = "gguf-native-4row"  # the same with the block kernel's tiles of 4 rows (blockq.set_tile_rows)
 CHUNK = 128  # cache slots per attention work item: 32 KB of keys and values per kv head
 
 

@@ -14,12 +14,19 @@ from flashspec_core.models import default_gguf_path
 pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler for the block kernel")
 
 
+@pytest.fixture(params=blockq.TILE_ROWS, ids=lambda r: f"tiles-of-{r}")
+def tile_rows(request):
+    blockq.set_tile_rows(request.param)
+    yield request.param
+    blockq.set_tile_rows(1)
+
+
 @pytest.mark.parametrize("kind", blockq.KINDS)
 @pytest.mark.parametrize(("out", "inp"), [(1, 32), (5, 64), (67, 96), (256, 576)])
-def test_the_kernel_is_the_fp32_product_with_the_dequantised_weight(kind, out, inp):
+def test_the_kernel_is_the_fp32_product_with_the_dequantised_weight(kind, out, inp, tile_rows):
     blocks = random_blocks(kind, out, inp, seed=out)
     weight = blocks.dequantize()  # [out, in]
-    for rows in (1, 2, 3, 4, 5, 8, 9, 17):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):
         x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
         exact = x.double() @ weight.double().T
         scale = x.double().abs() @ weight.double().abs().T  # what fp32 rounding of the sum is relative to
@@ -28,6 +35,24 @@ def test_the_kernel_is_the_fp32_product_with_the_dequantised_weight(kind, out, i
     # One-hot inputs read single weights: w * 1 plus exact zeros, so the kernel's weights are the
     # dequantised ones bit for bit (a swapped nibble, scale or row would show here).
     assert torch.equal(block_linear(torch.eye(inp), blocks), weight.T)
+
+
+@pytest.mark.parametrize("kind", blockq.KINDS)
+def test_tiles_of_one_and_of_four_rows_give_the_same_product_bit_for_bit(kind):
+    """The tile setting is a speed choice the calibration makes per machine: a row's sums must run
+    in the same order under both (67 rows: tiles of 4 and a tail of single rows)."""
+    blocks = random_blocks(kind, 67, 96, seed=5)
+    try:
+        for tokens in range(1, 18):
+            x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens))
+            blockq.set_tile_rows(4)
+            four = block_linear(x, blocks)
+            blockq.set_tile_rows(1)
+            assert torch.equal(block_linear(x, blocks), four), f"{tokens} tokens"
+    finally:
+        blockq.set_tile_rows(1)
+    with pytest.raises(ValueError, match="rows must be one of"):
+        blockq.set_tile_rows(2)
 
 
 def test_the_blocks_read_from_the_file_are_gguf_py_s_dequantisation():
@@ -151,13 +176,15 @@ def test_every_instruction_set_path_computes_the_same_product(tmp_path, flags):
     blockq.build(path, flags)
     lib = blockq.load(path)
     assert lib.blockq_lanes() == (8 if "-mavx2" in flags else 1)
-    for kind in blockq.KINDS:
-        blocks = random_blocks(kind, 67, 96, seed=3)
-        weight = blocks.dequantize()
-        for rows in (1, 3, 5):
-            x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
-            exact = x.double() @ weight.double().T
-            scale = x.double().abs() @ weight.double().abs().T
-            err = (block_linear(x, blocks, lib=lib).double() - exact).abs()
-            assert bool((err <= 1e-6 * scale + 1e-30).all()), f"{kind}, {rows} rows"
-        assert torch.equal(block_linear(torch.eye(96), blocks, lib=lib), weight.T)
+    for tile_rows in blockq.TILE_ROWS:
+        blockq.set_tile_rows(tile_rows, lib=lib)
+        for kind in blockq.KINDS:
+            blocks = random_blocks(kind, 67, 96, seed=3)
+            weight = blocks.dequantize()
+            for rows in (1, 3, 5, 6, 9):
+                x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+                exact = x.double() @ weight.double().T
+                scale = x.double().abs() @ weight.double().abs().T
+                err = (block_linear(x, blocks, lib=lib).double() - exact).abs()
+                assert bool((err <= 1e-6 * scale + 1e-30).all()), f"{kind}, {rows} rows, tiles of {tile_rows}"
+            assert torch.equal(block_linear(torch.eye(96), blocks, lib=lib), weight.T)
