@@ -28,6 +28,7 @@ typedef __m512 vf;
 #define VSET1 _mm512_set1_ps
 #define VLOAD _mm512_loadu_ps
 #define VFMA _mm512_fmadd_ps
+#define VADD _mm512_add_ps
 #define VSUM _mm512_reduce_add_ps
 /* 16 bytes of nibbles -> weights 0..15 (low nibbles) and 16..31 (high) as d*q + m: the 16 values
  * d*i + m are one FMA over 0..15, and each nibble picks its value by a permute (which reads only
@@ -50,6 +51,7 @@ typedef __m256 vf;
 #define VSET1 _mm256_set1_ps
 #define VLOAD _mm256_loadu_ps
 #define VFMA _mm256_fmadd_ps
+#define VADD _mm256_add_ps
 static inline float VSUM(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -81,12 +83,16 @@ int blockq_lanes(void) {
 #define INLINE static inline __attribute__((always_inline))
 
 #ifndef SCALAR
-/* One tile: R rows of W against C columns of x, every accumulator in a register. */
-INLINE void q4_tile(const int R, const int C, const uint8_t *q, const float *s, int nb, const float *x, int K,
+/* One tile: R rows of W against C columns of x, every accumulator in a register. A = 2 (a pass of
+ * one token) sums each row into two accumulators (the low and high halves of a Q4_1 block,
+ * alternate vectors of a Q8_0 block) added at the end: one chain of dependent FMAs would bound
+ * such a pass, not the arithmetic. The order of a row's sums depends on A only, never on R. */
+INLINE void q4_tile(const int R, const int C, const int A, const uint8_t *q, const float *s, int nb, const float *x, int K,
                     float *y, int N) {
-    vf acc[4][8];  /* [R][C]: only the tile's own are used */
+    vf acc[4][8][2];  /* [R][C][A]: only the tile's own are used */
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = VZERO;
+        for (int c = 0; c < C; c++)
+            for (int a = 0; a < A; a++) acc[r][c][a] = VZERO;
     for (int b = 0; b < nb; b++) {
         for (int h = 0; h < 16; h += VW) {
             vf lo[4], hi[4];
@@ -97,31 +103,36 @@ INLINE void q4_tile(const int R, const int C, const uint8_t *q, const float *s, 
             }
             for (int c = 0; c < C; c++) {
                 const vf xl = VLOAD(x + (size_t)c * K + b * 32 + h), xh = VLOAD(x + (size_t)c * K + b * 32 + 16 + h);
-                for (int r = 0; r < R; r++) acc[r][c] = VFMA(hi[r], xh, VFMA(lo[r], xl, acc[r][c]));
+                for (int r = 0; r < R; r++) {
+                    acc[r][c][0] = VFMA(lo[r], xl, acc[r][c][0]);
+                    acc[r][c][A - 1] = VFMA(hi[r], xh, acc[r][c][A - 1]);
+                }
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[(size_t)c * N + r] = VSUM(acc[r][c]);
+        for (int c = 0; c < C; c++) y[(size_t)c * N + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
 }
 
-INLINE void q8_tile(const int R, const int C, const int8_t *q, const float *s, int nb, const float *x, int K,
+INLINE void q8_tile(const int R, const int C, const int A, const int8_t *q, const float *s, int nb, const float *x, int K,
                     float *y, int N) {
-    vf acc[4][8];  /* [R][C]: only the tile's own are used */
+    vf acc[4][8][2];  /* [R][C][A]: only the tile's own are used */
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = VZERO;
+        for (int c = 0; c < C; c++)
+            for (int a = 0; a < A; a++) acc[r][c][a] = VZERO;
     for (int b = 0; b < nb; b++) {
         for (int h = 0; h < 32; h += VW) {
+            const int a = h / VW % A;
             vf w[4];
             for (int r = 0; r < R; r++) w[r] = bytes_s8(q + (size_t)r * K + b * 32 + h) * VSET1(s[(size_t)r * nb + b]);
             for (int c = 0; c < C; c++) {
                 const vf xv = VLOAD(x + (size_t)c * K + b * 32 + h);
-                for (int r = 0; r < R; r++) acc[r][c] = VFMA(w[r], xv, acc[r][c]);
+                for (int r = 0; r < R; r++) acc[r][c][a] = VFMA(w[r], xv, acc[r][c][a]);
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[(size_t)c * N + r] = VSUM(acc[r][c]);
+        for (int c = 0; c < C; c++) y[(size_t)c * N + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
 }
 
 /* columns per tile: of 4 rows (4 x C accumulators and 4 dequantised pairs in registers), of 1 row */
@@ -134,13 +145,13 @@ INLINE void q8_tile(const int R, const int C, const int8_t *q, const float *s, i
 #endif
 
 #define DISPATCH4(TILE, cols, ...) do { switch (cols) { \
-    case 1: TILE(4, 1, __VA_ARGS__); break; case 2: TILE(4, 2, __VA_ARGS__); break; \
-    case 3: TILE(4, C4 >= 3 ? 3 : 1, __VA_ARGS__); break; default: TILE(4, C4, __VA_ARGS__); } } while (0)
+    case 1: TILE(4, 1, 1, __VA_ARGS__); break; case 2: TILE(4, 2, 1, __VA_ARGS__); break; \
+    case 3: TILE(4, C4 >= 3 ? 3 : 1, 1, __VA_ARGS__); break; default: TILE(4, C4, 1, __VA_ARGS__); } } while (0)
 #define DISPATCH1(TILE, cols, ...) do { switch (cols) { \
-    case 1: TILE(1, 1, __VA_ARGS__); break; case 2: TILE(1, 2, __VA_ARGS__); break; \
-    case 3: TILE(1, 3, __VA_ARGS__); break; case 4: TILE(1, 4, __VA_ARGS__); break; \
-    case 5: TILE(1, C1 >= 5 ? 5 : 1, __VA_ARGS__); break; case 6: TILE(1, C1 >= 6 ? 6 : 1, __VA_ARGS__); break; \
-    case 7: TILE(1, C1 >= 7 ? 7 : 1, __VA_ARGS__); break; default: TILE(1, C1, __VA_ARGS__); } } while (0)
+    case 1: TILE(1, 1, 1, __VA_ARGS__); break; case 2: TILE(1, 2, 1, __VA_ARGS__); break; \
+    case 3: TILE(1, 3, 1, __VA_ARGS__); break; case 4: TILE(1, 4, 1, __VA_ARGS__); break; \
+    case 5: TILE(1, C1 >= 5 ? 5 : 1, 1, __VA_ARGS__); break; case 6: TILE(1, C1 >= 6 ? 6 : 1, 1, __VA_ARGS__); break; \
+    case 7: TILE(1, C1 >= 7 ? 7 : 1, 1, __VA_ARGS__); break; default: TILE(1, C1, 1, __VA_ARGS__); } } while (0)
 #endif
 
 
@@ -190,6 +201,13 @@ void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const
                 for (int j = 0; j < M; j++)
                     yr[(size_t)j * N + r] = row_dot(kind, q + r * row_bytes, s + r * row_scales, nb, x + (size_t)j * K);
 #else
+            if (M == 1) {  /* one token: two accumulators a row (the tiles' comment) */
+                if (kind == Q4_1 && R == 4) q4_tile(4, 1, 2, q, s, nb, x, K, yr, N);
+                else if (kind == Q4_1) q4_tile(1, 1, 2, q, s, nb, x, K, yr, N);
+                else if (R == 4) q8_tile(4, 1, 2, (const int8_t *)q, s, nb, x, K, yr, N);
+                else q8_tile(1, 1, 2, (const int8_t *)q, s, nb, x, K, yr, N);
+                continue;
+            }
             const int C = R == 4 ? C4 : C1;
             for (int j0 = 0; j0 < M;) {
                 const int step = M - j0 >= C ? C : M - j0;
