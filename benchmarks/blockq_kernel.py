@@ -3,7 +3,7 @@
 Times one pass of M tokens through the 30 layers' seven matrices (each layer its own weights, so
 nothing stays in cache between layers, as in a real forward) and through the 49152 x 576 tied head:
 fp32 weights with `F.linear` (what transformers runs) against the same weights as Q4_1 (layers) and
-Q8_0 (head) blocks with `backends/blockq.py`. Random blocks of the file's shapes; medians of
+Q8_0 (head) blocks with `backends/blockq.py`, in its tiles of one row and of four (`blockq.set_tile_rows`). Random blocks of the file's shapes; medians of
 `--repeats`. Prints the machine line and a table, writes a PNG.
 
     python benchmarks/blockq_kernel.py --out bench_out/blockq_kernel
@@ -56,13 +56,17 @@ def main() -> None:
     with torch.inference_mode():
         for m in WIDTHS:
             xs = {k: torch.randn(m, k) for _, k in LAYER_SHAPES}
-            row = {
-                "layers fp32": timed(lambda: [F.linear(xs[w.shape[1]], w) for ws in dense for w in ws], args.repeats),
-                "layers blocks": timed(lambda: [blockq.block_linear(xs[b.in_features], b) for bs in layers for b in bs],
-                                       args.repeats),
-                "head fp32": timed(lambda: F.linear(xs[576], head_dense), args.repeats),
-                "head blocks": timed(lambda: blockq.block_linear(xs[576], head), args.repeats),
-            }
+            row = {"layers fp32": timed(lambda: [F.linear(xs[w.shape[1]], w) for ws in dense for w in ws],
+                                        args.repeats)}
+            for tile in blockq.TILE_ROWS:  # tiles of 1 and of 4 rows: the calibration's two choices
+                blockq.set_tile_rows(tile)
+                row[f"layers {tile}-row"] = timed(
+                    lambda: [blockq.block_linear(xs[b.in_features], b) for bs in layers for b in bs], args.repeats)
+            row["head fp32"] = timed(lambda: F.linear(xs[576], head_dense), args.repeats)
+            for tile in blockq.TILE_ROWS:
+                blockq.set_tile_rows(tile)
+                row[f"head {tile}-row"] = timed(lambda: blockq.block_linear(xs[576], head), args.repeats)
+            blockq.set_tile_rows(1)
             rows.append((m, row))
     print(machine_line())
     print(f"ms per pass of M tokens: {args.layers} layers x 7 matrices (Q4_1), and the 49152 x 576 head (Q8_0)")

@@ -183,12 +183,14 @@ void blockq_set_rows(int rows) { tile_rows = rows == 4 ? 4 : 1; }
 
 /* Rows in tiles of `tile_rows` (a tail of single rows), split over the threads of the enclosing
  * parallel region (an orphaned `omp for`, so the layer stack of decode_layers.c runs all its
- * products in one region; called outside one it runs on the calling thread); columns C at a time. */
+ * products in one region; called outside one it runs on the calling thread); columns C at a time.
+ * No barrier at the end (`nowait`): the caller synchronises (the region's end, or decode_layers.c's
+ * own barrier). */
 void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y, int N) {
     const int nb = K / 32, tile = tile_rows;
     const size_t row_bytes = kind == Q4_1 ? (size_t)nb * 16 : (size_t)K;
     const size_t row_scales = kind == Q4_1 ? (size_t)nb * 2 : (size_t)nb;
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int n = 0; n < N; n += tile) {
         const int rows = N - n < tile ? N - n : tile;
         const int R = rows == 4 ? 4 : 1;

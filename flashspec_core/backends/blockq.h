@@ -3,5 +3,5 @@
 
 enum { Q4_1, Q8_0 };  /* block kinds, as blockq.py's KINDS orders them */
 
-/* y[M,N] = x[M,K] @ W[N,K]^T from W's blocks; an orphaned `omp for` over W's rows. */
+/* y[M,N] = x[M,K] @ W[N,K]^T from W's blocks; an orphaned `omp for nowait` over W's rows. */
 void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y, int N);
