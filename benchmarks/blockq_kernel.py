@@ -3,8 +3,9 @@
 Times one pass of M tokens through the 30 layers' seven matrices (each layer its own weights, so
 nothing stays in cache between layers, as in a real forward) and through the 49152 x 576 tied head:
 fp32 weights with `F.linear` (what transformers runs) against the same weights as Q4_1 (layers) and
-Q8_0 (head) blocks with `backends/blockq.py`, in its tiles of one row and of four (`blockq.set_tile_rows`). Random blocks of the file's shapes; medians of
-`--repeats`. Prints the machine line and a table, writes a PNG.
+Q8_0 (head) blocks with `backends/blockq.py`, in its tiles of one row and of four
+(`blockq.set_tile_rows`). Random blocks of the file's shapes; medians of `--repeats`. Prints the
+machine line and a table, writes a PNG.
 
     python benchmarks/blockq_kernel.py --out bench_out/blockq_kernel
 """
