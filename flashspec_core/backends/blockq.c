@@ -144,11 +144,12 @@ INLINE void q8_tile(const int R, const int C, const int A, const int8_t *q, cons
 #define C1 4
 #endif
 
-#define DISPATCH4(TILE, cols, ...) do { switch (cols) { \
-    case 1: TILE(4, 1, 1, __VA_ARGS__); break; case 2: TILE(4, 2, 1, __VA_ARGS__); break; \
+/* cols: the tile's columns; alone: the pass is of one token in all (two accumulators a row) */
+#define DISPATCH4(TILE, cols, alone, ...) do { switch (cols) { \
+    case 1: if (alone) TILE(4, 1, 2, __VA_ARGS__); else TILE(4, 1, 1, __VA_ARGS__); break; case 2: TILE(4, 2, 1, __VA_ARGS__); break; \
     case 3: TILE(4, C4 >= 3 ? 3 : 1, 1, __VA_ARGS__); break; default: TILE(4, C4, 1, __VA_ARGS__); } } while (0)
-#define DISPATCH1(TILE, cols, ...) do { switch (cols) { \
-    case 1: TILE(1, 1, 1, __VA_ARGS__); break; case 2: TILE(1, 2, 1, __VA_ARGS__); break; \
+#define DISPATCH1(TILE, cols, alone, ...) do { switch (cols) { \
+    case 1: if (alone) TILE(1, 1, 2, __VA_ARGS__); else TILE(1, 1, 1, __VA_ARGS__); break; case 2: TILE(1, 2, 1, __VA_ARGS__); break; \
     case 3: TILE(1, 3, 1, __VA_ARGS__); break; case 4: TILE(1, 4, 1, __VA_ARGS__); break; \
     case 5: TILE(1, C1 >= 5 ? 5 : 1, 1, __VA_ARGS__); break; case 6: TILE(1, C1 >= 6 ? 6 : 1, 1, __VA_ARGS__); break; \
     case 7: TILE(1, C1 >= 7 ? 7 : 1, 1, __VA_ARGS__); break; default: TILE(1, C1, 1, __VA_ARGS__); } } while (0)
@@ -203,22 +204,15 @@ void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const
                 for (int j = 0; j < M; j++)
                     yr[(size_t)j * N + r] = row_dot(kind, q + r * row_bytes, s + r * row_scales, nb, x + (size_t)j * K);
 #else
-            if (M == 1) {  /* one token: two accumulators a row (the tiles' comment) */
-                if (kind == Q4_1 && R == 4) q4_tile(4, 1, 2, q, s, nb, x, K, yr, N);
-                else if (kind == Q4_1) q4_tile(1, 1, 2, q, s, nb, x, K, yr, N);
-                else if (R == 4) q8_tile(4, 1, 2, (const int8_t *)q, s, nb, x, K, yr, N);
-                else q8_tile(1, 1, 2, (const int8_t *)q, s, nb, x, K, yr, N);
-                continue;
-            }
             const int C = R == 4 ? C4 : C1;
             for (int j0 = 0; j0 < M;) {
                 const int step = M - j0 >= C ? C : M - j0;
                 const float *xj = x + (size_t)j0 * K;
                 float *yj = yr + (size_t)j0 * N;
-                if (kind == Q4_1 && R == 4) DISPATCH4(q4_tile, step, q, s, nb, xj, K, yj, N);
-                else if (kind == Q4_1) DISPATCH1(q4_tile, step, q, s, nb, xj, K, yj, N);
-                else if (R == 4) DISPATCH4(q8_tile, step, (const int8_t *)q, s, nb, xj, K, yj, N);
-                else DISPATCH1(q8_tile, step, (const int8_t *)q, s, nb, xj, K, yj, N);
+                if (kind == Q4_1 && R == 4) DISPATCH4(q4_tile, step, M == 1, q, s, nb, xj, K, yj, N);
+                else if (kind == Q4_1) DISPATCH1(q4_tile, step, M == 1, q, s, nb, xj, K, yj, N);
+                else if (R == 4) DISPATCH4(q8_tile, step, M == 1, (const int8_t *)q, s, nb, xj, K, yj, N);
+                else DISPATCH1(q8_tile, step, M == 1, (const int8_t *)q, s, nb, xj, K, yj, N);
                 j0 += step;
             }
 #endif

@@ -9,9 +9,10 @@ transformers computes it (its docstring says where the rounding may differ). The
 rotary cos and sin (transformers' own, whatever the rope scaling) and the LM head stay in torch.
 
 Which widths it runs is the calibration's measurement (`StaticCachedModel` offers it as the kernels
-NATIVE and NATIVE_4ROW, its products in tiles of 1 and of 4 rows), like any other kernel. It takes Llama-family models whose seven projections per layer are
-all blocks without biases and whose MLP is SiLU-gated, with no per-head q/k norms (Qwen3) or
-attention biases (Qwen2); the others keep the torch forward.
+NATIVE and NATIVE_4ROW, its products in tiles of 1 and of 4 rows), like any other kernel. It takes
+Llama-family models whose seven projections per layer are all blocks without biases and whose MLP
+is SiLU-gated, with no per-head q/k norms (Qwen3) or attention biases (Qwen2); the others keep the
+torch forward.
 """
 from __future__ import annotations
 
