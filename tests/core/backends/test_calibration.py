@@ -109,12 +109,19 @@ def test_the_gguf_kernels_are_kept_only_where_they_are_measured_faster(flashspec
         pytest.skip("the default target is on a GPU here; the block kernel is a CPU kernel")
     runner = StaticCachedModel(default_target.model, pad_token_id=0, gguf=default_target.gguf)
     assert {BLOCKS, NATIVE, NATIVE_4ROW} <= set(runner.kernels())
-    real, real_native = PackedLinear.forward, NativeLayers.__call__
+    from flashspec_core.backends import cpu_linear
+
+    real, real_blocks, real_native = PackedLinear.forward, cpu_linear.block_linear, NativeLayers.__call__
 
     def slowed(self, x):
-        if (self.choice.name == BLOCKS) == (slow == BLOCKS):
+        if self.choice.name != BLOCKS and slow != BLOCKS:
             time.sleep(0.0005)  # 211 layers: ~0.1 s a forward
         return real(self, x)
+
+    def slowed_blocks(*args, **kwargs):  # every product from blocks, stacked ones too
+        if slow == BLOCKS:
+            time.sleep(0.001)  # 121 products a forward (q|k|v, o, gate|up, down, the head): ~0.12 s
+        return real_blocks(*args, **kwargs)
 
     def slowed_native(self, *args):
         if slow != "fp32":
@@ -122,6 +129,7 @@ def test_the_gguf_kernels_are_kept_only_where_they_are_measured_faster(flashspec
         return real_native(self, *args)
 
     monkeypatch.setattr(PackedLinear, "forward", slowed)
+    monkeypatch.setattr(cpu_linear, "block_linear", slowed_blocks)
     monkeypatch.setattr(NativeLayers, "__call__", slowed_native)
     # longer=0: the kept kernels are chosen from the timings at `context`; the per-token slopes
     # (timed after another 1,024 tokens) are not asserted here and cost most of the time.
