@@ -39,6 +39,7 @@ INSTALL = (
 
 
 MAX_ROWS = 256  # llama.cpp's LLAMA_MAX_SEQ
+VARIANT_ENV = "FLASHSPEC_LLAMA_CPU_VARIANT"  # a CPU variant's name ("haswell", ...) to load instead of the best
 
 
 def available() -> bool:
@@ -83,6 +84,7 @@ class LlamaCppModel(TargetRunner):
         self._ctx: Any = None  # llama_context_p
         self._batch: Any = None  # llama_batch
         self._max_batch = 0
+        self.small_pass = 0  # see _probe_small_pass: measured with the first context
         self._make_context(max(1, max_batch))
 
     # ------------------------------------------------------------------ context and batch
@@ -118,6 +120,8 @@ class LlamaCppModel(TargetRunner):
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
         self._max_batch = max_batch
         self.held: list[list[int]] = [[] for _ in range(max_batch)]
+        if not self.small_pass:
+            self.small_pass = self._probe_small_pass()
 
     def _free_context(self) -> None:
         lc = self._lc
@@ -222,8 +226,7 @@ class LlamaCppModel(TargetRunner):
         active = [True] * bsz if active is None else list(active)
         if bsz > len(self.held):
             raise ValueError(f"sequences: {bsz} rows but the request began with {len(self.held)}")
-        items: list[tuple[int, int, int, bool]] = []
-        outputs: list[tuple[int, int]] = []  # (row, index among the last keep_logits)
+        fed: list[list[tuple[int, int, int, bool]]] = []  # each active row's (token, position, row, wants logits)
         for b, seq in enumerate(sequences):
             if not active[b]:
                 continue
@@ -236,17 +239,52 @@ class LlamaCppModel(TargetRunner):
             self._rollback(b, keep)
             chunk = list(seq[keep:])
             first_out = len(chunk) - keep_logits
-            items += [(t, keep + i, b, i >= first_out) for i, t in enumerate(chunk)]
-            outputs += [(b, k) for k in range(keep_logits)]
+            fed.append([(t, keep + i, b, i >= first_out) for i, t in enumerate(chunk)])
             self.held[b].extend(chunk)
         logits = torch.zeros((bsz, keep_logits, self.vocab_size), dtype=torch.float32)
-        if not items:
-            return logits
-        # Outputs come back in item order, chunk after chunk, as `outputs` lists them.
-        rows = np.concatenate([self._decode(items[i:i + self.n_batch]) for i in range(0, len(items), self.n_batch)])
-        for (b, k), row in zip(outputs, torch.from_numpy(rows)):
-            logits[b, k] = row
+        for call in self._calls(fed):
+            wanted = [(b, pos - (len(sequences[b]) - keep_logits)) for _, pos, b, wants in call if wants]
+            for (b, k), row in zip(wanted, torch.from_numpy(self._decode(call))):  # outputs in item order
+                logits[b, k] = row
         return logits
+
+    def _calls(self, fed: list[list[tuple[int, int, int, bool]]]) -> list[list[tuple[int, int, int, bool]]]:
+        """The `llama_decode` calls that feed each row's items as that row alone would be fed.
+
+        llama.cpp computes a pass of many tokens with other kernels than a pass of a few (its
+        batch kernels round differently), so a row's logits would depend on how many tokens of
+        other rows share its pass. A row feeding more than `small_pass` tokens (a prompt) gets
+        calls of its own, in pieces of n_batch as llama.cpp's own evaluation feeds a prompt; rows
+        feeding fewer (verify passes) share calls of at most `small_pass` tokens, which compute
+        what each would compute alone."""
+        small = self.small_pass
+        calls: list[list[tuple[int, int, int, bool]]] = []
+        shared: list[tuple[int, int, int, bool]] = []
+        for items in fed:
+            if len(items) > small:
+                calls += [items[i:i + self.n_batch] for i in range(0, len(items), self.n_batch)]
+                continue
+            if len(shared) + len(items) > small:
+                calls.append(shared)
+                shared = []
+            shared += items
+        return calls + [shared] if shared else calls
+
+    def _probe_small_pass(self) -> int:
+        """The most tokens a pass may hold and still compute each token's logits as a one-token
+        pass does, measured on this CPU's kernels in the new, empty context (llama.cpp switches to
+        its batch kernels at a size of its own): the largest of 63, 31, 15, 7 that does, else 1."""
+        probe = [(100 + 37 * i) % self.vocab_size for i in range(8 + 63)]
+        self._decode([(t, i, 0, False) for i, t in enumerate(probe[:8])])
+        alone = self._decode([(probe[8], 8, 0, True)])
+        found = 1
+        for size in (s for s in (63, 31, 15, 7) if s <= self.n_batch):
+            self._lc.llama_memory_seq_rm(self._mem, 0, 8, -1)
+            if np.array_equal(self._decode([(t, 8 + i, 0, i == 0) for i, t in enumerate(probe[8:8 + size])]), alone):
+                found = size
+                break
+        self._lc.llama_memory_clear(self._mem, True)
+        return found
 
 
 # ggml variants built with AMX tile instructions. On some Sapphire Rapids virtual machines their
@@ -266,6 +304,7 @@ def load_cpu_backends() -> str | None:
     ISA checks), which is the machine-dependent kernel choice llama.cpp makes for itself.
     llama-cpp-python loads none, so this does what llama.cpp's tools do at start, in the folder
     pip installs the variants into. A build without variants has its CPU backend built in.
+    $FLASHSPEC_LLAMA_CPU_VARIANT names the variant to load instead (what another machine runs).
     Returns the variant's name (e.g. "zen4", "haswell"), or None when there are none to load."""
     if "variant" in _cpu_backends:
         return _cpu_backends["variant"]
@@ -278,8 +317,9 @@ def load_cpu_backends() -> str | None:
     folders = (package.parent / "bin", package / "lib")
     variants = sorted(p for folder in folders for p in folder.glob("libggml-cpu-*.so"))
     scores: dict[Path, int] = {}
+    chosen = os.environ.get(VARIANT_ENV)
     for path in variants:
-        if any(name in path.name for name in _AMX_VARIANTS):
+        if any(name in path.name for name in _AMX_VARIANTS) or chosen and path.stem != f"libggml-cpu-{chosen}":
             continue
         lib = ctypes.CDLL(str(path))
         lib.ggml_backend_score.restype = ctypes.c_int

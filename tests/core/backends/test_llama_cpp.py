@@ -57,6 +57,40 @@ def test_rollbacks_and_widths_give_one_token_decodings_logits(runner):
     assert runner.prefix_len(0, walk) == held
 
 
+def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(runner):
+    """Prompts of 24 rows fed in one `forward_to` (404 tokens: llama.cpp's batch kernels, which
+    round otherwise, if they shared a pass), then a verify-like step of 3 tokens each (72 tokens):
+    every row's logits are the bits that row computes alone, on whatever kernels this CPU runs."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(200, 20000) for _ in range(5 + 2 * i)] for i in range(24)]
+    steps = [p + [rng.randrange(200, 20000) for _ in range(3)] for p in prompts]
+    many = backend.LlamaCppModel(default_gguf_path(), n_ctx=2048, max_batch=24)
+    try:
+        many.reset(24)
+        together = many.forward_to(prompts)[:, 0]
+        verified = many.forward_to(steps, keep_logits=3)
+    finally:
+        many.close()
+    for b, (prompt, step) in enumerate(zip(prompts, steps)):
+        runner.reset(1)
+        assert torch.equal(together[b], runner.forward_to([prompt])[0, 0]), f"row {b}'s prompt"
+        assert torch.equal(verified[b], runner.forward_to([step], keep_logits=3)[0]), f"row {b}'s step"
+
+
+def test_a_named_cpu_variant_is_the_one_loaded():
+    """FLASHSPEC_LLAMA_CPU_VARIANT picks the variant (another process: one loads per process)."""
+    import os
+    import subprocess
+    import sys
+
+    if backend.load_cpu_backends() is None:
+        pytest.skip("llama.cpp was built without CPU variants")
+    code = "from flashspec_core.backends import llama_cpp as b; print(b.load_cpu_backends())"
+    env = {**os.environ, backend.VARIANT_ENV: "x64"}  # the baseline x86-64 variant: every x86 CPU runs it
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "x64"
+
+
 @pytest.mark.parametrize("arm", ["none", "prompt_lookup@4", "suffix_cache@4", "distill_chat@2"])
 def test_greedy_equals_llama_cpps_own_greedy(default_target, runner, arm):
     from test_greedy_default import PROMPTS
