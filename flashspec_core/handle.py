@@ -19,6 +19,18 @@ class RequestCancelled(Exception):
     """The request was cancelled before it finished (its caller closed a stream or cancelled it)."""
 
 
+class EngineFault(RuntimeError):
+    """A part of the engine (named in the message: a draft, the router) failed while serving this
+    request; the failure is chained as its cause. The engine goes on serving its other requests."""
+
+    @classmethod
+    def of(cls, what: str, cause: BaseException) -> EngineFault:
+        """`what` failed with `cause`: "<what> failed: <cause>", chained to it."""
+        fault = cls(f"{what} failed: {cause!r}")
+        fault.__cause__ = cause
+        return fault
+
+
 class RequestHandle:
     """The output channel of one request of `rows` rows; `stream` requests also get every step's chunk."""
 
