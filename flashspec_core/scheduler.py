@@ -14,7 +14,8 @@ first: several short prompts whole, or one piece of a long one (of each prompt o
 
 Callers never touch the device: they submit a `Request` and read its `RequestHandle`. The queue of
 waiting requests is bounded; a full queue refuses with `EngineBusy` at once, so overload is an
-answer, not an unbounded wait.
+answer, not an unbounded wait. A queued request that is cancelled leaves the queue at once, and
+one whose deadline passes at the next turn: a dead entry never holds a place.
 
 Failure policy: whatever raises, every request ends (a result or an error) and the loop serves
 on. A step that fails is retried row by row (`_isolate`), and a row that fails alone ends its own
@@ -86,11 +87,14 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise EngineClosed("the engine was closed; create a new one")
+            self._drop_dead(time.monotonic())  # cancelled or expired requests hold no place
             waiting = len({id(r.request) for r in self._waiting})
             if waiting >= self.max_queue:
                 raise EngineBusy(f"{waiting} requests are waiting for a slot (max_queue={self.max_queue}); "
                                  "retry later or raise max_queue")
             self._waiting.extend(rows)
+            request = rows[0].request
+            request.handle.on_cancel(lambda: self._cancel_waiting(request))
             self._cond.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="flashspec-scheduler", daemon=True)
@@ -106,6 +110,30 @@ class Scheduler:
     def running(self) -> int:
         """Rows in the batch now."""
         return sum(r is not None for r in self._slots)
+
+    def _cancel_waiting(self, request: Request) -> None:
+        """`request` was cancelled (from its caller's thread): its rows still queued leave now,
+        and if none of its rows runs it ends now; a running row ends at the next step boundary."""
+        with self._cond:
+            queued = [r for r in self._waiting if r.request is request]
+            if not queued:
+                return
+            self._waiting = deque(r for r in self._waiting if r.request is not request)
+            if not any(r.request is request for r in self._rows()):
+                request.handle.fail(self._ended(request, time.monotonic()))
+            self._cond.notify_all()
+
+    def _drop_dead(self, now: float) -> None:
+        """Under the lock: end the queued requests that were cancelled or ran out of time, and
+        drop the queued rows of requests that ended otherwise (a row of theirs failed)."""
+        dead = [r for r in self._waiting if r.request.handle.done or r.request.handle.cancelled
+                or r.request.expired(now)]
+        if not dead:
+            return
+        gone = {id(r) for r in dead}
+        self._waiting = deque(r for r in self._waiting if id(r) not in gone)
+        for row in dead:
+            row.request.handle.fail(self._ended(row.request, now))  # kept as it was if it had ended
 
     # ------------------------------------------------------------------ the loop
 
@@ -134,21 +162,19 @@ class Scheduler:
                     self._thread = None
 
     def _take_waiting(self) -> list[Row]:
-        """Under the lock: the waiting rows that fit in the free slots now (in arrival order)."""
+        """Under the lock: the waiting rows that fit in the free slots now (in arrival order),
+        after the dead ones left the queue."""
+        self._drop_dead(time.monotonic())
         free = self.max_rows - self.running
         taken = []
         while self._waiting and free:
-            row = self._waiting.popleft()
-            if row.request.handle.done:  # its request failed or was cancelled meanwhile
-                continue
-            taken.append(row)
+            taken.append(self._waiting.popleft())
             free -= 1
         return taken
 
     def _admit(self, rows: list[Row]) -> None:
         """Give each new row a slot: the free one whose cache shares most with its prompt, else a new one."""
-        now = time.monotonic()
-        rows = [r for r in rows if not self._refused(r, now)]
+        rows = [r for r in rows if not r.request.handle.done]  # cancelled since it was taken from the queue
         self._fit(len(rows))
         free = [s for s, r in enumerate(self._slots) if r is None]
         for row in rows:
@@ -183,14 +209,6 @@ class Scheduler:
         size = min(b for b in buckets(self.max_rows) if b >= needed)
         self._slots.extend([None] * (size - len(self._slots)))
         self.runner.resize(size)
-
-    def _refused(self, row: Row, now: float) -> bool:
-        """Whether `row`'s request was cancelled or ran out of time while it waited (and end it)."""
-        request = row.request
-        if request.handle.cancelled or request.expired(now):
-            request.handle.fail(self._ended(request, now))
-            return True
-        return False
 
     def _turn(self) -> None:
         """One turn: end what must end, feed a piece of each new prompt, step the decoding rows."""
