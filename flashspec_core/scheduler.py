@@ -15,7 +15,10 @@ first: several short prompts whole, or one piece of a long one (of each prompt o
 Callers never touch the device: they submit a `Request` and read its `RequestHandle`. The queue of
 waiting requests is bounded; a full queue refuses with `EngineBusy` at once, so overload is an
 answer, not an unbounded wait. A queued request that is cancelled leaves the queue at once, and
-one whose deadline passes at the next turn: a dead entry never holds a place.
+one whose deadline passes at the next turn: a dead entry never holds a place. The batch grows
+through `buckets` as rows join, and when it has drained (no row running) it shrinks back to what
+the rows admitted then need, so a lone request after a burst steps a batch of one again (the
+caches of the slots cut off are dropped; they are reused only by prompts sharing their prefix).
 
 Failure policy: whatever raises, every request ends (a result or an error) and the loop serves
 on. A step that fails is retried row by row (`_isolate`), and a row that fails alone ends its own
@@ -201,13 +204,17 @@ class Scheduler:
                     break
 
     def _fit(self, admitting: int) -> None:
-        """Room for the rows running and `admitting` more, all at once, in steps of `buckets` (no
-        resize per row)."""
+        """Size the batch for the rows running and `admitting` more: grown in steps of `buckets`
+        (no resize per row), and, when the batch has drained, shrunk back to the bucket of the
+        rows admitted now (see the module doc)."""
         needed = self.running + admitting
-        if needed <= len(self._slots):
+        if not (needed > len(self._slots) or (admitting and not self.running)):
             return
         size = min(b for b in buckets(self.max_rows) if b >= needed)
-        self._slots.extend([None] * (size - len(self._slots)))
+        if size == len(self._slots):
+            return
+        self._slots = self._slots[:size] + [None] * (size - len(self._slots))
+        self._warm = {s for s in self._warm if s < size}
         self.runner.resize(size)
 
     def _turn(self) -> None:

@@ -348,3 +348,18 @@ def test_expired_entries_hold_no_place_in_a_full_queue(tiny_target):
     assert [h.wait(timeout=20)[0].token_ids for h in [running, *alive]] == [hf(tiny_target, p, 8) for p in
                                                                           (PROMPTS[0], *PROMPTS[3:5])]
 
+
+# ---------------------------------------------------------------------------------- slots
+
+@pytest.mark.timeout(60)
+def test_slots_shrink_when_the_batch_drains_so_a_lone_request_after_a_burst_steps_alone(tiny_target):
+    engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 2)), max_batch=8)
+    burst = [engine.submit([p[::-1] + [i]], 10) for i, p in enumerate(PROMPTS * 2)]
+    assert all(h.wait(timeout=20) for h in burst)
+    assert len(engine._scheduler._slots) == 8, "the burst grew the batch"
+    sizes: list[int] = []
+    real = engine._stepper.step
+    engine._stepper.step = lambda rows, slots: (sizes.append(slots), real(rows, slots))[1]
+    assert engine.generate(PROMPTS[3], max_new_tokens=10).token_ids == hf(tiny_target, PROMPTS[3], 10)
+    assert sizes and set(sizes) == {1}, "a lone request after the burst steps a batch of one"
+    assert len(engine._scheduler._slots) == 1
