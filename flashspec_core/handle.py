@@ -3,7 +3,8 @@
 The scheduler loop owns the device and never waits on a caller: it posts each step's text to the
 request's `RequestHandle` and moves on. A caller waits on its own handle only, from a thread
 (`wait`, iteration) or from an event loop (`wait_async`, async iteration) without holding a thread;
-`cancel` (or a closed stream, or a deadline) ends the request's rows at the next step boundary.
+`cancel` (or a closed stream) ends a queued request at once and a running one's rows at the next
+step boundary; a deadline is checked between steps, for queued requests as for running ones.
 """
 from __future__ import annotations
 
@@ -19,6 +20,18 @@ class RequestCancelled(Exception):
     """The request was cancelled before it finished (its caller closed a stream or cancelled it)."""
 
 
+class EngineFault(RuntimeError):
+    """A part of the engine (named in the message: a draft, the router) failed while serving this
+    request; the failure is chained as its cause. The engine goes on serving its other requests."""
+
+    @classmethod
+    def of(cls, what: str, cause: BaseException) -> EngineFault:
+        """`what` failed with `cause`: "<what> failed: <cause>", chained to it."""
+        fault = cls(f"{what} failed: {cause!r}")
+        fault.__cause__ = cause
+        return fault
+
+
 class RequestHandle:
     """The output channel of one request of `rows` rows; `stream` requests also get every step's chunk."""
 
@@ -30,6 +43,7 @@ class RequestHandle:
         self._chunks: deque[StreamChunk] = deque()
         self._cond = threading.Condition()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._on_cancel: Callable[[], None] | None = None  # the scheduler's: a queued request leaves at once
 
     # ------------------------------------------------------------------ the scheduler's side
 
@@ -68,9 +82,24 @@ class RequestHandle:
 
     # ------------------------------------------------------------------ the caller's side
 
+    def on_cancel(self, callback: Callable[[], None]) -> None:
+        """The scheduler's: call `callback` from the cancelling thread when the request is
+        cancelled (at once if it already was), so that a request still queued ends without
+        waiting for a slot."""
+        with self._cond:
+            self._on_cancel = callback
+            already = self.cancelled
+        if already:
+            callback()
+
     def cancel(self) -> None:
-        """End the request's rows at the next step boundary; readers then get RequestCancelled."""
-        self.cancelled = True
+        """End the request: at once if it is still queued, else its rows at the next step
+        boundary; readers then get RequestCancelled."""
+        with self._cond:
+            self.cancelled = True
+            callback = self._on_cancel
+        if callback is not None:  # outside the lock: the callback takes the scheduler's, then this one
+            callback()
 
     def _take(self) -> list[StreamChunk] | None:
         """Under the lock: the chunks posted since the last take, or None at the end of the stream."""

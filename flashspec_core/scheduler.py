@@ -14,7 +14,19 @@ first: several short prompts whole, or one piece of a long one (of each prompt o
 
 Callers never touch the device: they submit a `Request` and read its `RequestHandle`. The queue of
 waiting requests is bounded; a full queue refuses with `EngineBusy` at once, so overload is an
-answer, not an unbounded wait.
+answer, not an unbounded wait. A queued request that is cancelled leaves the queue at once, and
+one whose deadline passes at the next turn: a dead entry never holds a place. The batch grows
+through `buckets` as rows join, and when it has drained (no row running) it shrinks back to what
+the rows admitted then need, so a lone request after a burst steps a batch of one again (the
+caches of the slots cut off are dropped; they are reused only by prompts sharing their prefix).
+
+Failure policy: whatever raises, every request ends (a result or an error) and the loop serves
+on. A step that fails is retried row by row (`_isolate`), and a row that fails alone ends its own
+request with the error; a row that finished inside the failed step emits nothing more. A part of
+the engine's bookkeeping that fails for a row (a draft's `begin`/`end`, the router's `update`)
+ends that row's request with an `EngineFault` naming it. The router's statistics are written to
+its store by another thread (flusher.py), never this one, and a finished request's answer is
+handed over once they are; a failed write keeps them queued for the next.
 """
 from __future__ import annotations
 
@@ -25,10 +37,12 @@ from collections import deque
 
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.drafts.base import DraftSource
-from flashspec_core.handle import RequestCancelled
+from flashspec_core.flusher import Flusher
+from flashspec_core.handle import EngineFault, RequestCancelled
 from flashspec_core.request import Request, Row
 from flashspec_core.results import GenerationResult, StreamChunk
 from flashspec_core.routing.base import Router
+from flashspec_core.routing.store_writer import FLUSH_EVERY
 from flashspec_core.step import Stepper
 
 logger = logging.getLogger(__name__)
@@ -67,6 +81,7 @@ class Scheduler:
         self._closed = False
         self._admissions = 0  # rows admitted so far (Row.admitted)
         self.steps = 0  # decode steps run (for benchmarks and tests)
+        self._flusher = Flusher(lambda: self.router.flush(), IDLE_EXIT)  # the router's writes, off this thread
 
     # ------------------------------------------------------------------ callers' side
 
@@ -75,11 +90,14 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise EngineClosed("the engine was closed; create a new one")
+            self._drop_dead(time.monotonic())  # cancelled or expired requests hold no place
             waiting = len({id(r.request) for r in self._waiting})
             if waiting >= self.max_queue:
                 raise EngineBusy(f"{waiting} requests are waiting for a slot (max_queue={self.max_queue}); "
                                  "retry later or raise max_queue")
             self._waiting.extend(rows)
+            request = rows[0].request
+            request.handle.on_cancel(lambda: self._cancel_waiting(request))
             self._cond.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="flashspec-scheduler", daemon=True)
@@ -96,47 +114,75 @@ class Scheduler:
         """Rows in the batch now."""
         return sum(r is not None for r in self._slots)
 
+    def _cancel_waiting(self, request: Request) -> None:
+        """`request` was cancelled (from its caller's thread): its rows still queued leave now,
+        and if none of its rows runs it ends now; a running row ends at the next step boundary."""
+        with self._cond:
+            queued = [r for r in self._waiting if r.request is request]
+            if not queued:
+                return
+            self._waiting = deque(r for r in self._waiting if r.request is not request)
+            if not any(r.request is request for r in self._rows()):
+                request.handle.fail(self._ended(request, time.monotonic()))
+            self._cond.notify_all()
+
+    def _drop_dead(self, now: float) -> None:
+        """Under the lock: end the queued requests that were cancelled or ran out of time, and
+        drop the queued rows of requests that ended otherwise (a row of theirs failed)."""
+        dead = [r for r in self._waiting if r.request.handle.done or r.request.handle.cancelled
+                or r.request.expired(now)]
+        if not dead:
+            return
+        gone = {id(r) for r in dead}
+        self._waiting = deque(r for r in self._waiting if id(r) not in gone)
+        for row in dead:
+            row.request.handle.fail(self._ended(row.request, now))  # kept as it was if it had ended
+
     # ------------------------------------------------------------------ the loop
 
     def _loop(self) -> None:
-        while True:
+        """The device thread: turns until idle or closed. What a turn raises ends the requests it
+        concerned, never the thread; should it end anyway, it lets go of the engine, so that the
+        next `submit` starts another."""
+        try:
+            while True:
+                with self._cond:
+                    if not self._cond.wait_for(lambda: self._closed or self._waiting or self.running, IDLE_EXIT):
+                        self._thread = None  # idle: the thread ends (and with it its hold on the engine)
+                        return
+                    if self._closed:
+                        self._shut_down()
+                        return
+                    admitted = self._take_waiting()
+                try:
+                    self._admit(admitted)
+                    self._turn()
+                except Exception as exc:  # noqa: BLE001 - a bug must not leave callers waiting forever
+                    self._recover(exc, admitted)
+        finally:
             with self._cond:
-                if not self._cond.wait_for(lambda: self._closed or self._waiting or self.running, IDLE_EXIT):
-                    self._thread = None  # idle: the thread ends (and with it its hold on the engine)
-                    return
-                if self._closed:
-                    self._shut_down()
-                    return
-                admitted = self._take_waiting()
-            try:
-                self._admit(admitted)
-                self._turn()
-            except Exception as exc:  # noqa: BLE001 - a bug must not leave callers waiting forever
-                self._fail_all(exc)
+                if self._thread is threading.current_thread():
+                    self._thread = None
 
     def _take_waiting(self) -> list[Row]:
-        """Under the lock: the waiting rows that fit in the free slots now (in arrival order)."""
+        """Under the lock: the waiting rows that fit in the free slots now (in arrival order),
+        after the dead ones left the queue."""
+        self._drop_dead(time.monotonic())
         free = self.max_rows - self.running
         taken = []
         while self._waiting and free:
-            row = self._waiting.popleft()
-            if row.request.handle.done:  # its request failed or was cancelled meanwhile
-                continue
-            taken.append(row)
+            taken.append(self._waiting.popleft())
             free -= 1
         return taken
 
     def _admit(self, rows: list[Row]) -> None:
         """Give each new row a slot: the free one whose cache shares most with its prompt, else a new one."""
-        now = time.monotonic()
-        rows = [r for r in rows if not self._refused(r, now)]
-        needed = self.running + len(rows)
-        if needed > len(self._slots):  # room for all of them at once, in steps of `buckets` (no resize per row)
-            grown = min(b for b in buckets(self.max_rows) if b >= needed)
-            self._slots.extend([None] * (grown - len(self._slots)))
-            self.runner.resize(grown)
+        rows = [r for r in rows if not r.request.handle.done]  # cancelled since it was taken from the queue
+        self._fit(len(rows))
         free = [s for s, r in enumerate(self._slots) if r is None]
         for row in rows:
+            if row.request.handle.done:  # another row of its request failed at admission
+                continue
             reuse = {s: self.runner.prefix_len(s, row.prompt) for s in self._warm}
             warm = max(reuse, key=lambda s: (reuse[s], -s), default=None)  # longest reuse, then lowest
             best = warm if warm is not None and reuse[warm] > 0 else free[0]
@@ -150,16 +196,26 @@ class Scheduler:
             row.admitted = self._admissions
             self._admissions += 1
             self._slots[best] = row
-            for draft in self.drafts.values():
-                draft.begin([row.prompt])
+            for name, draft in self.drafts.items():
+                try:
+                    draft.begin([row.prompt])
+                except Exception as exc:  # noqa: BLE001 - the row's request ends; the others go on
+                    self._end_request(row.request, EngineFault.of(f"draft {name!r} (begin)", exc))
+                    break
 
-    def _refused(self, row: Row, now: float) -> bool:
-        """Whether `row`'s request was cancelled or ran out of time while it waited (and end it)."""
-        request = row.request
-        if request.handle.cancelled or request.expired(now):
-            request.handle.fail(self._ended(request, now))
-            return True
-        return False
+    def _fit(self, admitting: int) -> None:
+        """Size the batch for the rows running and `admitting` more: grown in steps of `buckets`
+        (no resize per row), and, when the batch has drained, shrunk back to the bucket of the
+        rows admitted now (see the module doc)."""
+        needed = self.running + admitting
+        if not (needed > len(self._slots) or (admitting and not self.running)):
+            return
+        size = min(b for b in buckets(self.max_rows) if b >= needed)
+        if size == len(self._slots):
+            return
+        self._slots = self._slots[:size] + [None] * (size - len(self._slots))
+        self._warm = {s for s in self._warm if s < size}
+        self.runner.resize(size)
 
     def _turn(self) -> None:
         """One turn: end what must end, feed a piece of each new prompt, step the decoding rows."""
@@ -185,16 +241,28 @@ class Scheduler:
         ready = [r for r in self._rows() if r.processors is not None and not r.finished]
         if not ready:
             return
+        before = [len(r.output.token_ids) for r in ready]
         try:
-            new = self.stepper.step(ready, slots)
+            self.stepper.step(ready, slots)
         except Exception as exc:  # noqa: BLE001 - find the row that fails; the others go on
             logger.warning("a step of %d rows failed (%r); stepping them one at a time", len(ready), exc)
             self.runner.reset(slots)
             self._isolate(ready, slots)
-            return
-        self.steps += 1
-        for row, tokens in zip(ready, new):
-            self._deliver(row, tokens)
+        else:
+            self.steps += 1
+            if self.steps % FLUSH_EVERY == 0:
+                self._flusher.request()
+        faults, self.stepper.faults = self.stepper.faults, []
+        for row, fault in faults:  # the router could not learn a step of theirs
+            if not row.request.handle.done:
+                self._end_request(row.request, fault)
+        for row, start in zip(ready, before):
+            if self._slots[row.slot] is not row:
+                continue
+            try:
+                self._deliver(row, row.output.token_ids[start:])
+            except Exception as exc:  # noqa: BLE001 - this row's request ends; the others go on
+                self._end_request(row.request, EngineFault.of("handing the row's output to its request", exc))
 
     def _feeding(self) -> list[Row]:
         """The rows whose prompts get a piece this turn (see the module doc). Without graphs the
@@ -219,12 +287,14 @@ class Scheduler:
         return fed
 
     def _isolate(self, rows: list[Row], slots: int) -> None:
-        """After a failed step: step each row alone; a row that fails alone ends its request."""
+        """After a failed step: step alone each row that did not finish in it; a row that fails
+        alone ends its request. A row that finished in the failed step (it got its tokens before
+        the failure) is not stepped again: what it emitted is final, and it emits nothing more."""
         for row in rows:
-            if self._slots[row.slot] is not row:
+            if self._slots[row.slot] is not row or row.finished:
                 continue
             try:
-                self._deliver(row, self.stepper.step([row], slots)[0])
+                self.stepper.step([row], slots)
             except Exception as exc:  # noqa: BLE001
                 self.runner.reset(slots)
                 self._end_request(row.request, exc)
@@ -242,43 +312,71 @@ class Scheduler:
     # ------------------------------------------------------------------ output
 
     def _deliver(self, row: Row, tokens: list[int]) -> None:
-        """Post a row's new text to its handle; retire it when it finished."""
+        """Post a row's new tokens and text to its handle; retire it when it finished, and hand
+        its request the result once the router's statistics of its steps are written."""
         handle, output = row.request.handle, row.output
         delta = output.take_delta() if handle.stream else ""
-        if output.finished:
-            # Retired first: the router has learned the row's steps and written them when its
-            # caller sees the end (a client reading the statistics after its answer finds them).
-            self._retire(row)
-            stats = row.stats
-            handle.post(StreamChunk(delta, tokens, output.finish_reason, stats))
-            handle.finish(row.index, GenerationResult(output.text, list(output.token_ids), output.finish_reason or "length",
-                                                      stats, prompt_tokens=stats.prompt_tokens))
-        elif delta or tokens:
-            handle.post(StreamChunk(delta, tokens))
+        if not output.finished:
+            if delta or tokens:
+                handle.post(StreamChunk(delta, tokens))
+            return
+        fault = self._retire(row)
+        if fault is not None:
+            self._end_request(row.request, fault)
+            return
+        stats, index = row.stats, row.index
+        chunk = StreamChunk(delta, tokens, output.finish_reason, stats)
+        result = GenerationResult(output.text, list(output.token_ids), output.finish_reason or "length", stats,
+                                  prompt_tokens=stats.prompt_tokens)
 
-    def _retire(self, row: Row) -> None:
-        """Free the row's slot (its cache stays for a later prompt sharing its prefix)."""
+        def answer() -> None:
+            handle.post(chunk)
+            handle.finish(index, result)
+
+        self._flusher.request(answer)
+
+    def _retire(self, row: Row) -> EngineFault | None:
+        """Take the row out of the batch (its slot's cache stays for a later prompt sharing its
+        prefix), tell the drafts its output and the router its steps not learned yet. The row is
+        out either way; the first of these that failed is returned, named."""
         self._slots[row.slot] = None
         self._warm.add(row.slot)
-        for draft in self.drafts.values():
-            draft.end([row.prompt], [row.output.token_ids])
-        self.stepper.learn_row(row)
-        self.router.flush()
+        faults: list[EngineFault | None] = []
+        for name, draft in self.drafts.items():
+            try:
+                draft.end([row.prompt], [row.output.token_ids])
+            except Exception as exc:  # noqa: BLE001
+                faults.append(EngineFault.of(f"draft {name!r} (end)", exc))
+        faults.append(self.stepper.learn_row(row))
+        return next((f for f in faults if f is not None), None)
 
     def _end_request(self, request: Request, error: BaseException) -> None:
-        """End every row of `request` now; its readers get `error`."""
+        """End every row of `request` now; its readers get `error` (what else fails while its
+        rows retire is secondary: the request already ends with an error)."""
         for row in self._rows():
             if row.request is request:
                 self._retire(row)
         request.handle.fail(error)
+        self._flusher.request()
 
-    def _fail_all(self, error: BaseException) -> None:
-        for row in self._rows():
-            self._end_request(row.request, error)
-        with self._cond:
-            waiting, self._waiting = list(self._waiting), deque()
-        for row in waiting:
-            row.request.handle.fail(error)
+    def _recover(self, error: Exception, admitted: list[Row]) -> None:
+        """A turn raised outside the guards of its parts (a bug, or a runner that cannot reset):
+        end the running requests and those being admitted (their rows' state is unknown), with an
+        error naming the turn, drop every cache, and serve the queue on. Never raises."""
+        logger.error("a scheduler turn failed; ending the requests it was running", exc_info=error)
+        fault = EngineFault.of("the scheduler's turn", error)
+        requests = {id(r.request): r.request for r in [*self._rows(), *admitted]}
+        for request in requests.values():
+            try:
+                self._end_request(request, fault)
+            except Exception:  # noqa: BLE001
+                request.handle.fail(fault)
+        self._slots = [None] * len(self._slots)
+        self._warm.clear()
+        try:
+            self.runner.reset(len(self._slots))
+        except Exception:  # noqa: BLE001 - the next turn's forward fails, and ends its own rows
+            logger.exception("resetting the runner after a failed turn failed too")
 
     def _shut_down(self) -> None:
         """Under the lock: fail everything still waiting or running."""

@@ -19,6 +19,7 @@ import torch
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.constrained.constraint import Constraint
 from flashspec_core.drafts.base import DraftSource
+from flashspec_core.handle import EngineFault
 from flashspec_core.processors.paths import PathProcessors
 from flashspec_core.proposals import Drafted, cut_length
 from flashspec_core.request import Row
@@ -52,6 +53,9 @@ class Stepper:
         # that reads it is scored after the fact against that row's grammar) and their row
         self._unlearned: list[tuple[StepRecord, Constraint | None, Row]] = []
         self._turn = 0  # which rows the router learns from next
+        # Learning that failed, by row: the step's tokens stand (they were final before the router
+        # saw them), and the scheduler ends those rows' requests with the fault.
+        self.faults: list[tuple[Row, EngineFault]] = []
 
     # ------------------------------------------------------------------------------ prefill
 
@@ -144,21 +148,34 @@ class Stepper:
         wait for the next step's (at most LEARN_ROWS wait)."""
         learned = 0
         while self._unlearned and (busy is None or not learned or busy()):
-            self._learn_one(*self._unlearned.pop(0)[:2])
+            record, constraint, row = self._unlearned.pop(0)
+            fault = self._learn_one(record, constraint)
+            if fault is not None:
+                self.faults.append((row, fault))
             learned += 1
 
-    def learn_row(self, row: Row) -> None:
+    def learn_row(self, row: Row) -> EngineFault | None:
         """Hand the router the steps of `row` not learned yet (it is leaving the batch: a caller
-        reading the router's statistics after its answer finds them)."""
+        reading the router's statistics after its answer finds them); the first that failed."""
         mine = [item for item in self._unlearned if item[2] is row]
         self._unlearned = [item for item in self._unlearned if item[2] is not row]
-        for record, constraint, _ in mine:
-            self._learn_one(record, constraint)
+        faults = [self._learn_one(record, constraint) for record, constraint, _ in mine]
+        return next((f for f in faults if f is not None), None)
 
-    def _learn_one(self, record: StepRecord, constraint: Constraint | None) -> None:
-        for draft in self.drafts.values():
-            draft.bind_constraint(constraint)
-        self.router.update(record)
+    def _learn_one(self, record: StepRecord, constraint: Constraint | None) -> EngineFault | None:
+        """Teach the router one finished step; what failed, named, instead of raising: learning
+        runs after the step's tokens are final (and inside a graph replay's wait), so its failure
+        must not pass for the step's."""
+        for name, draft in self.drafts.items():
+            try:
+                draft.bind_constraint(constraint)
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                return EngineFault.of(f"draft {name!r} (bind_constraint, before the router learned a step)", exc)
+        try:
+            self.router.update(record)
+        except Exception as exc:  # noqa: BLE001
+            return EngineFault.of("the router (update, learning a finished step)", exc)
+        return None
 
     def _queue_learning(self, records: list[tuple[StepRecord, Constraint | None, Row]]) -> None:
         """At most LEARN_ROWS of this step's records, taken in turn across steps; of what waits,

@@ -45,5 +45,7 @@ class Router(Protocol):
         return {}
 
     def flush(self) -> None:
-        """A request ended: write what is queued for the store. Nothing by default."""
+        """Write what is queued for the store. The scheduler calls it from a thread of its own,
+        not the one that runs the device (when a request ends and every few steps); a failed
+        write should keep what it held for the next call. Nothing by default."""
         return None

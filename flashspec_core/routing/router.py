@@ -397,12 +397,13 @@ class BanditRouter(Router):
                     d.reward_sum += r
                     d.reward_sumsq += r * r
             if deltas:
-                self._writes.add(domain, deltas, scale)  # written in batches (store_writer.py)
+                self._writes.add(domain, deltas, scale)  # written when flushed (store_writer.py)
 
     def flush(self) -> None:
-        """Write queued statistics to the store (the engine calls this when a request ends)."""
-        with self._lock:
-            self._writes.flush()
+        """Write queued statistics to the store (the engine's scheduler calls this off its device
+        thread). Not under the router's lock: a write that waits on a locked file must not hold
+        up `select` and `update`. A failed write keeps its statistics queued (store_writer.py)."""
+        self._writes.flush()
 
     def verify_costs(self) -> dict[str, dict[int, tuple[float | None, int]]]:
         """Per domain, tokens fed -> (the seconds a verify pass is priced at, passes kept): the

@@ -17,6 +17,8 @@ Failure policy, chosen so that routing state can never stop generation:
 - a write that finds the store locked past the timeout keeps its increments in memory and adds
   them to the next write, which tries without waiting until one gets through (a warning says so
   once): a busy moment in another process neither stalls every step nor loses the update;
+- a write that fails otherwise (a file made read-only, a full disk, a closed store) raises and
+  takes nothing, so its caller can send the same increments again later without counting any twice;
 - a read that fails is a cold start for `load` (a warning, no statistics) and an error for `read`,
   whose callers merge what is new since their last read and must not take a failure for "empty";
 - a location that cannot be written (read-only directory, no permission) or a file written by a
@@ -121,6 +123,20 @@ class DomainStats:
     steps: int = 0
     scale: float | None = None
     arms: dict[str, ArmDelta] = field(default_factory=dict)
+
+
+def _with(pending: Mapping[str, DomainStats], domain: str, arms: Mapping[str, ArmDelta], steps: int,
+          scale: float | None) -> dict[str, DomainStats]:
+    """A copy of `pending` with one update's increments added (`pending` itself is left as it was)."""
+    out: dict[str, DomainStats] = {}
+    for name, st in pending.items():
+        out[name] = DomainStats(st.steps, st.scale, {arm: ArmDelta(**vars(d)) for arm, d in st.arms.items()})
+    st = out.setdefault(domain, DomainStats())
+    st.steps += steps
+    st.scale = st.scale if scale is None else scale
+    for arm, d in arms.items():
+        st.arms.setdefault(arm, ArmDelta()).add(d)
+    return out
 
 
 class StoreUnavailable(UserWarning):
@@ -323,19 +339,16 @@ class RouterStore:
         """Add one update's increments, all in one transaction (all or nothing).
 
         If another process holds the store locked past the timeout, the increments stay in memory
-        and go out with the next write (which then does not wait: the lock may last); other
-        SQLite errors raise, and the caller decides (the router keeps learning in memory).
+        and go out with the next write (which then does not wait: the lock may last). Any other
+        failure raises having taken nothing: the caller still holds these increments and may send
+        them again (the router's writer does), so none is lost and none is counted twice.
         """
         if not isinstance(domain, str) or not domain:
             raise ValueError(f"domain must be a non-empty str, got {domain!r}")
         with self._lock:
-            pending = self._pending.setdefault(domain, DomainStats())
-            pending.steps += steps
-            pending.scale = pending.scale if scale is None else scale
-            for arm, d in arms.items():
-                pending.arms.setdefault(arm, ArmDelta()).add(d)
+            pending = _with(self._pending, domain, arms, steps, scale)
             try:
-                self._write_pending(0.0 if self._behind else self.timeout)
+                self._write(pending, 0.0 if self._behind else self.timeout)
             except sqlite3.OperationalError as exc:
                 if _code(exc) not in (5, 6):  # BUSY, LOCKED
                     raise
@@ -346,12 +359,12 @@ class RouterStore:
                         StoreUnavailable,
                         stacklevel=2,
                     )
-                self._behind = True
+                self._pending, self._behind = pending, True
                 return
-            self._behind = False
+            self._pending, self._behind = {}, False
 
-    def _write_pending(self, wait: float) -> None:
-        """One transaction with every pending increment; waits at most `wait` s for the lock."""
+    def _write(self, pending: Mapping[str, DomainStats], wait: float) -> None:
+        """One transaction with every increment of `pending`; waits at most `wait` s for the lock."""
         if wait != self.timeout:
             self._conn.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
         try:
@@ -361,7 +374,7 @@ class RouterStore:
                 self._conn.execute(f"PRAGMA busy_timeout={int(self.timeout * 1000)}")
         now = time.time()
         try:
-            for domain, st in self._pending.items():
+            for domain, st in pending.items():
                 self._conn.executemany(_UPSERT_ARM, [
                     (domain, arm, d.pulls, d.scored, d.reward_n, d.reward_sum, d.reward_sumsq,
                      d.goodput_sum, d.seconds_sum, now)
@@ -370,9 +383,9 @@ class RouterStore:
                 self._conn.execute(_UPSERT_DOMAIN, (domain, st.steps, st.scale, now))
             self._conn.execute("COMMIT")
         except BaseException:
-            self._conn.execute("ROLLBACK")
+            if self._conn.in_transaction:  # a failed COMMIT may have ended it already
+                self._conn.execute("ROLLBACK")
             raise
-        self._pending.clear()
 
     def read(self) -> dict[str, DomainStats]:
         """Everything in the store, by domain (written increments only, not those still pending).

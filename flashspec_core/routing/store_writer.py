@@ -1,59 +1,75 @@
-"""The router's writes to its `RouterStore`, queued in memory.
+"""The router's writes to its `RouterStore`, queued in memory and written when asked.
 
 Why queued: one SQLite transaction per decode step cost about a tenth of a CPU decode step, so
-each update's increments are summed per domain and written every FLUSH_EVERY updates and when a
-request ends (the engine calls `BanditRouter.flush`). Why a write may fail quietly: routing must
-never stop generation, so after the first failed write the statistics stay in memory and a
-warning says so once.
+each update's increments are summed per domain and written when `flush` is called: the engine's
+scheduler asks for it from a thread of its own (never the one that runs the device) every
+FLUSH_EVERY decode steps and when a request ends. Why a failed write keeps its increments:
+routing must never stop generation, and the statistics of the steps that did run must not be
+lost either; a write that fails (a locked or read-only file, a full disk) leaves what it was
+writing queued, a warning says so once, and the next flush writes it. `RouterStore.record`
+takes nothing when it fails, so sending the same increments again counts them once.
 """
 from __future__ import annotations
 
-import sqlite3
+import threading
 import warnings
 
 from flashspec_core.routing.store import ArmDelta, RouterStore
 
-FLUSH_EVERY = 64  # updates queued before the store is written (and at every request's end)
+FLUSH_EVERY = 64  # decode steps between the scheduler's writes while requests run (and at every request's end)
+
+Queued = dict[str, tuple[int, dict[str, ArmDelta], float | None]]  # domain -> steps, deltas, scale
 
 
 class StoreWriter:
-    """Queued increments for one store (None: nothing is ever written). Not thread-safe: the
-    router calls it under its own lock."""
+    """Queued increments for one store (None: nothing is ever written). Thread-safe: the router
+    queues under its own lock while another thread writes."""
 
     def __init__(self, store: RouterStore | None) -> None:
         self.store = store
-        self.failed = False
-        self._queued: dict[str, tuple[int, dict[str, ArmDelta], float | None]] = {}  # domain -> steps, deltas, scale
-        self._updates = 0
+        self.failing = False  # the last write failed (warned once until one succeeds)
+        self._queued: Queued = {}
+        self._lock = threading.Lock()  # guards _queued
+        self._writing = threading.Lock()  # one write at a time: a domain's latest scale is written last
 
     @property
     def active(self) -> bool:
-        """Whether increments are wanted: a store, and no write has failed."""
-        return self.store is not None and not self.failed
+        """Whether increments are wanted: there is a store."""
+        return self.store is not None
 
     def add(self, domain: str, deltas: dict[str, ArmDelta], scale: float | None) -> None:
         """Queue one update's increments (arm name -> delta) and the domain's current scale."""
-        steps, queued, _ = self._queued.get(domain, (0, {}, None))
-        for arm, d in deltas.items():
-            queued.setdefault(arm, ArmDelta()).add(d)
-        self._queued[domain] = (steps + 1, queued, scale)
-        self._updates += 1
-        if self._updates >= FLUSH_EVERY:
-            self.flush()
+        with self._lock:
+            _merge(self._queued, {domain: (1, deltas, scale)})
 
     def flush(self) -> None:
-        """Write what is queued, one transaction per domain."""
-        pending, self._queued, self._updates = self._queued, {}, 0
-        if not self.active or self.store is None:
+        """Write what is queued, one transaction per domain; what a failed write held stays queued."""
+        if self.store is None:
             return
-        for domain, (steps, deltas, scale) in pending.items():
-            try:
-                self.store.record(domain, deltas, steps=steps, scale=scale)
-            except sqlite3.Error as exc:
-                self.failed = True
-                warnings.warn(
-                    f"router store write failed ({exc}); statistics stay in memory from now on",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                return
+        with self._writing:
+            with self._lock:
+                pending, self._queued = self._queued, {}
+            for domain in list(pending):
+                steps, deltas, scale = pending[domain]
+                try:
+                    self.store.record(domain, deltas, steps=steps, scale=scale)
+                except Exception as exc:  # noqa: BLE001 - statistics must never stop generation
+                    with self._lock:  # this domain and those not tried yet go back, before newer updates
+                        newer, self._queued = self._queued, pending
+                        _merge(self._queued, newer)
+                    if not self.failing:
+                        warnings.warn(f"router store write failed ({exc!r}); the statistics stay queued "
+                                      "in memory and are written by a later flush", RuntimeWarning, stacklevel=3)
+                    self.failing = True
+                    return
+                del pending[domain]
+            self.failing = False
+
+
+def _merge(into: Queued, later: Queued) -> None:
+    """Add `later`'s increments to `into`, each domain's scale taken from the later when it has one."""
+    for domain, (steps, deltas, scale) in later.items():
+        had_steps, had, had_scale = into.get(domain, (0, {}, None))
+        for arm, d in deltas.items():
+            had.setdefault(arm, ArmDelta()).add(d)
+        into[domain] = (had_steps + steps, had, had_scale if scale is None else scale)

@@ -269,3 +269,97 @@ def test_many_requests_of_random_settings_each_equal_their_solo_run(tiny_target)
         handles.append(engine.submit([prompt], n, SamplingParams(repetition_penalty=penalty), stop))
         time.sleep(rng.random() * 0.01)
     assert [h.wait()[0].text for h in handles] == solo
+
+
+# ---------------------------------------------------------------------------------- the queue
+
+class Gate:
+    """Holds the scheduler's thread inside its next step until opened: a slot stays taken."""
+
+    def __init__(self, engine):
+        self.entered, self.open = threading.Event(), threading.Event()
+        real = engine._stepper.step
+
+        def step(rows, slots):
+            self.entered.set()
+            assert self.open.wait(30), "the gate was never opened"
+            return real(rows, slots)
+
+        engine._stepper.step = step
+
+
+@pytest.mark.timeout(60)
+def test_a_queued_request_cancelled_ends_at_once_and_frees_its_place(tiny_target):
+    """Cancelled while the only slot is busy and the loop is inside a step: it ends now, not when a
+    slot frees, and a new request takes its place in the queue."""
+    engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), max_batch=1, max_queue=1)
+    gate = Gate(engine)
+    running = engine.submit([PROMPTS[0]], 8)
+    assert gate.entered.wait(10)
+    queued = engine.submit([PROMPTS[1]], 8)
+    with pytest.raises(EngineBusy):
+        engine.submit([PROMPTS[2]], 8)
+    queued.cancel()
+    with pytest.raises(RequestCancelled):
+        queued.wait(timeout=2)
+    later = engine.submit([PROMPTS[2]], 8)  # the cancelled request's place
+    gate.open.set()
+    assert running.wait(timeout=20)[0].token_ids == hf(tiny_target, PROMPTS[0], 8)
+    assert later.wait(timeout=20)[0].token_ids == hf(tiny_target, PROMPTS[2], 8)
+
+
+@pytest.mark.timeout(60)
+def test_a_queued_request_past_its_deadline_ends_without_a_slot_and_frees_its_place(tiny_target):
+    engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), max_batch=1, max_queue=1)
+    real = engine._stepper.step
+
+    def slow(rows, slots):
+        time.sleep(0.02)
+        return real(rows, slots)
+
+    engine._stepper.step = slow
+    # 150 steps of 20 ms (no EOS on the way): the only slot stays taken for 3 s
+    running = engine.submit([PROMPTS[2]], 150, stream=True)
+    next(iter(running))  # admitted and decoding
+    deadline = time.monotonic() + 0.2
+    queued = engine.submit([PROMPTS[1]], 8, timeout=0.2)
+    with pytest.raises(TimeoutError, match="ran past its timeout"):
+        queued.wait(timeout=1.5)
+    assert time.monotonic() < deadline + 1.0
+    later = engine.submit([PROMPTS[3]], 8)  # the expired request's place
+    assert not running.done
+    running.cancel()
+    assert later.wait(timeout=20)[0].token_ids == hf(tiny_target, PROMPTS[3], 8)
+
+
+@pytest.mark.timeout(60)
+def test_expired_entries_hold_no_place_in_a_full_queue(tiny_target):
+    engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), max_batch=1, max_queue=2)
+    gate = Gate(engine)
+    running = engine.submit([PROMPTS[0]], 8)
+    assert gate.entered.wait(10)
+    dead = [engine.submit([p], 8, timeout=0.05) for p in PROMPTS[1:3]]  # the loop is held: nobody purges
+    time.sleep(0.1)
+    alive = [engine.submit([p], 8) for p in PROMPTS[3:5]]  # the dead entries gave their places
+    gate.open.set()
+    for handle in dead:
+        with pytest.raises(TimeoutError, match="ran past its timeout"):
+            handle.wait(timeout=20)
+    assert [h.wait(timeout=20)[0].token_ids for h in [running, *alive]] == [hf(tiny_target, p, 8) for p in
+                                                                          (PROMPTS[0], *PROMPTS[3:5])]
+
+
+# ---------------------------------------------------------------------------------- slots
+
+@pytest.mark.timeout(60)
+def test_slots_shrink_when_the_batch_drains_so_a_lone_request_after_a_burst_steps_alone(tiny_target):
+    engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 2)), max_batch=8)
+    burst = [engine.submit([p[::-1] + [i]], 10) for i, p in enumerate(PROMPTS * 2)]
+    assert all(h.wait(timeout=20) for h in burst)
+    assert len(engine._scheduler._slots) == 8, "the burst grew the batch"
+    sizes: list[int] = []
+    real = engine._stepper.step
+    engine._stepper.step = lambda rows, slots: (sizes.append(slots), real(rows, slots))[1]
+    assert engine.generate(PROMPTS[3], max_new_tokens=10).token_ids == hf(tiny_target, PROMPTS[3], 10)
+    assert sizes and set(sizes) == {1}, "a lone request after the burst steps a batch of one"
+    assert len(engine._scheduler._slots) == 1

@@ -105,3 +105,45 @@ def test_the_router_keeps_persisting_after_a_transient_lock(tmp_path):
     router.store.close()
     with RouterStore(path) as store:
         assert store.load()["tool"].arms["ngram@4"].pulls == 2
+
+
+def _read_only(store: RouterStore, on: bool) -> None:
+    """Make the store's file refuse writes as a read-only file does (SQLITE_READONLY) or accept
+    them again. query_only, because root (which the suite may run as) ignores permission bits."""
+    with store._lock:
+        store._conn.execute(f"PRAGMA query_only = {int(on)}")
+
+
+def test_a_write_that_fails_takes_nothing_so_sending_it_again_counts_it_once(tmp_path):
+    store = RouterStore(tmp_path / "r.sqlite3")
+    _read_only(store, True)
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        store.record("tool", _one(), scale=50.0)
+    _read_only(store, False)
+    store.record("tool", _one(), scale=50.0)  # the caller sends what failed again
+    data = store.load()["tool"]
+    assert data.steps == 1 and data.arms["ngram@4"].pulls == 1 and data.scale == 50.0
+    store.close()
+
+
+def test_the_routers_statistics_survive_failed_writes_and_are_written_once_later(tmp_path):
+    store = RouterStore(tmp_path / "r.sqlite3")
+    router = BanditRouter([NGRAM], store=store)
+    router.update(_record())
+    router.flush()
+    _read_only(store, True)
+    with pytest.warns(RuntimeWarning, match="store write failed"):
+        router.update(_record())
+        router.flush()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once while the store stays unwritable
+        router.update(_record())
+        router.flush()
+    assert store.load()["tool"].arms["ngram@4"].pulls == 1
+    _read_only(store, False)
+    router.update(_record())
+    router.flush()
+    on_disk = store.load()["tool"]
+    assert on_disk.arms["ngram@4"].pulls == router.summary()["tool"]["ngram@4"]["pulls"] == 4
+    assert on_disk.steps == 4
+    store.close()
