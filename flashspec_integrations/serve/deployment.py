@@ -182,7 +182,7 @@ class FlashSpecServer:
             except TimeoutError:
                 return errors.respond(self.admission.deadline_error())
             except Exception as exc:  # noqa: BLE001 - an OpenAI-style error for this request only
-                return errors.respond(errors.engine_error(exc, rid))
+                return errors.respond(errors.engine_error(exc, rid, self.admission.retry_after()))
         except APIError as exc:
             return errors.respond(exc)
         finally:
@@ -230,7 +230,7 @@ class FlashSpecServer:
         except TimeoutError:
             yield _sse(self.admission.deadline_error().body())
         except Exception as exc:  # noqa: BLE001 - reported to the client, which must not wait on it
-            yield _sse(errors.engine_error(exc, rid).body())
+            yield _sse(errors.engine_error(exc, rid, self.admission.retry_after()).body())
         finally:
             await pieces.aclose()
             ticket.release()

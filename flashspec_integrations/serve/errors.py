@@ -1,7 +1,9 @@
 """Errors as OpenAI's clients expect them, and nothing of the server's insides in a reply.
 
 - Engine failures: a ValueError names the engine argument at fault, so it is a 400 naming the
-  request field (`engine_error`); anything else is a 500.
+  request field (`engine_error`); the engine's own back-pressure is a 429 with `Retry-After`
+  (its queue is full) or a 503 (it is shutting down), as clients and load balancers expect;
+  anything else is a 500.
 - A 500 (an engine failure, or any exception no handler caught) carries only a request id;
   the exception and its traceback go to the replica's log under that id. The id is the one Ray
   Serve's proxy puts in the `X-Request-ID` response header (a client may send its own).
@@ -16,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from flashspec_core.scheduler import EngineBusy, EngineClosed
 from flashspec_integrations.serve.protocol import APIError
 
 logger = logging.getLogger("flashspec.serve")
@@ -38,10 +41,17 @@ def internal_error(rid: str, exc: BaseException) -> APIError:
                     kind="server_error", code="internal_error")
 
 
-def engine_error(exc: Exception, rid: str) -> APIError:
-    """An engine exception as an API error: its ValueErrors name the argument, so they are 400s."""
+def engine_error(exc: Exception, rid: str, retry_after: int = 1) -> APIError:
+    """An engine exception as an API error: its ValueErrors name the argument, so they are 400s;
+    a full queue is a 429 with `Retry-After: retry_after`, a closed engine a 503."""
     if isinstance(exc, ValueError):
         return APIError(400, str(exc), _ENGINE_ARGUMENTS.get(str(exc).split(":", 1)[0]))
+    if isinstance(exc, EngineBusy):
+        return APIError(429, f"the engine's queue is full; retry after {retry_after} s", kind="rate_limit_error",
+                        code="server_busy", headers={"Retry-After": str(retry_after)})
+    if isinstance(exc, EngineClosed):
+        return APIError(503, "this replica is shutting down; retry on another", kind="server_error",
+                        code="shutting_down", headers={"Retry-After": str(retry_after)})
     return internal_error(rid, exc)
 
 

@@ -8,6 +8,7 @@ import pytest
 fastapi = pytest.importorskip("fastapi", reason="needs the 'serve' extra")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from flashspec_core.scheduler import EngineBusy, EngineClosed  # noqa: E402
 from flashspec_integrations.serve import errors  # noqa: E402
 
 
@@ -46,3 +47,10 @@ def test_engine_value_errors_name_the_field_and_others_hide_their_text(caplog):
     assert error.status == 500 and "0x7f" not in error.message and "r2" in error.message
     assert "CUDA out of memory" in caplog.text
     assert len(errors.request_id(None)) == 32  # made up when the proxy gave none
+
+
+def test_the_engines_back_pressure_is_a_429_with_retry_after_and_a_closed_engine_a_503():
+    busy = errors.engine_error(EngineBusy("256 requests are waiting"), "r3", retry_after=7)
+    assert (busy.status, busy.code, busy.headers) == (429, "server_busy", {"Retry-After": "7"})
+    closed = errors.engine_error(EngineClosed("the engine was closed"), "r4")
+    assert (closed.status, closed.code) == (503, "shutting_down") and "Retry-After" in closed.headers
