@@ -2,7 +2,9 @@
 
 Requests are validated field by field before anything reaches the engine, so a bad request gets a
 400 naming the field (OpenAI's `{"error": {"message", "type", "param", "code"}}` body), never a
-500 from deep inside a decode. Fields OpenAI defines but this server cannot honour (`n` > 1,
+500 from deep inside a decode. Types are strict (pydantic's strict mode), as OpenAI documents them:
+`"stream": "yes"`, `"temperature": "0.5"` or `"max_tokens": true` are refused, not coerced; the
+one widening kept is JSON's, an integer where a number is expected (`"temperature": 1`). Fields OpenAI defines but this server cannot honour (`n` > 1,
 `logprobs`, frequency or presence penalties) are refused by name rather than silently ignored;
 unknown fields are refused too, as OpenAI itself does. Two extra request fields: `domain` sets the
 router's domain for the call, and `metadata` is read for `flashspec_domain` and agent-node keys
@@ -11,6 +13,7 @@ router statistics; OpenAI clients keep unknown fields (`response.model_extra` in
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -23,14 +26,14 @@ MIN_TEMPERATURE = 0.01
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Open(BaseModel):
     """Objects inside messages: clients echo back fields of earlier responses (`refusal`,
     `annotations`, `audio`), which mean nothing to this model and are ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class FunctionCall(_Open):
@@ -114,11 +117,13 @@ class ChatCompletionRequest(_Strict):
     seed: int | None = Field(None, ge=0, lt=2**64, description="an int in [0, 2**64): the engine's seeds")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] | None = None
-    logprobs: Literal[False] | None = None
-    top_logprobs: Literal[0] | None = None
-    frequency_penalty: Literal[0] | None = None
-    presence_penalty: Literal[0] | None = None
+    # The values this server cannot honour are refused by bounds, not Literal: a Literal compares
+    # by equality, so it would take `"n": 1.0` or `"logprobs": 0` whatever the strict mode.
+    n: int | None = Field(None, ge=1, le=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=0)
+    frequency_penalty: float | None = Field(None, ge=0, le=0)
+    presence_penalty: float | None = Field(None, ge=0, le=0)
     user: str | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16, description="OpenAI's rule: 16 pairs at most")
     store: bool | None = None
@@ -129,6 +134,13 @@ class ChatCompletionRequest(_Strict):
     def _stops_not_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
         if value is not None and any(not s for s in ([value] if isinstance(value, str) else value)):
             raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("log-probabilities are not returned")
         return value
 
     @field_validator("temperature")
@@ -215,6 +227,14 @@ def _param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
+def _given(value: Any) -> str:
+    """What a client sent, as JSON: the value when it is short, else its type."""
+    if isinstance(value, list | dict):
+        return "an array" if isinstance(value, list) else "an object"
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else f"a string of {len(value)} characters" if isinstance(value, str) else "a number"
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """A 400 for pydantic errors (as FastAPI reports them): the first one, with its field."""
     first = errors[0]
@@ -226,11 +246,13 @@ def validation_error(errors: list[dict]) -> APIError:
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     if param is None:
         return APIError(400, f"the request body must be a JSON object with 'model' and 'messages': {first['msg']}")
-    if param in _UNSUPPORTED:
+    wrong_type = str(first.get("type", "")).endswith("_type")  # int_type, bool_type, ...: strict mode's refusals
+    if param in _UNSUPPORTED and not wrong_type:
         return APIError(400, f"{param}: {_UNSUPPORTED[param]}", param)
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"unrecognized request argument supplied: {param}{more}", param)
-    return APIError(400, f"{param}: {first['msg']}{more}", param)
+    given = f", not {_given(first.get('input'))}" if wrong_type else ""
+    return APIError(400, f"{param}: {first['msg']}{given}{more}", param)
 
 
 def parse_request(body: bytes) -> ChatCompletionRequest:
