@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 import weakref
 from collections.abc import Collection, Sequence
@@ -52,6 +53,16 @@ INSTALL_HINT = "pip install 'flashspec-agents[grammar]'"
 JSON_SEPARATORS = (", ", ": ")
 DEFAULT_CACHE_LIMIT_BYTES = 256 << 20
 STRUCTURAL_TAG = "structural_tag"
+
+
+# xgrammar's C++ errors start with its logger's prefix, "[08:22:37] /project/cpp/json_schema_converter.cc:5082: ":
+# a time and a path inside xgrammar's build, which mean nothing to whoever sent the schema.
+_NATIVE_PREFIX = re.compile(r"(?:\[\d{1,2}:\d{2}:\d{2}\]\s*)?[^\s\[\]]+\.(?:cc|cpp|cxx|cu|h|hpp):\d+:\s*")
+
+
+def _problem(exc: BaseException) -> str:
+    """What xgrammar says is wrong, without where in its C++ sources it noticed."""
+    return _NATIVE_PREFIX.sub("", str(exc)).strip()
 
 
 def require_xgrammar() -> None:
@@ -88,7 +99,7 @@ class Grammar:
         try:
             compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_grammar(ebnf)
         except RuntimeError as exc:
-            raise ValueError(f"ebnf: the grammar does not compile: {exc}") from exc
+            raise ValueError(f"ebnf: the grammar does not compile: {_problem(exc)}") from exc
         return cls(compiled, size, tuple(stop_ids), "ebnf")
 
 
@@ -192,7 +203,7 @@ def compile_json_schema(
                 text, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
             )
         except (RuntimeError, ValueError) as exc:
-            raise ValueError(f"json_schema: xgrammar cannot compile this schema: {exc}") from exc
+            raise ValueError(f"json_schema: xgrammar cannot compile this schema: {_problem(exc)}") from exc
 
     if timeout_s is None:
         return Grammar(compile_(), vocab_size, stops, "json_schema")
@@ -218,7 +229,9 @@ def _compact_json_ebnf(schema: Any) -> str:
             json.dumps(schema), any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
         )
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise ValueError(f"json_schema: xgrammar cannot compile a schema inside the structural tag: {exc}") from exc
+        raise ValueError(
+            f"json_schema: xgrammar cannot compile a schema inside the structural tag: {_problem(exc)}"
+        ) from exc
     return str(grammar)
 
 
@@ -260,7 +273,7 @@ def compile_structural_tag(
     try:
         compiled = compiler.compile_structural_tag(text)
     except Exception as exc:  # xgrammar raises its own error types and pydantic's for a bad tag
-        raise ValueError(f"json_schema: xgrammar cannot compile this structural tag: {exc}") from exc
+        raise ValueError(f"json_schema: xgrammar cannot compile this structural tag: {_problem(exc)}") from exc
     return Grammar(compiled, vocab_size, stops, STRUCTURAL_TAG)
 
 
