@@ -121,8 +121,8 @@ def _compile_check(engine: Any, schema: dict, field: str, timeout_s: float | Non
         else:
             compile_json_schema(schema, engine.tokenizer, vocab_size(engine.target_model), sorted(engine.eos_ids),
                                 timeout_s=timeout_s)
-    except ValueError as exc:
-        raise APIError(400, f"{field}: {exc}", field) from None
+    except ValueError as exc:  # named after the engine's argument, json_schema: the request's field instead
+        raise APIError(400, f"{field}: {str(exc).removeprefix('json_schema: ')}", field) from None
 
 
 def _sampling(req: ChatCompletionRequest) -> SamplingParams:

@@ -164,3 +164,17 @@ def test_the_servers_prompt_limit_and_schema_time_limit_are_400s(engine):
         plan_call(engine, parse_request(json.dumps({**body, "response_format": {
             "type": "json_schema", "json_schema": {"name": "w", "schema": wide}}}).encode()), 64, compile_timeout_s=0.01)
     assert err.value.param == "response_format" and "took longer than 0.01 s" in err.value.message
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     'response_format: xgrammar cannot compile this schema: Unsupported type "strin"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "("}}}},
+     "response_format: xgrammar cannot compile this schema: Regex parsing error at position 2: The parenthesis is not closed."),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": 5, "maximum": 1}}}]},
+     "tools: xgrammar cannot compile a schema inside the structural tag: Invalid range: minimum greater than maximum"),
+])
+def test_a_schema_xgrammar_refuses_is_a_400_with_the_field_and_the_problem_only(engine, body, message):
+    with pytest.raises(APIError) as err:
+        plan(engine, **body)
+    assert (err.value.status, err.value.param, err.value.message) == (400, next(iter(body)), message)
