@@ -1,14 +1,14 @@
 """The constructor fields both adapters share: one name and one meaning for each setting.
 
 `ChatFlashSpec`, LangChain's `FlashSpecLLM` and LlamaIndex's `FlashSpecLLM` all inherit these, so
-`target=`, `drafts=`, `max_tokens=` (or `max_new_tokens=`), `temperature=`, `domain=` ... read
-the same in either framework, serialise the same (everything but a ready `engine` object), and
+`target=`, `drafts=`, `max_tokens=` (or `max_new_tokens=`), `temperature=`, `domain=`, `timeout=` ...
+read the same in either framework, take the same call keywords (`check_call_kwargs`), serialise the same (everything but a ready `engine` object), and
 resolve their engine through the same process-wide cache (`engines.engine_for`).
 """
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -54,6 +54,9 @@ class FlashSpecFields(BaseModel):
 
     domain: str | None = Field(None, description="a fixed router domain for every call (run metadata and tags win)")
     domain_per_node: bool = Field(False, description="add the agent node to the domain hint as a sub-key")
+    timeout: float | None = Field(
+        None, gt=0, description="seconds per call: the engine ends a call past it at its next step boundary (a long "
+        "prefill included) and the call raises TimeoutError")
 
     _resolved: Any = PrivateAttr(None)
     _resolve_lock: Any = PrivateAttr(default_factory=threading.Lock)
@@ -117,6 +120,16 @@ class FlashSpecFields(BaseModel):
             return max_new, SamplingParams(**fields)
         except ValueError as exc:  # pydantic's ValidationError names the field
             raise ValueError(f"sampling arguments {fields}: {exc}") from exc
+
+    def check_call_kwargs(self, kwargs: Mapping[str, Any], allowed: Collection[str] = (),
+                          passed_through: Collection[str] = ()) -> None:
+        """Reject call keywords that would otherwise be silently ignored: a ValueError naming them
+        and the ones a call takes (the decoding keywords and `allowed`; `passed_through` are taken
+        without being offered: the framework's own, which need no action)."""
+        offered = DECODING_KWARGS | set(allowed)
+        unknown = set(kwargs) - offered - set(passed_through)
+        if unknown:
+            raise ValueError(f"unsupported call arguments {sorted(unknown)}; use {', '.join(sorted(offered))}")
 
     def stops(self, call_stop: str | Sequence[str] | None, *extra: str) -> list[str]:
         """The field's stop strings, then the call's, then the adapter's own; each once."""

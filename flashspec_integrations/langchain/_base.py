@@ -1,5 +1,5 @@
-"""What ChatFlashSpec and FlashSpecLLM share on the LangChain side: LangChain's own fields (timeout,
-retries, streaming), the run context a call reads its domain from, call keywords, tracing
+"""What ChatFlashSpec and FlashSpecLLM share on the LangChain side: LangChain's own fields (retries,
+streaming), the run context a call reads its domain from, call keywords, tracing
 parameters, and running engine calls (each its own engine request; the engine ends one at its timeout).
 
 The shared fields (`target`, `drafts`, `max_tokens`, sampling, `domain`, ...) and the engine
@@ -18,7 +18,7 @@ from pydantic import Field
 from flashspec_integrations.async_bridge import aiter_in_thread
 from flashspec_integrations.calls import EngineCall, Outcome, arun_calls, run_calls
 from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
-from flashspec_integrations.settings import DECODING_KWARGS, FlashSpecFields
+from flashspec_integrations.settings import FlashSpecFields
 
 PROVIDER = "flashspec"
 T = TypeVar("T")
@@ -50,8 +50,6 @@ def usage(outcome: Outcome) -> UsageMetadata:
 class LangChainParams(FlashSpecFields):
     """The shared fields plus LangChain's own, and the steps of a call both LangChain models take."""
 
-    timeout: float | None = Field(
-        None, gt=0, description="seconds per call, TimeoutError past it (timed calls are not batched)")
     max_retries: int = Field(0, ge=0, description="retries of a timed-out call")
     streaming: bool = Field(False, description="invoke streams under the hood (callbacks see every token)")
     api_key: Any = Field(None, exclude=True, repr=False,
@@ -62,12 +60,8 @@ class LangChainParams(FlashSpecFields):
         return self.get_engine().tokenizer(text, add_special_tokens=False).input_ids
 
     def _check_kwargs(self, kwargs: Mapping[str, Any], allowed: Sequence[str] = ()) -> None:
-        """Reject call keywords that would otherwise be silently ignored."""
-        unknown = set(kwargs) - DECODING_KWARGS - _PASSED_THROUGH - set(allowed)
-        if unknown:
-            raise ValueError(
-                f"unsupported call arguments {sorted(unknown)}; use {', '.join(sorted(DECODING_KWARGS | set(allowed)))}"
-            )
+        """Reject call keywords that would otherwise be silently ignored, and another model's name."""
+        self.check_call_kwargs(kwargs, allowed, _PASSED_THROUGH)
         model = kwargs.get("model")
         if model is not None and model != self.model_name:
             raise ValueError(

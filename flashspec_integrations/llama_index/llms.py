@@ -8,7 +8,8 @@ One class serves both LlamaIndex contracts: it is a `CustomLLM` (completion mode
 `stream_complete` and their async forms) and a `FunctionCallingLLM` (`chat_with_tools`,
 `get_tool_calls_from_response`, `tool_required`), so query engines, `ReActAgent` and
 `FunctionAgent` all take it. Its fields are the ones LangChain's `ChatFlashSpec` takes
-(`flashspec_integrations.settings`). Every call tells the engine what kind of step it is (see
+(`flashspec_integrations.settings`), `timeout` included, and so are its call keywords: one it
+does not take is a ValueError naming it, never silently ignored. Every call tells the engine what kind of step it is (see
 `_hints`), so the router picks drafts per step kind, and every response carries token usage and
 the engine's per-step statistics (see `_responses`). Non-streaming calls, async ones included,
 go through the engine's batcher, so concurrent calls are decoded as engine batches; async
@@ -68,6 +69,9 @@ from flashspec_integrations.tool_choice import (
     takes_json_schema,
     tool_name,
 )
+
+# Chat keywords beyond the decoding ones: what `_prepare_chat_with_tools` hands `chat`.
+_CHAT_KWARGS = ("tools", "tool_required", "tool_choice", "allow_parallel_tool_calls")
 
 # Lines a ReAct step must never write itself: the observation is the tool's to supply.
 REACT_STOPS = ("\nObservation:",)
@@ -153,6 +157,7 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> Request:
         """Everything about a chat call that is known before generation, computed in the caller's context."""
+        self.check_call_kwargs(kwargs, _CHAT_KWARGS)
         engine = self.get_engine()
         specs = [tool_spec(t) for t in kwargs.get("tools") or ()]
         required = bool(kwargs.get("tool_required")) or _structured_call.get()
@@ -188,6 +193,7 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
 
     def _completion_request(self, prompt: str, formatted: bool, kwargs: dict) -> Request:
         """A completion: raw text when `formatted`, else `completion_to_prompt` or a user turn."""
+        self.check_call_kwargs(kwargs)
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("prompt: expected a non-empty string")
         decision = completion_decision(prompt, kwargs.get("domain"), self.domain, self.domain_per_node)
@@ -201,14 +207,14 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         return Request(self._engine_call(prompt, kwargs, decision, False, "", stops))
 
     def _run(self, req: Request):
-        return run_calls(self.get_engine(), [req.call])[0]
+        return run_calls(self.get_engine(), [req.call], self.timeout)[0]
 
     async def _arun(self, req: Request):
         engine = await asyncio.to_thread(self.get_engine)  # the first call loads the weights
-        return (await arun_calls(engine, [req.call]))[0]
+        return (await arun_calls(engine, [req.call], self.timeout))[0]
 
     def _stream(self, req: Request):
-        return stream_call(self.get_engine(), req.call)
+        return stream_call(self.get_engine(), req.call, self.timeout)
 
     # ----------------------------------------------------------------------- the LLM surface
 
