@@ -9,6 +9,7 @@ the arms and whatever else is in the batch; they only change how fast it arrives
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -338,8 +339,9 @@ class SpecEngine:
             constraints = [constraint_for(grammar, self.tokenizer, self._vocab, sorted(self.eos_ids), [p])
                            for p in encoded]
             hint = hint or "json"
-        request = Request(encoded, sampling, stops, max_new_tokens,
-                          resolve_domain(domain, hint, prompt_text(self.tokenizer, prompts[0])), constraints,
+        # The prompt is decoded for the classifier only when neither `domain` nor a hint decides.
+        label = resolve_domain(domain, hint, functools.partial(prompt_text, self.tokenizer, prompts[0]))
+        request = Request(encoded, sampling, stops, max_new_tokens, label, constraints,
                           RequestHandle(len(encoded), stream),
                           deadline=None if timeout is None else time.monotonic() + timeout)
         self._scheduler.submit([self._row(request, i) for i in range(len(encoded))])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Callable
 
 CHAT, CODE, TOOL, JSON, RAG, MATH = "chat", "code", "tool", "json", "rag", "math"
 
@@ -280,9 +281,11 @@ def _clean(value: str | None, name: str) -> str | None:
     return cleaned
 
 
-def resolve_domain(explicit: str | None, hint: str | None, prompt_text: str) -> str:
+def resolve_domain(explicit: str | None, hint: str | None, prompt_text: str | Callable[[], str]) -> str:
     """The domain label for a request: `explicit`, else the adapter's `hint`, else the classifier.
 
+    prompt_text: the prompt's text, or a function returning it, called only when the classifier
+    runs (a caller holding token ids need not decode a long prompt when a domain or hint decides).
     Labels are lower-cased and stripped so that "Tool" and "tool " share statistics. Any label
     is accepted (the set is open); unknown ones simply get their own bandit.
     """
@@ -292,4 +295,4 @@ def resolve_domain(explicit: str | None, hint: str | None, prompt_text: str) -> 
     hint_label = _clean(hint, "hint")
     if hint_label is not None:
         return hint_label
-    return classify_prompt(prompt_text)
+    return classify_prompt(prompt_text() if callable(prompt_text) else prompt_text)

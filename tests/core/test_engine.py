@@ -13,6 +13,7 @@ from helpers import greedy_ids, one_thread, tiny_llama, tiny_loaded
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.routing import classify_prompt
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
 
@@ -268,3 +269,15 @@ def test_a_request_that_fails_mid_forward_leaves_no_cache_behind(tiny_target, mo
     after = engine.generate(prompt, max_new_tokens=10)
     assert after.stats.cached_prompt_tokens == 0
     assert after.token_ids == expected
+
+
+@pytest.mark.parametrize("domain, hint, decoded", [("Code", None, 0), (None, "tool", 0), (None, None, 1)])
+def test_the_prompt_is_decoded_for_the_classifier_only_when_no_domain_or_hint_decides(domain, hint, decoded):
+    loaded = tiny_loaded(16, seed=0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 4
+    seen: list[list[int]] = []
+    decode = loaded.tokenizer.decode
+    loaded.tokenizer.decode = lambda ids, **kw: seen.append(list(ids)) or decode(ids, **kw)
+    out = make_engine(loaded, Arm(NO_DRAFT, 0)).generate(prompt, max_new_tokens=2, domain=domain, hint=hint)
+    assert sum(ids == prompt for ids in seen) == decoded
+    assert out.stats.domain == (domain or hint or classify_prompt(decode(prompt))).lower()
