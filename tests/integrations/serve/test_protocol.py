@@ -1,5 +1,6 @@
 """The request's types are strict: a value of the wrong JSON type is a 400 naming the field, never
-coerced; every request the `openai` client builds still parses (no Ray, no model)."""
+coerced; every request that `openai`, LangChain's `ChatOpenAI` and LlamaIndex's `OpenAILike` build
+still parses (their bodies caught by an HTTP transport: no Ray, no model)."""
 from __future__ import annotations
 
 import json
@@ -109,3 +110,52 @@ def test_every_request_the_openai_client_builds_parses(kwargs):
     sent = json.loads(body)
     assert req.model_dump(by_alias=True, exclude_none=True, include=set(sent) - {"messages"}) == {
         k: v for k, v in sent.items() if k != "messages"}, "a field was changed on the way in"
+
+
+class _Recorder:
+    """An HTTP transport that keeps each request body and answers with one tool call, streamed or not."""
+
+    CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+
+    def __init__(self):
+        self.bodies: list[bytes] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.bodies.append(request.content)
+        if json.loads(request.content).get("stream"):
+            delta = {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **self.CALL}]}
+            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": "tool_calls"}]}
+            return httpx.Response(200, content=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode(),
+                                  headers={"content-type": "text/event-stream"})
+        message = {"role": "assistant", "content": None, "tool_calls": [self.CALL]}
+        return httpx.Response(200, json={"id": "c", "object": "chat.completion", "created": 0, "model": MODEL,
+                                         "choices": [{"index": 0, "finish_reason": "tool_calls", "message": message}],
+                                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+
+def test_what_langchain_and_llama_index_openai_clients_send_parses():
+    langchain_openai = pytest.importorskip("langchain_openai")
+    openai_like = pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.tools import FunctionTool
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    recorder = _Recorder()
+    lc = langchain_openai.ChatOpenAI(base_url="http://server/v1", api_key="k", model=MODEL, temperature=0, max_tokens=48,
+                                     http_client=httpx.Client(transport=httpx.MockTransport(recorder)))
+    lc.invoke("hi")
+    list(lc.stream("hi"))
+    lc.bind_tools([get_weather], tool_choice="required").invoke("Weather in Rome?")
+    li = openai_like.OpenAILike(api_base="http://server/v1", api_key="k", model=MODEL, is_chat_model=True,
+                                is_function_calling_model=True, temperature=0, max_tokens=48,
+                                http_client=httpx.Client(transport=httpx.MockTransport(recorder)))
+    li.chat([ChatMessage(role="user", content="hi")])
+    list(li.stream_chat([ChatMessage(role="user", content="hi")]))
+    li.chat_with_tools([FunctionTool.from_defaults(get_weather)], "Weather in Rome?", tool_required=True)
+    assert len(recorder.bodies) == 6
+    for body in recorder.bodies:
+        assert parse_request(body).model == MODEL
