@@ -84,13 +84,15 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 
 def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None = None,
-          gpus_per_replica: float = 1.0, **settings: Any) -> str:
-    """Start Ray (or join RAY_ADDRESS) and deploy `replicas` replicas; returns the base URL.
+          gpus_per_replica: float = 1.0, ready_timeout_s: float | None = None, **settings: Any) -> str:
+    """Start Ray (or join RAY_ADDRESS) and deploy `replicas` replicas; returns the base URL once
+    every replica is up (each loads the model and calibrates its kernels first).
 
     Each replica gets `gpus_per_replica` GPUs when the cluster has GPUs (unless `device` is "cpu";
     0.5 puts two replicas on one GPU), else an equal share of the CPUs with as many torch threads.
-    `settings`: further `ServeSettings` fields.
-    Ray stays up for the caller to stop (`serve.shutdown()`, `ray.shutdown()`).
+    `ready_timeout_s`: raise TimeoutError, with what Ray Serve says of the deployment, when the
+    replicas are not up by then (None: wait as long as they take). `settings`: further
+    `ServeSettings` fields. Ray stays up for the caller to stop (`serve.shutdown()`, `ray.shutdown()`).
     """
     try:
         import ray
@@ -116,8 +118,37 @@ def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None 
     cpus = 1.0 if gpus else resources.get("CPU", 1) / replicas
     config = ServeSettings(device=device, threads=None if gpus else max(1, int(cpus)), api_key=key, **settings)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(config, replicas, cpus, gpus_per_replica if gpus else 0), name=APP_NAME, route_prefix="/")
+    app = application(config, replicas, cpus, gpus_per_replica if gpus else 0)
+    _run_within(lambda: serve.run(app, name=APP_NAME, route_prefix="/"), ready_timeout_s)
     return f"http://{host}:{port}/v1"
+
+
+def _run_within(run: Any, timeout_s: float | None) -> None:
+    """`run()` (Ray Serve's deploy-and-wait), or TimeoutError naming the deployment's state once
+    `timeout_s` passes (the deploy goes on in the background; the caller shuts Serve down)."""
+    if timeout_s is None:
+        run()
+        return
+    failed: list[BaseException] = []
+
+    def deploy() -> None:
+        try:
+            run()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=deploy, name="flashspec-deploy", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if failed:
+        raise failed[0]
+    if thread.is_alive():
+        from ray import serve
+
+        app = serve.status().applications.get(APP_NAME)
+        state = "; ".join(f"{name}: {d.status.value} {d.message}".strip()
+                          for name, d in (app.deployments.items() if app else ())) or "not deployed yet"
+        raise TimeoutError(f"the deployment's replicas were not up within {timeout_s:g} s ({state})")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -12,6 +12,9 @@ API_KEY = "test-key-7f3a9c"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_IN_FLIGHT = 4  # per replica
 MAX_TOKENS = 64  # the operator's cap: anything a fuzzed request asks for decodes in seconds
+# Each replica loads the model and calibrates its kernels before it is up: ~30 s on an idle 2-core
+# machine, minutes beside other CPU-heavy work. Past this the folder's tests fail saying so.
+READY_TIMEOUT_S = 900.0
 TEST_DOMAINS = ["code-test", "share-test", "kill-test", "load-test", "disconnect-test", "disconnect-full"]
 
 
@@ -32,9 +35,13 @@ def service(default_target, tmp_path_factory):
 
     ledger = tmp_path_factory.mktemp("serve") / "router.sqlite3"
     try:  # Ray workers inherit this process's environment (PYTHONPATH, FLASHSPEC_CACHE_DIR)
-        url = start(2, _free_port(), router_store=str(ledger), sync_seconds=0.0, default_max_tokens=32,
-                    api_key=API_KEY, max_in_flight=MAX_IN_FLIGHT, request_timeout_s=120.0,
-                    limits=Limits(max_tokens=MAX_TOKENS, domains=TEST_DOMAINS))
+        try:
+            url = start(2, _free_port(), router_store=str(ledger), sync_seconds=0.0, default_max_tokens=32,
+                        api_key=API_KEY, max_in_flight=MAX_IN_FLIGHT, request_timeout_s=120.0,
+                        limits=Limits(max_tokens=MAX_TOKENS, domains=TEST_DOMAINS), ready_timeout_s=READY_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - one clear reason for every test of the folder
+            pytest.fail(f"the test deployment (two CPU replicas of the default model) did not start: "
+                        f"{type(exc).__name__}: {exc}", pytrace=False)
         yield url, ledger
     finally:
         serve.shutdown()
