@@ -209,6 +209,11 @@ class SpecEngine:
         """Rows in the running batch now."""
         return self._scheduler.running
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot now (at most `max_queue`)."""
+        return self._scheduler.queued
+
     def router_summary(self) -> dict[str, dict[str, dict[str, Any]]]:
         """Per-domain arm choices and goodput, as the router reports them."""
         return self.router.summary()

@@ -114,6 +114,12 @@ class Scheduler:
         """Rows in the batch now."""
         return sum(r is not None for r in self._slots)
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot now."""
+        with self._cond:
+            return len({id(r.request) for r in self._waiting})
+
     def _cancel_waiting(self, request: Request) -> None:
         """`request` was cancelled (from its caller's thread): its rows still queued leave now,
         and if none of its rows runs it ends now; a running row ends at the next step boundary."""
