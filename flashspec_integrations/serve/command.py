@@ -8,6 +8,7 @@ multi-host cluster use a Serve config file instead (docs/serve.md).
 
 The limits' flags (`--max-messages`, ...) are made from `limits.Limits`, whose fields say what
 each bounds and its default; binding beyond loopback without an API key prints a warning.
+With a loopback `--host` the Ray it starts listens on loopback too (`_init_loopback_ray`).
 """
 from __future__ import annotations
 
@@ -83,10 +84,40 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             f"server. Set --api-key or ${API_KEY_ENV} (clients send it as their api_key).")
 
 
+def _init_loopback_ray(**options: Any) -> None:
+    """`ray.init` of a new Ray in its single-node mode (its default on macOS and Windows).
+
+    In it the node's address is 127.0.0.1 rather than this machine's network address, and Ray
+    binds each listener that it places by the node's address to loopback: GCS, raylet, the
+    dashboard and runtime-env agents, the metrics servers, every worker. One Ray Serve listener
+    ignores it (docs/serve.md, "Ray's ports"). The mode's switch, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER,
+    is read once when Ray is imported into `ray_constants.ENABLE_RAY_CLUSTER`; Ray may be imported
+    already, so the constant is set for the `ray.init` and restored after. RuntimeError, with Ray
+    shut down, when this Ray version puts the node elsewhere all the same.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(**options)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+    node_ip = ray.util.get_node_ip_address()
+    if not is_loopback(node_ip):
+        ray.shutdown()
+        raise RuntimeError(f"Ray {ray.__version__} started on {node_ip}, not loopback; refusing to expose its ports "
+                           "for a loopback --host (start Ray yourself and set RAY_ADDRESS to use it anyway)")
+
+
 def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None = None,
           gpus_per_replica: float = 1.0, ready_timeout_s: float | None = None, **settings: Any) -> str:
     """Start Ray (or join RAY_ADDRESS) and deploy `replicas` replicas; returns the base URL once
     every replica is up (each loads the model and calibrates its kernels first).
+
+    The Ray it starts listens on loopback when `host` is a loopback address, else on every
+    interface (Ray's default); a Ray already running (RAY_ADDRESS, or initialized) is used as is.
 
     Each replica gets `gpus_per_replica` GPUs when the cluster has GPUs (unless `device` is "cpu";
     0.5 puts two replicas on one GPU), else an equal share of the CPUs with as many torch threads.
@@ -108,8 +139,12 @@ def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None 
         print(warning, file=sys.stderr)
     address = os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
-        ray.init(address=address or None, include_dashboard=False,
-                 **({} if address else {"num_cpus": os.cpu_count() or 1}))
+        if address:
+            ray.init(address=address, include_dashboard=False)
+        elif is_loopback(host):
+            _init_loopback_ray(include_dashboard=False, num_cpus=os.cpu_count() or 1)
+        else:
+            ray.init(include_dashboard=False, num_cpus=os.cpu_count() or 1)
     resources = ray.cluster_resources()
     gpus = resources.get("GPU", 0) > 0 and device != "cpu"
     if gpus and resources["GPU"] < replicas * gpus_per_replica:
