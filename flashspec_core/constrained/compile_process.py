@@ -80,6 +80,10 @@ class CompileWorkers:
         self._idle.put(worker)
         return True
 
+    def idle(self) -> int:
+        """Workers ready and not compiling now."""
+        return self._idle.qsize()
+
     def _admit(self, worker: _Worker) -> None:
         """Hand `worker` compiles once it says it is ready (on a thread of its own)."""
         from flashspec_core.constrained.compile_worker import READY
