@@ -20,11 +20,11 @@ mode (no properties or items beyond the schema's). The stop tokens are the engin
 EOS is allowed exactly where the grammar accepts.
 
 Compile time grows with a schema's shape (an object of n optional properties costs about n**3:
-BENCHMARKS.md, "Serving: safety under bad input and load"), so a caller that takes schemas from others passes `timeout_s`: the compile
-then runs on one of two worker threads (xgrammar releases the GIL while it compiles) and the
-caller gets a ValueError when the limit passes. A compile cannot be interrupted: it finishes on
-its thread and its result lands in the cache, so at most two such compiles run at a time and a
-later call waits for a thread within its own limit.
+BENCHMARKS.md, "Serving: safety under bad input and load"; a string `pattern` with a large
+repetition count, a few bytes, can take minutes), so a caller that takes schemas from others passes `timeout_s`: the compile
+then runs in a worker process that is killed when the limit passes (compile_process.py), and the
+caller gets a ValueError. The grammar comes back from the worker compiled, so decoding under it
+compiles nothing more.
 
 Structural tags (xgrammar's `StructuralTag`, passed in its JSON form `{"type": "structural_tag",
 "format": {...}}`) compile here too: free text until a trigger such as `<tool_call>`, then a tag
@@ -39,10 +39,10 @@ import re
 import threading
 import weakref
 from collections.abc import Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
+
+from flashspec_core.constrained.compile_process import CompileWorkers
 
 try:
     import xgrammar as xgr
@@ -103,6 +103,27 @@ class Grammar:
         return cls(compiled, size, tuple(stop_ids), "ebnf")
 
 
+@dataclass
+class _Compilers:
+    """What compiles for one vocabulary: the in-process compiler, and the worker processes of
+    compiles with a time limit (started at their first use)."""
+
+    info: Any  # xgrammar.TokenizerInfo
+    compiler: Any  # xgrammar.GrammarCompiler, caching what it compiles
+    cache_limit_bytes: int
+    _workers: CompileWorkers | None = None
+
+    def workers(self) -> CompileWorkers:
+        if self._workers is None:
+            self._workers = CompileWorkers(self.info.serialize_json(), COMPILE_WORKERS,
+                                           max(1, self.cache_limit_bytes // COMPILE_WORKERS))
+        return self._workers
+
+    def close(self) -> None:
+        if self._workers is not None:
+            self._workers.close()
+
+
 class _CompilerCache:
     """One xgrammar compiler per (tokenizer, V, stop ids); the compiler caches compiled schemas.
 
@@ -121,13 +142,16 @@ class _CompilerCache:
         """Compilers built from now on cache at most `limit_bytes`; the present ones are dropped."""
         with self._lock:
             self.limit_bytes = limit_bytes
-            self._by_id = {}
+            dropped, self._by_id = self._by_id, {}
+        for _, per in dropped.values():
+            for entry in per.values():
+                entry.close()
 
     def size_bytes(self) -> int:
         with self._lock:
-            return sum(c.get_cache_size_bytes() for _, per in self._by_id.values() for c in per.values())
+            return sum(c.compiler.get_cache_size_bytes() for _, per in self._by_id.values() for c in per.values())
 
-    def get(self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
+    def get(self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> _Compilers:
         with self._lock:
             entry = self._by_id.get(id(tokenizer))
             if entry is None or entry[0]() is not tokenizer:
@@ -139,13 +163,22 @@ class _CompilerCache:
                 info = xgr.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
                 )
-                per[key] = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True,
+                compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True,
                                                cache_limit_bytes=self.limit_bytes)
+                per[key] = _Compilers(info, compiler, self.limit_bytes)
             return per[key]
 
 
+COMPILE_WORKERS = 2  # processes that run compiles with a time limit, per vocabulary
+JSON_SCHEMA_KIND = "json_schema"
 _compilers = _CompilerCache()
-_compile_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flashspec-grammar")
+
+
+def compile_workers(tokenizer: Any, vocab_size: int, stop_ids: Collection[int]) -> CompileWorkers:
+    """The worker processes of compiles with a time limit for this vocabulary, started at the first
+    call (a server starts them ahead of its first request: `wait_ready`)."""
+    require_xgrammar()
+    return _compilers.get(tokenizer, vocab_size, _stops(stop_ids)).workers()
 
 
 def set_cache_limit(limit_bytes: int) -> None:
@@ -180,41 +213,66 @@ def _schema_text(schema: dict | str) -> str:
         raise ValueError(f"json_schema: not JSON-serialisable ({exc})") from exc
 
 
+def compile_text(compiler: Any, kind: str, text: str) -> Any:
+    """xgrammar's CompiledGrammar of `text`, a JSON schema (kind "json_schema") or a structural tag
+    (kind STRUCTURAL_TAG) as JSON text; ValueError naming `json_schema` when xgrammar refuses it.
+    The one compile step, run in this process or in a worker (compile_process.py)."""
+    if kind == STRUCTURAL_TAG:
+        compacted = _compacted(text)  # ValueError naming the schema xgrammar cannot compile
+        try:
+            return compiler.compile_structural_tag(compacted)
+        except Exception as exc:  # xgrammar raises its own error types and pydantic's for a bad tag
+            raise ValueError(f"json_schema: xgrammar cannot compile this structural tag: {_problem(exc)}") from exc
+    try:
+        return compiler.compile_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"json_schema: xgrammar cannot compile this schema: {_problem(exc)}") from exc
+
+
+def _check_timeout(timeout_s: float | None) -> None:
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds or None; got {timeout_s!r}")
+
+
+def _stops(stop_ids: Collection[int]) -> tuple[int, ...]:
+    stops = tuple(sorted(set(int(s) for s in stop_ids)))
+    if not stops:
+        raise ValueError("json_schema: the model has no EOS token, so a constrained row could never end")
+    return stops
+
+
+def _compile(kind: str, text: str, tokenizer: Any, vocab_size: int, stops: tuple[int, ...],
+             timeout_s: float | None) -> Grammar:
+    """`text` compiled here (no limit) or in a worker process killed past `timeout_s`.
+
+    Raises ValueError (refused, or past the limit) or compile_process.CompileBusy (every worker
+    stayed busy with other compiles for the whole limit).
+    """
+    entry = _compilers.get(tokenizer, vocab_size, stops)
+    if timeout_s is None:
+        return Grammar(compile_text(entry.compiler, kind, text), vocab_size, stops, kind)
+    try:
+        serialized = entry.workers().compile(kind, text, timeout_s)
+    except TimeoutError:
+        raise ValueError(
+            f"json_schema: compiling the schema took longer than {timeout_s:g} s; simplify it (fewer "
+            "optional properties, alternatives, nesting levels or pattern repetitions)"
+        ) from None
+    return Grammar(xgr.CompiledGrammar.deserialize_json(serialized, entry.info), vocab_size, stops, kind)
+
+
 def compile_json_schema(
     schema: dict | str, tokenizer: Any, vocab_size: int, stop_ids: Collection[int], timeout_s: float | None = None
 ) -> Grammar:
     """Compile a JSON schema (dict or JSON text) for an HF tokenizer; ValueError naming `json_schema`.
 
-    timeout_s: the longest the caller waits for the compile (None: as long as it takes); see the
-    module docstring for what happens to a compile that runs past it.
+    timeout_s: the longest the compile may take (None: as long as it takes, in this process); a
+    compile past it is killed with its worker process (module docstring).
     """
     require_xgrammar()
-    if timeout_s is not None and not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds or None; got {timeout_s!r}")
+    _check_timeout(timeout_s)
     text = _schema_text(schema)
-    stops = tuple(sorted(set(int(s) for s in stop_ids)))
-    if not stops:
-        raise ValueError("json_schema: the model has no EOS token, so a constrained row could never end")
-    compiler = _compilers.get(tokenizer, vocab_size, stops)
-
-    def compile_() -> Any:
-        try:
-            return compiler.compile_json_schema(
-                text, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
-            )
-        except (RuntimeError, ValueError) as exc:
-            raise ValueError(f"json_schema: xgrammar cannot compile this schema: {_problem(exc)}") from exc
-
-    if timeout_s is None:
-        return Grammar(compile_(), vocab_size, stops, "json_schema")
-    try:
-        compiled = _compile_threads.submit(compile_).result(timeout=timeout_s)
-    except FutureTimeout:
-        raise ValueError(
-            f"json_schema: compiling the schema took longer than {timeout_s:g} s; simplify it (fewer "
-            "optional properties, alternatives or nesting levels)"
-        ) from None
-    return Grammar(compiled, vocab_size, stops, "json_schema")
+    return _compile(JSON_SCHEMA_KIND, text, tokenizer, vocab_size, _stops(stop_ids), timeout_s)
 
 
 def is_structural_tag(spec: Any) -> bool:
@@ -256,29 +314,24 @@ def _compacted(spec_text: str) -> str:
 
 
 def compile_structural_tag(
-    spec: dict, tokenizer: Any, vocab_size: int, stop_ids: Collection[int]
+    spec: dict, tokenizer: Any, vocab_size: int, stop_ids: Collection[int], timeout_s: float | None = None
 ) -> Grammar:
     """Compile a structural tag (xgrammar's JSON form, a dict) for an HF tokenizer; ValueError
-    naming `json_schema` when xgrammar refuses it."""
+    naming `json_schema` when xgrammar refuses it. timeout_s: as `compile_json_schema`'s."""
     require_xgrammar()
-    stops = tuple(sorted(set(int(s) for s in stop_ids)))
-    if not stops:
-        raise ValueError("json_schema: the model has no EOS token, so a constrained row could never end")
+    _check_timeout(timeout_s)
+    stops = _stops(stop_ids)
     try:
         spec_text = json.dumps(spec, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"json_schema: the structural tag is not JSON-serialisable ({exc})") from exc
-    text = _compacted(spec_text)  # ValueError naming the schema xgrammar cannot compile
-    compiler = _compilers.get(tokenizer, vocab_size, stops)
-    try:
-        compiled = compiler.compile_structural_tag(text)
-    except Exception as exc:  # xgrammar raises its own error types and pydantic's for a bad tag
-        raise ValueError(f"json_schema: xgrammar cannot compile this structural tag: {_problem(exc)}") from exc
-    return Grammar(compiled, vocab_size, stops, STRUCTURAL_TAG)
+    return _compile(STRUCTURAL_TAG, spec_text, tokenizer, vocab_size, stops, timeout_s)
 
 
-def as_grammar(spec: dict | str | Grammar, tokenizer: Any, vocab_size: int, stop_ids: Collection[int]) -> Grammar:
-    """The engine's `json_schema=` argument as a compiled Grammar (a Grammar passes through)."""
+def as_grammar(spec: dict | str | Grammar, tokenizer: Any, vocab_size: int, stop_ids: Collection[int],
+               timeout_s: float | None = None) -> Grammar:
+    """The engine's `json_schema=` argument as a compiled Grammar (a Grammar passes through);
+    timeout_s: as `compile_json_schema`'s."""
     if isinstance(spec, Grammar):
         if spec.vocab_size != vocab_size:
             raise ValueError(
@@ -300,5 +353,5 @@ def as_grammar(spec: dict | str | Grammar, tokenizer: Any, vocab_size: int, stop
             f"got {type(spec).__name__}"
         )
     if isinstance(spec, dict) and is_structural_tag(spec):
-        return compile_structural_tag(spec, tokenizer, vocab_size, stop_ids)
-    return compile_json_schema(spec, tokenizer, vocab_size, stop_ids)
+        return compile_structural_tag(spec, tokenizer, vocab_size, stop_ids, timeout_s)
+    return compile_json_schema(spec, tokenizer, vocab_size, stop_ids, timeout_s)

@@ -14,6 +14,36 @@ from typing import Any
 
 EMPTY_PARAMETERS: dict = {"type": "object", "properties": {}}
 FORCED_CHOICES = (None, "any", "required")
+# Keywords whose values are data, never schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names to schemas: their keys are names, not keywords.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased(schema: Any, pointer: str, names: bool = False) -> Any:
+    """`schema` with every local `$ref` ("#", "#/$defs/x", ...) moved under `pointer`, the place the
+    schema takes inside a larger document; a reference to another document is left as it is.
+
+    A tool's parameters refer to their own root; inside the call's schema that root is
+    `#/properties/arguments`, so `{"$ref": "#/$defs/node"}` must become
+    `{"$ref": "#/properties/arguments/$defs/node"}` to mean the same (and `{"$ref": "#"}` must not
+    come to mean the whole call).
+    """
+    if isinstance(schema, list):
+        return [_rebased(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if names:
+            out[key] = _rebased(value, pointer)
+        elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = pointer + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, pointer, names=key in _SCHEMA_MAPS)
+    return out
 
 
 def tool_name_and_parameters(tool: Any, index: int) -> tuple[str, dict]:
@@ -69,16 +99,17 @@ def tool_call_schema(tools: Sequence[dict], tool_choice: Any = None) -> dict:
         if not pairs:
             names = [tool_name_and_parameters(t, i)[0] for i, t in enumerate(tools)]
             raise ValueError(f"tool_choice: no tool named {chosen!r}; the tools are {names}")
-    calls = [
-        {
+    def call(name: str, params: dict, at: str) -> dict:
+        return {
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": params},
+            "properties": {"name": {"const": name}, "arguments": _rebased(params, f"{at}/properties/arguments")},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for name, params in pairs
-    ]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+    if len(pairs) == 1:
+        return call(*pairs[0], "#")
+    return {"anyOf": [call(name, params, f"#/anyOf/{i}") for i, (name, params) in enumerate(pairs)]}
 
 
 def parse_tool_call(text: str) -> tuple[str, dict]:

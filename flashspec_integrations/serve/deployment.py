@@ -34,7 +34,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from ray import serve
 
-from flashspec_core.constrained.grammar import set_cache_limit
+from flashspec_core.constrained.grammar import compile_workers, set_cache_limit
+from flashspec_core.models import vocab_size
 from flashspec_integrations.serve import errors, protocol
 from flashspec_integrations.serve.admission import Admission, Ticket
 from flashspec_integrations.serve.guards import API_KEY_ENV, APIKeyMiddleware, BodySizeLimit, resolve_api_key
@@ -51,6 +52,7 @@ DEPLOYMENT_NAME = "FlashSpecServer"
 # reaches the replica's own count and gets its 429 (the extra ones are answered at once); its
 # proxy queues a bounded number more (a 503 past them) while every slot is taken.
 ONGOING_HEADROOM = 32
+WORKER_STARTUP_S = 60.0  # how long a replica waits at start for its grammar compile processes
 logger = logging.getLogger("flashspec.serve")
 
 
@@ -115,6 +117,10 @@ class FlashSpecServer:
             logger.warning("no API key (api_key, $%s): every client that reaches Ray Serve's HTTP proxy "
                            "can use this server", API_KEY_ENV)
         set_cache_limit(limits.grammar_cache_mb << 20)
+        if not compile_workers(self.engine.tokenizer, vocab_size(self.engine.target_model),
+                               self.engine.eos_ids).wait_ready(WORKER_STARTUP_S):
+            logger.warning("no grammar worker process started within %g s; requests with a schema wait for one",
+                           WORKER_STARTUP_S)
         self.admission = Admission(settings.max_in_flight, settings.request_timeout_s)
         self.planner = Planner(limits.planning_timeout_s)
         self.activity = EngineActivity()
@@ -128,8 +134,9 @@ class FlashSpecServer:
 
     def _settings(self, plan: Plan, timeout: float) -> dict[str, Any]:
         """The engine arguments of a planned request that has `timeout` seconds left."""
+        grammar = plan.json_schema if plan.grammar is None else plan.grammar  # compiled when planned
         return {"max_new_tokens": plan.max_new_tokens, "sampling": plan.sampling, "stop": list(plan.stop) or None,
-                "domain": plan.domain, "json_schema": plan.json_schema, "timeout": max(timeout, 1e-3)}
+                "domain": plan.domain, "json_schema": grammar, "timeout": max(timeout, 1e-3)}
 
     def _plan(self, req: protocol.ChatCompletionRequest) -> Plan:
         if req.model != self.model_name:

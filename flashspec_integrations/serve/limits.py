@@ -58,7 +58,8 @@ class Limits(BaseModel):
     max_tokens: int = Field(4096, gt=0, description="new tokens one request may ask for (max_tokens)")
     domains: list[str] = Field(default_factory=list, description="router domains clients may name besides "
                                "the built-in chat, code, tool, tool/result, json, rag, react, math")
-    compile_timeout_s: float = Field(5.0, gt=0, description="seconds a request's JSON schema may take to compile")
+    compile_timeout_s: float = Field(5.0, gt=0, description="seconds a request's JSON schema (response_format "
+                                     "or tools) may take to compile; past it the compile is killed")
     planning_timeout_s: float = Field(10.0, gt=0, description="seconds a request may take to prepare "
                                       "(template, tokenizer, schema) before decoding")
     grammar_cache_mb: int = Field(256, gt=0, description="MiB of compiled grammars each replica keeps")

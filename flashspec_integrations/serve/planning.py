@@ -6,8 +6,10 @@ replica and its health check. It runs here on a few threads of its own; the call
 `timeout_s`. A plan that started and ran past the limit is the request's doing (a 400: the
 limits keep it rare); one that could not start within the limit, because the threads were busy,
 is the server's (a 503 with Retry-After). Python cannot stop a running thread: a plan past its
-limit finishes in the background and its result is dropped; the schema compile, the one step
-that could run long, has its own limit (`Limits.compile_timeout_s`).
+limit finishes in the background and its result is dropped. The schema compile, the one step
+that could run long, runs in a worker process killed at its own, shorter limit
+(`Limits.compile_timeout_s`, flashspec_core/constrained/compile_process.py), so it never keeps a
+planning thread past that.
 """
 from __future__ import annotations
 

@@ -13,8 +13,10 @@ behind this endpoint:
   under its JSON schema; with `tool_choice` absent or "auto" (or "required" among several tools)
   under the structural tag of calls in the template's format, so the reply is free text until the
   model opens a call, and every call it opens is valid (`parallel_tool_calls: false` allows one);
-  a `response_format` schema likewise. The grammar is compiled here first, so one that does not
-  compile is a 400 before any decoding;
+  a `response_format` schema likewise. The grammar is compiled here first, in a worker process
+  killed past the server's compile limit (the same limit whatever the tool choice), so one that
+  does not compile, or not in time, is a 400 before any decoding; the engine decodes under the
+  grammar compiled here and compiles nothing itself;
 - tool calls are parsed back from the output, in full or as stream deltas (`tool_calls`).
 
 The adapters' shared helpers are imported here and nowhere else in this package.
@@ -30,8 +32,8 @@ from typing import Any
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from flashspec_core.constrained import as_grammar, compile_json_schema
-from flashspec_core.constrained.grammar import is_structural_tag
+from flashspec_core.constrained import Grammar, as_grammar
+from flashspec_core.constrained.compile_process import CompileBusy
 from flashspec_core.models import vocab_size
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.results import GenerationStats
@@ -68,6 +70,7 @@ class Plan:
     tool_names: tuple[str, ...]
     parse_tools: bool
     tool_parameters: dict = field(default_factory=dict)  # each tool's parameters schema, by name
+    grammar: Grammar | None = None  # json_schema compiled: what the engine decodes under
 
 
 def _text(content: Any, at: str) -> str:
@@ -112,17 +115,18 @@ def _output_schema(engine: Any, req: ChatCompletionRequest, tools: list[dict],
     return fmt.json_schema.schema_, "response_format"
 
 
-def _compile_check(engine: Any, schema: dict, field: str, timeout_s: float | None) -> None:
-    """Compile now (xgrammar caches it for the engine), so a bad or too costly schema is the
-    caller's 400."""
+def _compile(engine: Any, schema: dict, field: str, timeout_s: float | None) -> Grammar:
+    """The schema (or structural tag) compiled within `timeout_s`, in a worker process killed past
+    it; a bad or too costly schema is the caller's 400, every worker busy for the whole limit a 503."""
     try:
-        if is_structural_tag(schema):  # compiled in as_grammar (cached per distinct tag)
-            as_grammar(schema, engine.tokenizer, vocab_size(engine.target_model), sorted(engine.eos_ids))
-        else:
-            compile_json_schema(schema, engine.tokenizer, vocab_size(engine.target_model), sorted(engine.eos_ids),
-                                timeout_s=timeout_s)
+        return as_grammar(schema, engine.tokenizer, vocab_size(engine.target_model), sorted(engine.eos_ids),
+                          timeout_s=timeout_s)
     except ValueError as exc:  # named after the engine's argument, json_schema: the request's field instead
         raise APIError(400, f"{field}: {str(exc).removeprefix('json_schema: ')}", field) from None
+    except CompileBusy:
+        raise APIError(503, f"{field}: the server's grammar compilers stayed busy with other requests for "
+                            f"{timeout_s:g} s; retry later", kind="server_error", code="server_busy",
+                       headers={"Retry-After": "1"}) from None
 
 
 def _sampling(req: ChatCompletionRequest) -> SamplingParams:
@@ -141,7 +145,8 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
     """The engine call for `req`; APIError(400) naming the field for anything it cannot serve.
 
     max_prompt_tokens: the server's prompt limit (None: the context window only).
-    compile_timeout_s: the longest a schema may take to compile (None: as long as it takes).
+    compile_timeout_s: the longest a schema may take to compile (None: as long as it takes, on
+    the calling thread).
     """
     sampling = _sampling(req)
     messages = _messages(req)
@@ -170,8 +175,7 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
         text = render_prompt(engine.tokenizer, messages, shown, extra)
     except (ValueError, TypeError, TemplateError) as exc:  # the template's checks (roles must alternate, ...)
         raise APIError(400, f"messages: the chat template refused them: {exc}"[:1000], "messages") from None
-    if schema is not None:
-        _compile_check(engine, schema, schema_field, compile_timeout_s)
+    grammar = None if schema is None else _compile(engine, schema, str(schema_field), compile_timeout_s)
     ids = engine.tokenizer(text, add_special_tokens=False).input_ids
     room = engine.context_window - len(ids)
     if room <= 0:
@@ -189,7 +193,7 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
     domain = resolve_domain(decision.domain, decision.hint, text)
     names = tuple(t["function"]["name"] for t in shown)
     parameters = {t["function"]["name"]: t["function"].get("parameters") for t in shown}
-    return Plan(ids, max_new, sampling, stop, domain, decision, schema, names, bool(shown), parameters)
+    return Plan(ids, max_new, sampling, stop, domain, decision, schema, names, bool(shown), parameters, grammar)
 
 
 # ---------------------------------------------------------------------------------- replies

@@ -6,6 +6,8 @@ raw 16-token vocabulary with overlapping tokens ("{", "{k", "k:", "ab", "b}").
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import xgrammar as xgr
@@ -168,6 +170,29 @@ def test_tool_call_schema_forces_the_name_first():
         tool_call_schema([])
     with pytest.raises(ValueError, match=r"tools\[0\]"):
         tool_call_schema([{"type": "function", "function": {}}])
+
+
+TREE = {"type": "object", "properties": {"label": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}},
+                                        "next": {"$ref": "#/$defs/link"}, "const": {"const": {"$ref": "#"}}},
+        "required": ["label"], "additionalProperties": False,
+        "$defs": {"link": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}}}
+
+
+@pytest.mark.parametrize("choice", ["tree", "required"])
+def test_a_forced_calls_schema_keeps_the_tools_own_references(choice):
+    """A tool's `$ref`s mean its parameters' root and $defs inside the call's schema too."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = [{"name": "tree", "parameters": TREE}, {"name": "clock"}]
+    schema = tool_call_schema(tools, choice)
+    nested = {"label": "a", "children": [{"label": "b", "next": {"label": "c", "next": None}}]}
+    jsonschema.validate({"name": "tree", "arguments": nested}, schema)
+    jsonschema.validate(nested, TREE)
+    as_call = {"label": "a", "children": [{"name": "tree", "arguments": {"label": "b"}}]}
+    with pytest.raises(jsonschema.ValidationError):  # a child is the tool's arguments, not a whole call
+        jsonschema.validate({"name": "tree", "arguments": as_call}, schema)
+    arguments = (schema if choice == "tree" else schema["anyOf"][0])["properties"]["arguments"]
+    assert arguments["properties"]["const"] == {"const": {"$ref": "#"}}  # data, not a reference
+    xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True)  # xgrammar resolves them too
 
 
 def test_parse_tool_call():

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from flashspec_core.constrained import tool_call_schema
+from flashspec_core.constrained.grammar import compile_workers
+from flashspec_core.models import vocab_size
 from flashspec_integrations.serve.protocol import APIError, parse_request
 from flashspec_integrations.serve.translate import DeltaStream, plan_call, reply_message
 
@@ -160,6 +162,7 @@ def test_the_servers_prompt_limit_and_schema_time_limit_are_400s(engine):
         plan_call(engine, parse_request(json.dumps(body).encode()), 64, max_prompt_tokens=40)
     assert err.value.param == "messages" and "this server takes at most 40 (--max-prompt-tokens)" in err.value.message
     wide = {"type": "object", "properties": {f"slow{i}": {"type": "string"} for i in range(500)}}
+    assert compile_workers(engine.tokenizer, vocab_size(engine.target_model), engine.eos_ids).wait_ready(120)
     with pytest.raises(APIError) as err:
         plan_call(engine, parse_request(json.dumps({**body, "response_format": {
             "type": "json_schema", "json_schema": {"name": "w", "schema": wide}}}).encode()), 64, compile_timeout_s=0.01)
