@@ -85,6 +85,15 @@ def idle_core_threads() -> Iterator[int]:
         torch.set_num_threads(before)
 
 
+def alive(pid: int) -> bool:
+    """Whether a process with this id still exists (a killed worker must not go on running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def tiny_tokenizer(vocab: int, eos_id: int | None = None) -> PreTrainedTokenizerFast:
     """A real fast tokenizer whose token i is the word "t{i}"; eos is `eos_id`, pad the last token.
 

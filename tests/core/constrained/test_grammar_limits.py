@@ -4,11 +4,11 @@ bytes (`set_cache_limit`)."""
 from __future__ import annotations
 
 import itertools
-import os
 import time
 
 import pytest
 
+from helpers import alive
 from flashspec_core.constrained.grammar import (
     DEFAULT_CACHE_LIMIT_BYTES,
     cache_size_bytes,
@@ -46,14 +46,6 @@ def workers(default_target):
                            [default_target.tokenizer.eos_token_id])
     assert pool.wait_ready(120), "no grammar worker started"
     return pool
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_a_compile_past_its_time_limit_is_a_value_error_and_its_process_is_killed(compile_, workers):

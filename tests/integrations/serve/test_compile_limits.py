@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from types import SimpleNamespace
 
 import pytest
 
+from helpers import alive
 from flashspec_core.constrained.grammar import as_grammar, compile_workers
 from flashspec_core.models import vocab_size
 from flashspec_integrations.serve.planning import Planner
@@ -70,14 +70,6 @@ def planned(engine, planner: Planner, fields: dict):
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], **fields}
     req = parse_request(json.dumps(body).encode())
     return planner.run(lambda: plan_call(engine, req, 64, compile_timeout_s=LIMIT_S))
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("how", HOWS)
