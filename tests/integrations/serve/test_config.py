@@ -41,3 +41,7 @@ def test_the_cli_refuses_bad_arguments_before_starting_ray(capsys):
 
     assert main(["serve", "--replicas", "0"]) == 2
     assert "--replicas must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--memory-fraction", "1.5"]) == 2
+    assert "--memory-fraction must be in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="memory_fraction"):
+        ServeSettings.model_validate({"memory_fraction": 0})
