@@ -24,15 +24,7 @@ from flashspec_core.backends.calibration import Calibration, calibrate_runner
 from flashspec_core.constrained.grammar import Grammar
 from flashspec_core.drafts import DraftSource, ModelDraft
 from flashspec_core.handle import RequestHandle
-from flashspec_core.memory_plan import (
-    MEMORY_FRACTION,
-    MemoryPlan,
-    free_memory,
-    kv_bytes_per_token,
-    log_plan,
-    plan_memory,
-    step_bytes,
-)
+from flashspec_core.memory_plan import MEMORY_FRACTION, context_limit, plan_engine
 from flashspec_core.models import LoadedModel, eos_ids, vocab_size
 from flashspec_core.processors.ngram_ban import json_punctuation_tokens
 from flashspec_core.processors.sampling import SamplingParams, request_generator, request_params
@@ -68,6 +60,7 @@ class SpecEngine:
         max_queue: int = MAX_QUEUE,
         prefill_chunk: int | None = PREFILL_CHUNK,
         memory_fraction: float = MEMORY_FRACTION,
+        max_context: int | None = None,
     ) -> None:
         """backend: where the target's forward runs ("hf", "cuda-graph", "llama.cpp"; "auto" picks
         CUDA graphs for a Llama-family model on a GPU and transformers otherwise; llama.cpp is
@@ -85,6 +78,9 @@ class SpecEngine:
         memory_fraction: the share (0, 1] of that free memory the rows' caches and logits may use;
         where not even one row holds the full context, one row runs and `context_window` shrinks
         to what it holds (a request past it is refused at `submit`).
+        max_context: the most tokens (prompt + new) one request may hold, below the model's context
+        window (None: the window): the plan reserves that much a row, so a long-context model
+        decodes more rows together under a lower bound.
         """
         if gammas is None:
             from flashspec_core.pool import default_gammas
@@ -111,7 +107,7 @@ class SpecEngine:
         self.verify_backend: Backend = verify_backend  # type: ignore[assignment]  # checked against BACKENDS above
         self.eos_ids = eos_ids(target)
         self._concatenates = decodes_by_concatenation(self.tokenizer)  # how rows' text is kept (stopping.py)
-        window = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)
+        window, source = context_limit(target.model.config, max_context)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.backend = resolve_backend(backend, target)
         runner = make_runner(target, self.backend, pad, window)  # kept across requests: prefix reuse
@@ -122,7 +118,9 @@ class SpecEngine:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1 (rows decoded together); got {max_batch!r}")
         widths = [1] + [g + 1 for g in gammas]
-        self.memory = self._plan_memory(runner, max_batch, memory_fraction, window, widths)
+        draft_models = [d.model for d in self.drafts.values() if isinstance(d, ModelDraft)]  # their caches grow too
+        self.memory = plan_engine([target.model, *draft_models], self.backend == "llama.cpp", runner, max_batch,
+                                  memory_fraction, window, widths, source)
         # The most tokens (prompt + new) one request's row may hold: the model's context window,
         # or less where memory is short; requests are checked against it when submitted.
         self.context_window = self.memory.row_tokens
@@ -158,21 +156,6 @@ class SpecEngine:
     @runner.setter
     def runner(self, runner: TargetRunner) -> None:
         self._stepper.runner = self._scheduler.runner = runner
-
-    def _plan_memory(self, runner: TargetRunner, max_batch: int, fraction: float, window: int,
-                     widths: list[int]) -> MemoryPlan:
-        """The rows and row length the memory free now holds (memory_plan.py): each row's cache of
-        the target and of every model draft (whose caches grow with the same rows), at the dtype
-        the runner keeps it in (llama.cpp: fp16), and its steps' logits."""
-        model = self.target_model
-        dtype = torch.float16 if self.backend == "llama.cpp" else model.get_output_embeddings().weight.dtype
-        per_token = kv_bytes_per_token(model.config, dtype) + sum(
-            kv_bytes_per_token(d.model.config, d.model.get_output_embeddings().weight.dtype)
-            for d in self.drafts.values() if isinstance(d, ModelDraft))
-        plan = plan_memory(per_token, free_memory(self._device), fraction, max_batch, window, runner.cache_slack,
-                           step_bytes(widths, self._vocab, dtype, runner.use_graphs))
-        log_plan(plan)
-        return plan
 
     def _calibrate(self, runner: TargetRunner, gammas: Sequence[int]) -> Calibration | None:
         """Measured forward cost per width on this machine (cached): the kernel per width, and the
@@ -216,6 +199,7 @@ class SpecEngine:
         max_batch: int | None = None,
         max_queue: int = MAX_QUEUE,
         memory_fraction: float = MEMORY_FRACTION,
+        max_context: int | None = None,
     ) -> SpecEngine:
         """target: None (embedded default), a .gguf file, a local folder or a cached HF id.
 
@@ -227,7 +211,8 @@ class SpecEngine:
         loaded = load_target(target, device=device, dtype=dtype, load_in_4bit=load_in_4bit)
         pool = build_drafts(drafts, loaded, target, device=device, dtype=dtype)
         return cls(loaded, pool, router=router, gammas=gammas, verify_backend=verify_backend, backend=backend,
-                   max_batch=max_batch, max_queue=max_queue, memory_fraction=memory_fraction)
+                   max_batch=max_batch, max_queue=max_queue, memory_fraction=memory_fraction,
+                   max_context=max_context)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

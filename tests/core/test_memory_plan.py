@@ -35,6 +35,10 @@ def test_bytes_per_token_count_keys_and_values_of_every_kv_head_in_every_layer()
     assert kv_bytes_per_token(wide_heads, torch.float16) == 3 * 2 * 2 * 32 * 2  # head_dim given, not 64 / 4
     no_gqa = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
     assert kv_bytes_per_token(no_gqa, torch.float32) == 2 * 2 * 4 * 16 * 4  # every head has its own K and V
+    no_heads = SimpleNamespace(hidden_size=64, num_hidden_layers=2)
+    assert kv_bytes_per_token(no_heads, torch.float32) == 2 * 2 * 64 * 4
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        kv_bytes_per_token(SimpleNamespace(d_model=64), torch.float32)
 
 
 def test_step_bytes_are_the_widest_feed_eagerly_and_every_captured_width_with_graphs():
@@ -91,7 +95,7 @@ def hf(loaded, prompt: list[int], max_new: int) -> list[int]:
 
 def fake_free(monkeypatch, free: int) -> None:
     """The engine reads `free` bytes free instead of the machine's (nothing is allocated)."""
-    monkeypatch.setattr("flashspec_core.engine.free_memory", lambda device: free)
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: free)
 
 
 def row_bytes_of(engine: SpecEngine) -> int:
@@ -164,3 +168,19 @@ def test_a_growing_cache_stops_at_the_plans_row_length():
     assert result.token_ids == hf(loaded, prompt, 24)
     cache = engine.runner.static
     assert 1000 < cache.max_len <= 1024 + engine.runner.cache_slack
+
+
+def test_max_context_lowers_what_a_row_reserves_so_more_rows_fit(tiny_target, monkeypatch):
+    roomy = engine_over(tiny_target)
+    fake_free(monkeypatch, int(2.5 * row_bytes_of(roomy) / 0.9))  # 2 rows of the model's 256 tokens
+    assert engine_over(tiny_target).memory.rows == 2
+    engine = engine_over(tiny_target, max_context=100)
+    plan = engine.memory
+    assert engine.context_window == 100 and plan.rows == plan.budget // plan.row_cost(100) == 4  # rows of 100 tokens
+    with pytest.raises(ContextLengthError, match=r"at most 95 new tokens fit max_context=100 tokens .* is 256"):
+        engine.submit([LONG_RUN], max_new_tokens=96)
+    assert engine.generate(LONG_RUN, max_new_tokens=95).token_ids == hf(tiny_target, LONG_RUN, 95)
+    assert engine_over(tiny_target, max_context=1000).context_window == 256  # never past the model's window
+    for bad in (1, 2.5, True):
+        with pytest.raises(ValueError, match="max_context"):
+            engine_over(tiny_target, max_context=bad)
