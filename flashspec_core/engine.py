@@ -22,8 +22,9 @@ from flashspec_core.backends import make_runner, resolve_backend
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.calibration import Calibration, calibrate_runner
 from flashspec_core.constrained.grammar import Grammar
-from flashspec_core.drafts import DraftSource
+from flashspec_core.drafts import DraftSource, ModelDraft
 from flashspec_core.handle import RequestHandle
+from flashspec_core.memory_plan import MEMORY_FRACTION, context_limit, plan_engine
 from flashspec_core.models import LoadedModel, eos_ids, vocab_size
 from flashspec_core.processors.ngram_ban import json_punctuation_tokens
 from flashspec_core.processors.sampling import SamplingParams, request_generator, request_params
@@ -58,6 +59,8 @@ class SpecEngine:
         max_batch: int | None = None,
         max_queue: int = MAX_QUEUE,
         prefill_chunk: int | None = PREFILL_CHUNK,
+        memory_fraction: float = MEMORY_FRACTION,
+        max_context: int | None = None,
     ) -> None:
         """backend: where the target's forward runs ("hf", "cuda-graph", "llama.cpp"; "auto" picks
         CUDA graphs for a Llama-family model on a GPU and transformers otherwise; llama.cpp is
@@ -66,10 +69,18 @@ class SpecEngine:
         CPU in the cache folder) to pick the fastest kernel and seed the router's cost model.
         gammas: the γ of each draft's arms; None: `pool.default_gammas` (16 too on a GPU).
         router: a `Router` (routing/base.py) or a name from `routing.ROUTER_NAMES`.
-        max_batch: rows decoded together (each a cache slot; None: 64 on a GPU, 8 on a CPU); more wait in a queue of at most
+        max_batch: rows decoded together (each a cache slot; None: 64 on a GPU, 8 on a CPU), cut to
+        what `memory_fraction` of the memory free at construction holds with every row at the full
+        context (memory_plan.py; `memory` is the plan); more wait in a queue of at most
         `max_queue` requests, past which `submit` raises EngineBusy. prefill_chunk: prompt tokens fed
         per scheduler turn while other rows decode (on CUDA graphs to each new prompt, on a CPU in
         all, earliest request first; None: whole prompts at once).
+        memory_fraction: the share (0, 1] of that free memory the rows' caches and logits may use;
+        where not even one row holds the full context, one row runs and `context_window` shrinks
+        to what it holds (a request past it is refused at `submit`).
+        max_context: the most tokens (prompt + new) one request may hold, below the model's context
+        window (None: the window): the plan reserves that much a row, so a long-context model
+        decodes more rows together under a lower bound.
         """
         if gammas is None:
             from flashspec_core.pool import default_gammas
@@ -96,18 +107,26 @@ class SpecEngine:
         self.verify_backend: Backend = verify_backend  # type: ignore[assignment]  # checked against BACKENDS above
         self.eos_ids = eos_ids(target)
         self._concatenates = decodes_by_concatenation(self.tokenizer)  # how rows' text is kept (stopping.py)
-        self.context_window = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)
+        window, source = context_limit(target.model.config, max_context)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.backend = resolve_backend(backend, target)
-        runner = make_runner(target, self.backend, pad, self.context_window)  # kept across requests: prefix reuse
+        runner = make_runner(target, self.backend, pad, window)  # kept across requests: prefix reuse
         self._device = target.model.get_output_embeddings().weight.device
         self._vocab = vocab_size(target.model)
-        self.calibration = self._calibrate(runner, gammas) if calibrate else None
         if max_batch is None:
             max_batch = GPU_MAX_ROWS if self._device.type == "cuda" else MAX_ROWS
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1 (rows decoded together); got {max_batch!r}")
         widths = [1] + [g + 1 for g in gammas]
+        draft_models = [d.model for d in self.drafts.values() if isinstance(d, ModelDraft)]  # their caches grow too
+        self.memory = plan_engine([target.model, *draft_models], self.backend == "llama.cpp", runner, max_batch,
+                                  memory_fraction, window, widths, source)
+        # The most tokens (prompt + new) one request's row may hold: the model's context window,
+        # or less where memory is short; requests are checked against it when submitted.
+        self.context_window = self.memory.row_tokens
+        runner.limit_cache(self.context_window)
+        max_batch = self.memory.rows
+        self.calibration = self._calibrate(runner, gammas) if calibrate else None
         # CUDA graphs of every width the arms feed and every batch size the scheduler grows
         # through, captured now, not mid-request (the largest first: it allocates the rows).
         for rows in reversed(buckets(max_batch)) if runner.use_graphs else [1]:
@@ -179,6 +198,8 @@ class SpecEngine:
         backend: str = "auto",
         max_batch: int | None = None,
         max_queue: int = MAX_QUEUE,
+        memory_fraction: float = MEMORY_FRACTION,
+        max_context: int | None = None,
     ) -> SpecEngine:
         """target: None (embedded default), a .gguf file, a local folder or a cached HF id.
 
@@ -190,7 +211,8 @@ class SpecEngine:
         loaded = load_target(target, device=device, dtype=dtype, load_in_4bit=load_in_4bit)
         pool = build_drafts(drafts, loaded, target, device=device, dtype=dtype)
         return cls(loaded, pool, router=router, gammas=gammas, verify_backend=verify_backend, backend=backend,
-                   max_batch=max_batch, max_queue=max_queue)
+                   max_batch=max_batch, max_queue=max_queue, memory_fraction=memory_fraction,
+                   max_context=max_context)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -358,8 +380,9 @@ class SpecEngine:
 
     def encode(self, prompts: Sequence[PromptLike], max_new_tokens: int) -> list[list[int]]:
         """The token ids `generate` would decode from for each prompt (chat template applied);
-        ValueError when one does not fit the context window with `max_new_tokens`."""
-        return encode_prompts(self.tokenizer, prompts, self._vocab, max_new_tokens, self.context_window)
+        ContextLengthError (a ValueError) when one does not fit `context_window` with `max_new_tokens`."""
+        return encode_prompts(self.tokenizer, prompts, self._vocab, max_new_tokens, self.context_window,
+                              self.memory.limit())
 
     def _row(self, request: Request, index: int) -> Row:
         prompt = request.prompts[index]

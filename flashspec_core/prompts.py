@@ -72,20 +72,27 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptLike, vocab_
     return ids
 
 
+class ContextLengthError(ValueError):
+    """A prompt, or a prompt plus `max_new_tokens`, does not fit what one row may hold: the model's
+    context window, or less where the engine's memory plan gives a row less (memory_plan.py).
+    Raised when the request is submitted, never mid-decode; the server answers it with a 400 whose
+    code is `context_length_exceeded`, as OpenAI's API does."""
+
+
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[PromptLike], vocab_size: int,
-                   max_new_tokens: int, context_window: int) -> list[list[int]]:
-    """Token ids of each prompt; ValueError naming the argument when a prompt, or a prompt plus
-    `max_new_tokens`, does not fit the model's context window (nothing is truncated silently)."""
+                   max_new_tokens: int, context_window: int, limit: str = "") -> list[list[int]]:
+    """Token ids of each prompt; ContextLengthError naming the argument when a prompt, or a prompt
+    plus `max_new_tokens`, does not fit `context_window` tokens (nothing is truncated silently).
+    limit: what that bound is and how to raise it, for the message (default: the model's context window)."""
+    limit = limit or f"the model's context window of {context_window} tokens"
     encoded = [encode_prompt(tokenizer, p, vocab_size) for p in prompts]
     for ids in encoded:
         if len(ids) >= context_window:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens do not fit the model's context window of {context_window}; "
-                "shorten the prompt"
-            )
+            raise ContextLengthError(f"prompt: {len(ids)} tokens leave no room for new tokens in {limit}; "
+                                     "shorten the prompt")
         if len(ids) + max_new_tokens > context_window:
-            raise ValueError(
-                f"max_new_tokens: the prompt has {len(ids)} tokens, so at most "
-                f"{context_window - len(ids)} new tokens fit the context window of {context_window}"
-            )
+            raise ContextLengthError(
+                f"max_new_tokens: the prompt has {len(ids)} tokens, so at most {context_window - len(ids)} "
+                f"new tokens fit {limit}; lower max_new_tokens (max_tokens) to {context_window - len(ids)} "
+                "or shorten the prompt")
     return encoded

@@ -42,6 +42,9 @@ class TargetRunner(Protocol):
     # Seconds of one-time work (capturing a graph, growing the cache) spent so far: whichever step
     # paid it is not charged for it (StepRecord.warmup_seconds).
     warmup_seconds: float = 0.0
+    # Cache slots a row may need past its own tokens (a feed padded to a graph's width, scratch
+    # slots): the memory plan (memory_plan.py) counts them in every row's cost.
+    cache_slack: int = 0
 
     def begin(self, batch_size: int) -> None:
         """A request of `batch_size` rows starts. A single prompt keeps what the previous
@@ -57,6 +60,12 @@ class TargetRunner(Protocol):
         """Hold `rows` rows from now on: the first min(rows, now) keep their caches (a running row
         keeps its slot), added rows start empty. The scheduler sizes the batch to the rows it runs."""
         ...
+
+    def limit_cache(self, row_tokens: int) -> None:
+        """Hold at most `row_tokens` tokens (plus `cache_slack` slots) a row from now on: the
+        memory plan's bound, which requests are checked against when they are submitted. A cache
+        that grows stops growing there. Nothing to do by default (a cache sized by what it holds)."""
+        return None
 
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
         """How many leading tokens of `sequence` row `row` already holds (reusable as they are)."""

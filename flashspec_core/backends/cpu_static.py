@@ -71,7 +71,7 @@ class StaticCachedModel(LinearKernels, GraphedModel):
         """Empty rows; a new row count also starts the cache small again (nothing is kept across
         it, and B rows at the longest length a past request needed could be gigabytes)."""
         if batch_size != self.static.batch:
-            self.static.resize(INITIAL_LEN, batch_size)
+            self.static.resize(min(INITIAL_LEN, self.max_slots or INITIAL_LEN), batch_size)
         self.held = [[] for _ in range(batch_size)]
 
     @torch.inference_mode()

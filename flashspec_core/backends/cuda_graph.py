@@ -82,7 +82,8 @@ class GraphedModel(StaticRows, TargetRunner):
         self.use_graphs = on_cuda if graphs is None else graphs
         if fuse is None:  # fusing concatenates weight matrices: not those of a 4-bit model
             fuse = self.use_graphs and not getattr(model, "is_loaded_in_4bit", False)
-        StaticRows.__init__(self, StaticLlama(model, max_len, batch=1, fuse=fuse), pad_token_id, self.use_graphs)
+        StaticRows.__init__(self, StaticLlama(model, max_len, batch=1, fuse=fuse), pad_token_id, self.use_graphs,
+                            pad=PREFILL_WIDTH if self.use_graphs else 0)
         self.device = self.static.device
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("graphs=True needs the model on a CUDA device")

@@ -52,7 +52,8 @@ def available() -> bool:
 class LlamaCppModel(TargetRunner):
     """A llama.cpp model and context holding the KV cache of a batch of rows (sequence ids).
 
-    gguf: the model file. n_ctx: tokens the cache holds, all rows together (one unified cache).
+    gguf: the model file. n_ctx: tokens the cache holds, all rows together (one unified cache),
+    until `limit_cache` bounds each row instead: the context then holds that many for every row.
     n_threads: CPU threads (default: torch's intra-op count, one per core). max_batch: sequence ids
     the context is created for; a larger batch re-creates the context (and drops the cache).
     """
@@ -77,6 +78,7 @@ class LlamaCppModel(TargetRunner):
             raise ValueError(f"gguf: llama.cpp could not load {str(path)!r}")
         self.vocab_size = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self.n_ctx = n_ctx
+        self.row_ctx = 0  # tokens each row may hold (`limit_cache`); 0: n_ctx for all rows together
         self.n_batch = n_batch
         self.n_threads = n_threads or torch.get_num_threads()
         self.device = torch.device("cpu")
@@ -93,6 +95,8 @@ class LlamaCppModel(TargetRunner):
         lc = self._lc
         self._free_context()
         params = lc.llama_context_default_params()
+        if self.row_ctx:
+            self.n_ctx = self.row_ctx * max_batch
         params.n_ctx = self.n_ctx
         params.n_batch = self.n_batch
         params.n_ubatch = self.n_batch
@@ -180,6 +184,13 @@ class LlamaCppModel(TargetRunner):
             self._rollback(row, 0)
         self.held = self.held[:rows] + [[] for _ in range(rows - len(self.held))]
 
+    def limit_cache(self, row_tokens: int) -> None:
+        """Hold `row_tokens` tokens for each row from now on: the context is created for that many
+        times its rows (re-created now if it differs), so rows together never fill it mid-request."""
+        self.row_ctx = row_tokens
+        if self.n_ctx != row_tokens * self._max_batch:
+            self._make_context(self._max_batch)
+
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
         return common_prefix(self.held[row], sequence)
 
@@ -232,9 +243,9 @@ class LlamaCppModel(TargetRunner):
                 continue
             if len(seq) < keep_logits:
                 raise ValueError("sequences: each active row needs at least keep_logits tokens")
-            if len(seq) > self.n_ctx:
+            if len(seq) > (self.row_ctx or self.n_ctx):
                 raise ValueError(f"sequences: row {b} has {len(seq)} tokens; this llama.cpp context holds "
-                                 f"{self.n_ctx}")
+                                 f"{self.row_ctx or self.n_ctx} a row")
             keep = min(common_prefix(self.held[b], seq), len(seq) - keep_logits)
             self._rollback(b, keep)
             chunk = list(seq[keep:])

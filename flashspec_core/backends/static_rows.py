@@ -3,8 +3,9 @@ the inputs of a forward.
 
 A row's cache holds its tokens at positions 0..len - 1; `held[b]` is the host's copy of those
 tokens. Feeding a row a sequence rolls it back to what the two share (moving its length: slots
-past it are never read) and feeds the rest; the cache doubles when a row needs more slots. The
-last SCRATCH slots of each row are never a row's: graphs are warmed up and captured there.
+past it are never read) and feeds the rest; the cache doubles when a row needs more slots, up to
+the memory plan's bound (`limit_cache`). The last SCRATCH slots of each row are never a row's:
+graphs are warmed up and captured there.
 """
 from __future__ import annotations
 
@@ -22,15 +23,29 @@ SCRATCH = 32  # slots at the end of every row kept for warm-up and capture (widt
 
 class StaticRows:
     """Rows of `static`'s cache and their host records. pad_token_id: what padded columns feed;
-    pinned: build the host inputs in pinned memory (copied to a GPU without a sync)."""
+    pinned: build the host inputs in pinned memory (copied to a GPU without a sync); pad: the
+    widest a feed is padded to past a row's end (a prefill graph's width)."""
 
-    def __init__(self, static: StaticLlama, pad_token_id: int, pinned: bool) -> None:
+    def __init__(self, static: StaticLlama, pad_token_id: int, pinned: bool, pad: int = 0) -> None:
         self.static = static
         self.pad_token_id = pad_token_id
         self._pinned = pinned
         self.held: list[list[int]] = [[]]
         # Seconds spent on one-time work (growing the cache; a graphed runner adds its captures).
         self.warmup_seconds = 0.0
+        self.max_slots = 0  # slots a row's cache grows to at most (0: no bound); `limit_cache`
+        # Slots past a row's tokens: the scratch, and a feed padded to a graph's width (a step's
+        # width, at most SCRATCH, or with graphs the prefill graph's, `pad`).
+        self.cache_slack = SCRATCH + max(SCRATCH, pad)
+
+    def limit_cache(self, row_tokens: int) -> None:
+        """Grow each row's cache to at most `row_tokens` + `cache_slack` slots (and cut it there now)."""
+        self.max_slots = row_tokens + self.cache_slack
+        if self.static.max_len > self.max_slots:
+            self.static.resize(self.max_slots)
+            self._drop_graphs()
+            for held in self.held:
+                del held[self.max_slots - SCRATCH:]
 
     def _drop_graphs(self) -> None:
         """The cache was reallocated: whatever captured its old tensors is stale (graphs)."""
@@ -66,6 +81,8 @@ class StaticRows:
         new = self.static.max_len
         while length + SCRATCH > new:
             new *= 2
+        if self.max_slots:  # no further than the plan's bound, unless this feed needs more
+            new = max(length + SCRATCH, min(new, self.max_slots))
         start = time.perf_counter()
         self.static.resize(new)
         self._drop_graphs()  # captured on the old buffers

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from flashspec_core.memory_plan import MEMORY_FRACTION
 from flashspec_integrations.serve.guards import API_KEY_ENV, is_loopback, resolve_api_key
 from flashspec_integrations.serve.limits import Limits
 
@@ -35,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", help="the model id clients send (default: the target's name)")
     parser.add_argument("--router-store", help="SQLite file of the router statistics the replicas share")
     parser.add_argument("--max-batch-size", type=int, default=8, help="rows the engine decodes together; more wait for a slot")
+    parser.add_argument("--memory-fraction", type=float, default=MEMORY_FRACTION,
+                        help="share of the memory free at a replica's start its rows' caches may use (fewer rows "
+                             "where --max-batch-size would not fit; replicas sharing a GPU split it)")
+    parser.add_argument("--max-context", type=int, help="tokens (prompt + new) one request may hold, below the model's "
+                                                        "context window (default: the window); lower, more rows fit")
     parser.add_argument("--api-key", help=f"clients must send it as a Bearer token (default: ${API_KEY_ENV}; "
                                           "none: no key, for loopback only)")
     parser.add_argument("--max-in-flight", type=int, default=64,
@@ -69,6 +75,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1..65535; got {args.port}")
     if args.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be >= 1; got {args.max_batch_size}")
+    if not 0 < args.memory_fraction <= 1:
+        raise ValueError(f"--memory-fraction must be in (0, 1]; got {args.memory_fraction}")
+    if args.max_context is not None and args.max_context < 2:
+        raise ValueError(f"--max-context must be >= 2; got {args.max_context}")
     if args.max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1; got {args.max_in_flight}")
     if not args.request_timeout > 0:
@@ -190,6 +200,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check(args)
     url = start(args.replicas, args.port, args.host, target=args.target, model_name=args.model_name,
                 router_store=args.router_store, max_batch_size=args.max_batch_size, api_key=args.api_key,
+                memory_fraction=args.memory_fraction, max_context=args.max_context,
                 max_in_flight=args.max_in_flight, request_timeout_s=args.request_timeout, limits=limits_from(args))
     print(f"serving {args.replicas} replica(s) at {url} (OpenAI API: POST {url}/chat/completions); Ctrl-C stops")
     stop = threading.Event()

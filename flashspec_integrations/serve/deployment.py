@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from ray import serve
 
 from flashspec_core.constrained.grammar import compile_workers, set_cache_limit
+from flashspec_core.memory_plan import MEMORY_FRACTION
 from flashspec_core.models import vocab_size
 from flashspec_integrations.serve import errors, protocol
 from flashspec_integrations.serve.admission import Admission, Ticket
@@ -67,6 +68,11 @@ class ServeSettings(BaseModel):
     router_store: str | None = Field(None, description="the shared router ledger (SQLite); None: the default store")
     sync_seconds: float = Field(2.0, ge=0, description="how often a replica merges the others' router statistics")
     max_batch_size: int = Field(8, ge=1, description="rows the engine decodes together; more wait for a slot")
+    memory_fraction: float = Field(MEMORY_FRACTION, gt=0, le=1,
+                                   description="share of the memory free at a replica's start its rows' caches may use "
+                                               "(fewer rows where max_batch_size would not fit)")
+    max_context: int | None = Field(None, ge=2, description="tokens (prompt + new) one request may hold, below the "
+                                                           "model's context window; None: the window")
     default_max_tokens: int = Field(512, gt=0, description="new tokens when a request sets no max_tokens")
     threads: int | None = Field(None, gt=0, description="torch CPU threads per replica; None: Ray's CPU share")
     api_key: SecretStr | None = Field(None, description=f"clients send it as a Bearer token; None: ${API_KEY_ENV} "
@@ -102,7 +108,9 @@ class FlashSpecServer:
         if self.settings.threads or cpus:
             torch.set_num_threads(self.settings.threads or cpus)
         self.engine = SpecEngine.from_pretrained(self.settings.target, device=self.settings.device,
-                                                 max_batch=self.settings.max_batch_size)
+                                                 max_batch=self.settings.max_batch_size,
+                                                 memory_fraction=self.settings.memory_fraction,
+                                                 max_context=self.settings.max_context)
         self.shared = share_router(self.engine, self.settings.router_store, self.settings.sync_seconds)
         self.model_name = self.settings.served_name()
         self.replica = serve.get_replica_context().replica_id.unique_id

@@ -1,7 +1,8 @@
 """Errors as OpenAI's clients expect them, and nothing of the server's insides in a reply.
 
 - Engine failures: a ValueError names the engine argument at fault, so it is a 400 naming the
-  request field (`engine_error`); the engine's own back-pressure is a 429 with `Retry-After`
+  request field (`engine_error`), with OpenAI's code `context_length_exceeded` when the prompt and
+  max_tokens do not fit what a row may hold; the engine's own back-pressure is a 429 with `Retry-After`
   (its queue is full) or a 503 (it is shutting down), as clients and load balancers expect;
   anything else is a 500.
 - A 500 (an engine failure, or any exception no handler caught) carries only a request id;
@@ -18,8 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from flashspec_core.prompts import ContextLengthError
 from flashspec_core.scheduler import EngineBusy, EngineClosed
-from flashspec_integrations.serve.protocol import APIError
+from flashspec_integrations.serve.protocol import CONTEXT_LENGTH_EXCEEDED, APIError
 
 logger = logging.getLogger("flashspec.serve")
 
@@ -45,7 +47,8 @@ def engine_error(exc: Exception, rid: str, retry_after: int = 1) -> APIError:
     """An engine exception as an API error: its ValueErrors name the argument, so they are 400s;
     a full queue is a 429 with `Retry-After: retry_after`, a closed engine a 503."""
     if isinstance(exc, ValueError):
-        return APIError(400, str(exc), _ENGINE_ARGUMENTS.get(str(exc).split(":", 1)[0]))
+        code = CONTEXT_LENGTH_EXCEEDED if isinstance(exc, ContextLengthError) else None
+        return APIError(400, str(exc), _ENGINE_ARGUMENTS.get(str(exc).split(":", 1)[0]), code=code)
     if isinstance(exc, EngineBusy):
         return APIError(429, f"the engine's queue is full; retry after {retry_after} s", kind="rate_limit_error",
                         code="server_busy", headers={"Retry-After": str(retry_after)})

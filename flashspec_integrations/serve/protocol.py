@@ -199,6 +199,9 @@ def model_list(model: str, owner: str = "flashspec") -> dict:
 # -------------------------------------------------------------------------------------- errors
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code: the prompt and max_tokens do not fit
+
+
 class APIError(Exception):
     """An error to send as OpenAI does: HTTP status and a body naming the offending field."""
 

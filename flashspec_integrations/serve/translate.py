@@ -40,7 +40,7 @@ from flashspec_core.results import GenerationStats
 from flashspec_core.routing.domains import resolve_domain
 from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
 from flashspec_integrations.prompts import json_instruction, render_prompt, template_supports_tools
-from flashspec_integrations.serve.protocol import APIError, ChatCompletionRequest
+from flashspec_integrations.serve.protocol import CONTEXT_LENGTH_EXCEEDED, APIError, ChatCompletionRequest
 from flashspec_integrations.tool_calls import (
     ParsedCall,
     ToolCallStreamer,
@@ -180,7 +180,7 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
     room = engine.context_window - len(ids)
     if room <= 0:
         raise APIError(400, f"messages: the prompt has {len(ids)} tokens, more than the model's context "
-                            f"window of {engine.context_window}; shorten it", "messages")
+                            f"window of {engine.context_window}; shorten it", "messages", code=CONTEXT_LENGTH_EXCEEDED)
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise APIError(400, f"messages: the prompt has {len(ids)} tokens; this server takes at most "
                             f"{max_prompt_tokens} (--max-prompt-tokens); shorten it", "messages")
@@ -188,7 +188,8 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
     if max_new > room:
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         raise APIError(400, f"{field}: the prompt has {len(ids)} tokens, so at most {room} new tokens fit "
-                            f"the context window of {engine.context_window}", field)
+                            f"the context window of {engine.context_window}; lower {field} or shorten the "
+                            "prompt", field, code=CONTEXT_LENGTH_EXCEEDED)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     domain = resolve_domain(decision.domain, decision.hint, text)
     names = tuple(t["function"]["name"] for t in shown)

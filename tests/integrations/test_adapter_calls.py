@@ -10,6 +10,7 @@ from fakes import CONTEXT, ScriptedEngine, tiny_engine
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.tools import FunctionTool
 
+from flashspec_core.prompts import ContextLengthError
 from flashspec_integrations.langchain import ChatFlashSpec
 from flashspec_integrations.langchain import FlashSpecLLM as LangChainLLM
 from flashspec_integrations.llama_index import FlashSpecLLM
@@ -54,6 +55,15 @@ def test_the_timeout_reaches_the_engine_as_langchain_passes_it():
         assert seen == [7.5]
     with pytest.raises(ValueError, match="timeout"):
         FlashSpecLLM(engine=ScriptedEngine(["ok"]), timeout=0)
+
+
+@pytest.mark.parametrize("call", [lambda e: FlashSpecLLM(engine=e, max_tokens=CONTEXT).complete("hi"),
+                                  lambda e: LangChainLLM(engine=e, max_tokens=CONTEXT).invoke("hi")])
+def test_a_call_past_the_context_window_is_refused_at_once_naming_max_new_tokens(call):
+    engine = tiny_engine()
+    with pytest.raises(ContextLengthError, match=rf"max_new_tokens: the prompt has \d+ tokens.*{CONTEXT}"):
+        call(engine)
+    assert (engine.running, engine.queued) == (0, 0)
 
 
 @pytest.mark.parametrize("call", [

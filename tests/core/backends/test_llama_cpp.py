@@ -77,6 +77,24 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(runner):
         assert torch.equal(verified[b], runner.forward_to([step], keep_logits=3)[0]), f"row {b}'s step"
 
 
+def test_the_context_holds_the_memory_plans_tokens_for_every_row():
+    """After `limit_cache(n)` the context is created for n tokens a row times its rows (one unified
+    cache of n tokens would be full mid-request with several rows), and a longer row is refused by
+    name before anything is fed."""
+    import llama_cpp
+
+    model = backend.LlamaCppModel(default_gguf_path(), n_ctx=256)
+    try:
+        model.limit_cache(300)
+        model.resize(4)
+        assert model.n_ctx == 4 * 300 <= llama_cpp.llama_n_ctx(model._ctx)
+        with pytest.raises(ValueError, match="301 tokens; this llama.cpp context holds 300 a row"):
+            model.forward_to([[5] * 301] * 4)
+        assert model.held == [[]] * 4
+    finally:
+        model.close()
+
+
 def test_a_named_cpu_variant_is_the_one_loaded():
     """FLASHSPEC_LLAMA_CPU_VARIANT picks the variant (another process: one loads per process)."""
     import os

@@ -41,3 +41,10 @@ def test_the_cli_refuses_bad_arguments_before_starting_ray(capsys):
 
     assert main(["serve", "--replicas", "0"]) == 2
     assert "--replicas must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--memory-fraction", "1.5"]) == 2
+    assert "--memory-fraction must be in (0, 1]" in capsys.readouterr().err
+    assert main(["serve", "--max-context", "1"]) == 2
+    assert "--max-context must be >= 2" in capsys.readouterr().err
+    for field, bad in (("memory_fraction", 0), ("max_context", 1)):
+        with pytest.raises(ValueError, match=field):
+            ServeSettings.model_validate({field: bad})

@@ -8,6 +8,7 @@ import pytest
 fastapi = pytest.importorskip("fastapi", reason="needs the 'serve' extra")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from flashspec_core.prompts import ContextLengthError  # noqa: E402
 from flashspec_core.scheduler import EngineBusy, EngineClosed  # noqa: E402
 from flashspec_integrations.serve import errors  # noqa: E402
 
@@ -41,7 +42,10 @@ def test_unknown_routes_and_methods_get_openais_shape():
 
 def test_engine_value_errors_name_the_field_and_others_hide_their_text(caplog):
     error = errors.engine_error(ValueError("max_new_tokens: 9000 does not fit"), "r1")
-    assert (error.status, error.param) == (400, "max_tokens")
+    assert (error.status, error.param, error.code) == (400, "max_tokens", None)
+    error = errors.engine_error(ContextLengthError("max_new_tokens: at most 20 new tokens fit"), "r1")
+    assert (error.status, error.param, error.code) == (400, "max_tokens", "context_length_exceeded")
+    assert error.body()["error"]["type"] == "invalid_request_error"
     with caplog.at_level(logging.ERROR, logger="flashspec.serve"):
         error = errors.engine_error(MemoryError("CUDA out of memory at 0x7f"), "r2")
     assert error.status == 500 and "0x7f" not in error.message and "r2" in error.message

@@ -109,6 +109,7 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(engine, body, param):
     with pytest.raises(APIError) as err:
         plan(engine, **body)
     assert err.value.status == 400 and err.value.param == param
+    assert (err.value.code == "context_length_exceeded") == (param == "max_tokens")  # OpenAI's code for it
 
 
 def test_replies_parse_tool_calls_and_never_invent_one(engine):
