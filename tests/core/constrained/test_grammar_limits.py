@@ -7,8 +7,8 @@ import itertools
 import time
 
 import pytest
-
 from helpers import alive
+
 from flashspec_core.constrained.grammar import (
     DEFAULT_CACHE_LIMIT_BYTES,
     cache_size_bytes,

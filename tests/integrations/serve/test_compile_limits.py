@@ -10,8 +10,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from helpers import alive
+
 from flashspec_core.constrained.grammar import as_grammar, compile_workers
 from flashspec_core.models import vocab_size
 from flashspec_integrations.serve.planning import Planner
