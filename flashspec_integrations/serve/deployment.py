@@ -7,11 +7,11 @@ when done (the engine's scheduler); nothing waits for a batch to fill or to fini
 deadline and a client leaving end its row at the engine's next step. Ray restarts a replica
 whose process dies; the proxy sends new requests to the live ones meanwhile.
 
-Safe to expose (each piece in its own module): the API key and the body size are checked by
-middlewares (`guards`), a request's limits before any heavy work (`limits`), planning runs off
-the event loop with a time limit (`planning`), each replica holds a bounded number of requests
-in flight, each with a deadline (`admission`), errors have OpenAI's shape and a 500 only a request
-id (`errors`), and the health check decodes a token when the engine is idle (`health`).
+Safe to expose (each piece in its own module): the API key, the body's size and the time it takes to
+arrive are checked by middlewares (`guards`), a request's limits before any heavy work (`limits`),
+planning runs off the event loop with a time limit (`planning`), each replica holds a bounded number
+of requests in flight, each with a deadline (`admission`), errors have OpenAI's shape and a 500 only
+a request id (`errors`), and the health check decodes a token when the engine is idle (`health`).
 
 `build_app(args)` is the application builder for Serve config files (`serve run config.yaml`,
 docs/serve.md); the CLI (`command.py`) calls it too.
@@ -38,7 +38,7 @@ from flashspec_core.constrained.grammar import compile_workers, set_cache_limit
 from flashspec_core.models import vocab_size
 from flashspec_integrations.serve import errors, protocol
 from flashspec_integrations.serve.admission import Admission, Ticket
-from flashspec_integrations.serve.guards import API_KEY_ENV, APIKeyMiddleware, BodySizeLimit, resolve_api_key
+from flashspec_integrations.serve.guards import API_KEY_ENV, APIKeyMiddleware, BodyLimits, resolve_api_key
 from flashspec_integrations.serve.health import EngineActivity, EngineUnhealthy, HealthProbe
 from flashspec_integrations.serve.limits import Limits, check_request
 from flashspec_integrations.serve.planning import Planner
@@ -86,7 +86,7 @@ def _sse(obj: Any) -> str:
 
 
 app = FastAPI(title="FlashSpec OpenAI-compatible API")
-app.add_middleware(BodySizeLimit)
+app.add_middleware(BodyLimits)
 app.add_middleware(APIKeyMiddleware)  # added last, so it runs first: no body is read for a stranger
 errors.install(app)
 
@@ -112,7 +112,7 @@ class FlashSpecServer:
         """The key, the limits, admission, planning threads and the health probe of this replica."""
         limits = settings.limits
         app.state.api_key = resolve_api_key(settings.api_key.get_secret_value() if settings.api_key else None)
-        app.state.max_body_bytes = limits.max_body_bytes
+        app.state.max_body_bytes, app.state.body_timeout_s = limits.max_body_bytes, limits.body_timeout_s
         if app.state.api_key is None:
             logger.warning("no API key (api_key, $%s): every client that reaches Ray Serve's HTTP proxy "
                            "can use this server", API_KEY_ENV)
@@ -167,13 +167,14 @@ class FlashSpecServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         rid = errors.request_id(request)
+        body = await request.body()  # whole already, within its time (`guards.BodyLimits`): no slot is held for it
         try:
             ticket = self.admission.admit()
         except APIError as exc:
             return errors.respond(exc)
         streaming = False
         try:
-            req = protocol.parse_request(await request.body())
+            req = protocol.parse_request(body)
             plan = await self.planner.run(lambda: self._plan(req))
             cid = protocol.completion_id()
             if req.stream:
