@@ -121,8 +121,8 @@ class FlashSpecServer:
                                self.engine.eos_ids).wait_ready(WORKER_STARTUP_S):
             logger.warning("no grammar worker process started within %g s; requests with a schema wait for one",
                            WORKER_STARTUP_S)
-        self.admission = Admission(settings.max_in_flight, settings.request_timeout_s)
-        self.planner = Planner(limits.planning_timeout_s)
+        self.admission = Admission(settings.max_in_flight, settings.request_timeout_s, lambda: self.engine.queued)
+        self.planner = Planner(limits.planning_timeout_s, retry_after=self.admission.retry_after)
         self.activity = EngineActivity()
         probe_ids = self.engine.tokenizer("Hi", add_special_tokens=False).input_ids or [0]
         self.health = HealthProbe(lambda: self.engine.generate(probe_ids, max_new_tokens=1, domain="chat"),
