@@ -14,13 +14,15 @@ OpenAI's error shape, so the stock clients raise their usual exceptions
   a request to a replica once its headers are in, so a client that stalls inside its body holds
   one of the replica's places (Ray's `max_ongoing_requests`) until then, and neither uvicorn nor
   Ray Serve bounds that wait. The body is read before the request is admitted (`admission`), so
-  a stalled one holds no in-flight slot and no engine row.
+  a stalled one holds no in-flight slot and no engine row. What the app receives after the body
+  is the client's disconnect, logged as one INFO line naming the request id.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import ipaddress
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:  # Starlette is imported where a response is sent: the CLI imp
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 API_KEY_ENV = "FLASHSPEC_API_KEY"
+logger = logging.getLogger("flashspec.serve")
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -99,7 +102,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
     chunks: list[bytes] = []
     size, more = 0, True
     while more:
-        message = await receive()
+        message = await _from_client(receive)
         if message["type"] != "http.request":
             return None
         chunks.append(message.get("body", b""))
@@ -108,6 +111,21 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         if size > limit:
             raise _TooLarge
     return b"".join(chunks)
+
+
+async def _from_client(receive: Receive) -> Message:
+    """The client's next message. Ray Serve's channel to its proxy fails (TaskCancelledError)
+    once the proxy has dropped a request whose client left: that is the client's disconnect too."""
+    try:
+        return await receive()
+    except Exception:  # noqa: BLE001 - any failure of the channel: nobody is left to hear from
+        return {"type": "http.disconnect"}
+
+
+def _left(scope: Scope) -> None:
+    """One line for a client that left before its reply ended (its stream's end frees its row)."""
+    rid = dict(scope.get("headers") or ()).get(b"x-request-id", b"?").decode("latin-1")[:64]
+    logger.info("request %s: the client disconnected before its reply ended", rid)
 
 
 class BodyLimits:
@@ -139,6 +157,7 @@ class BodyLimits:
             await self._refuse(limit, scope, receive, send)
             return
         if body is None:  # the client went away: nobody to answer
+            _left(scope)
             return
         replayed = False
 
@@ -147,7 +166,10 @@ class BodyLimits:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: the disconnect, when it comes
+            message = await _from_client(receive)  # after the body: only the disconnect comes
+            if message["type"] == "http.disconnect":
+                _left(scope)
+            return message
 
         await self.app(scope, replay, send)
 

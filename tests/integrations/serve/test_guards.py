@@ -3,6 +3,7 @@ the key's sources and the warning for listening beyond loopback without one."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -10,10 +11,11 @@ import pytest
 starlette = pytest.importorskip("starlette", reason="needs the 'serve' extra")
 from starlette.applications import Starlette  # noqa: E402
 from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse  # noqa: E402
+from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
+from flashspec_integrations.serve import errors  # noqa: E402
 from flashspec_integrations.serve.command import exposure_warning  # noqa: E402
 from flashspec_integrations.serve.guards import APIKeyMiddleware, BodyLimits, resolve_api_key  # noqa: E402
 
@@ -121,6 +123,60 @@ def test_a_body_not_received_within_the_timeout_is_a_408_that_closes_the_connect
     assert start["status"] == 408 and (b"connection", b"close") in start["headers"]
     assert b"request_timeout" in body and b"--body-timeout-s" in body
     assert BODY_TIMEOUT_S <= took < BODY_TIMEOUT_S + 2 and handled == []  # the route never ran
+
+
+class ProxyDroppedTheRequest(Exception):
+    """As Ray Serve's TaskCancelledError: the replica's channel to its proxy, once the client left."""
+
+
+def test_a_client_leaving_mid_stream_is_one_info_line_and_the_stream_is_closed(caplog):
+    closed = asyncio.Event()
+
+    async def tokens():
+        try:
+            while True:
+                yield "data: token\n\n"
+                await asyncio.sleep(0.01)
+        finally:
+            closed.set()  # the server's stream frees its slot and row here
+
+    async def stream(request: Request) -> StreamingResponse:
+        await request.body()
+        return StreamingResponse(tokens(), media_type="text/event-stream")
+
+    app = pytest.importorskip("fastapi").FastAPI()
+    app.post("/v1/stream")(stream)
+    errors.install(app)  # what would report the channel's failure as a 500 with a traceback
+    app.add_middleware(BodyLimits)
+    app.state.max_body_bytes, app.state.body_timeout_s = 1000, BODY_TIMEOUT_S
+    sent: list[dict] = []
+
+    async def scenario() -> None:
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            while len(sent) < 4:  # the client reads a few chunks, then leaves
+                await asyncio.sleep(0.01)
+            raise ProxyDroppedTheRequest("Task: 5e2d was cancelled.")
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/stream", "raw_path": b"/v1/stream", "query_string": b"",
+                 "root_path": "", "headers": [(b"x-request-id", b"req-77")], "client": ("127.0.0.1", 5000),
+                 "server": ("127.0.0.1", 8000)}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        await asyncio.wait_for(closed.wait(), 2)
+
+    with caplog.at_level(logging.INFO, logger="flashspec.serve"):
+        asyncio.run(scenario())
+    lines = [r for r in caplog.records if r.name == "flashspec.serve"]
+    assert [(r.levelno, r.getMessage(), r.exc_info) for r in lines] == [
+        (logging.INFO, "request req-77: the client disconnected before its reply ended", None)]
+    assert sent[0]["status"] == 200 and closed.is_set()
 
 
 def test_the_key_comes_from_the_setting_else_the_environment(monkeypatch):
