@@ -56,16 +56,20 @@ class DrainRate:
         self.window_s, self.max_s, self._clock = window_s, max_s, clock
         self._since = clock()  # a younger replica measures over its life so far
         self._done: deque[float] = deque()
+        self._lock = threading.Lock()  # completions come from the event loop and from finalizers
 
     def record(self) -> None:
         """One request completed now."""
-        self._done.append(self._clock())
+        with self._lock:
+            self._done.append(self._clock())
 
     def per_second(self) -> float:
         now = self._clock()
-        while self._done and self._done[0] <= now - self.window_s:
-            self._done.popleft()
-        return len(self._done) / max(1.0, min(self.window_s, now - self._since))
+        with self._lock:
+            while self._done and self._done[0] <= now - self.window_s:
+                self._done.popleft()
+            done = len(self._done)
+        return done / max(1.0, min(self.window_s, now - self._since))
 
     def retry_after(self, waiting: int) -> int:
         """Seconds until `waiting` requests ahead and this one's own slot have drained; `max_s`

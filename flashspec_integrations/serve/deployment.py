@@ -138,14 +138,14 @@ class FlashSpecServer:
         return {"max_new_tokens": plan.max_new_tokens, "sampling": plan.sampling, "stop": list(plan.stop) or None,
                 "domain": plan.domain, "json_schema": grammar, "timeout": max(timeout, 1e-3)}
 
-    def _plan(self, req: protocol.ChatCompletionRequest) -> Plan:
+    def _plan(self, req: protocol.ChatCompletionRequest, retry_after: int) -> Plan:
         if req.model != self.model_name:
             raise APIError(404, f"model: {req.model[:200]!r} is not served here; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", "model", code="model_not_found")
         limits = self.settings.limits
         check_request(req, limits, self.engine.context_window)
         return plan_call(self.engine, req, min(self.settings.default_max_tokens, limits.max_tokens),
-                         limits.prompt_tokens(self.engine.context_window), limits.compile_timeout_s)
+                         limits.prompt_tokens(self.engine.context_window), limits.compile_timeout_s, retry_after)
 
     async def check_health(self) -> None:
         """Ray Serve's health check (every `health_check_period_s`): see `health`."""
@@ -175,7 +175,8 @@ class FlashSpecServer:
         streaming = False
         try:
             req = protocol.parse_request(body)
-            plan = await self.planner.run(lambda: self._plan(req))
+            retry_after = self.admission.retry_after()  # read here: planning runs on another thread
+            plan = await self.planner.run(lambda: self._plan(req, retry_after))
             cid = protocol.completion_id()
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
