@@ -20,6 +20,7 @@ No `from __future__ import annotations` here: FastAPI reads the handlers' annota
 at run time, and Serve's ingress wrapper would leave postponed ones unresolved.
 """
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ from flashspec_integrations.serve.planning import Planner
 from flashspec_integrations.serve.protocol import APIError
 from flashspec_integrations.serve.stats import share_router
 from flashspec_integrations.serve.translate import DeltaStream, Plan, call_info, plan_call, reply_message
+from flashspec_integrations.serve.turns import CompileTurns
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEPLOYMENT_NAME = "FlashSpecServer"
@@ -123,6 +125,7 @@ class FlashSpecServer:
                            WORKER_STARTUP_S)
         self.admission = Admission(settings.max_in_flight, settings.request_timeout_s, lambda: self.engine.queued)
         self.planner = Planner(limits.planning_timeout_s, retry_after=self.admission.retry_after)
+        self.turns = CompileTurns(limits.max_compiles_per_client, limits.planning_timeout_s)
         self.activity = EngineActivity()
         probe_ids = self.engine.tokenizer("Hi", add_special_tokens=False).input_ids or [0]
         self.health = HealthProbe(lambda: self.engine.generate(probe_ids, max_new_tokens=1, domain="chat"),
@@ -146,6 +149,14 @@ class FlashSpecServer:
         check_request(req, limits, self.engine.context_window)
         return plan_call(self.engine, req, min(self.settings.default_max_tokens, limits.max_tokens),
                          limits.prompt_tokens(self.engine.context_window), limits.compile_timeout_s, retry_after)
+
+    def _turn(self, request: Request, req: protocol.ChatCompletionRequest,
+              retry_after: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """The client's turn at the grammar compilers (`turns`) for a request with a schema to compile."""
+        fmt = req.response_format
+        if not req.tools and (fmt is None or fmt.type == "text"):
+            return contextlib.nullcontext()
+        return self.turns.turn(request.client.host if request.client else "", retry_after)
 
     async def check_health(self) -> None:
         """Ray Serve's health check (every `health_check_period_s`): see `health`."""
@@ -176,7 +187,8 @@ class FlashSpecServer:
         try:
             req = protocol.parse_request(body)
             retry_after = self.admission.retry_after()  # read here: planning runs on another thread
-            plan = await self.planner.run(lambda: self._plan(req, retry_after))
+            async with self._turn(request, req, retry_after):
+                plan = await self.planner.run(lambda: self._plan(req, retry_after))
             cid = protocol.completion_id()
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)

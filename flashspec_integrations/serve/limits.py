@@ -65,6 +65,9 @@ class Limits(BaseModel):
                                      "or tools) may take to compile; past it the compile is killed")
     planning_timeout_s: float = Field(10.0, gt=0, description="seconds a request may take to prepare "
                                       "(template, tokenizer, schema) before decoding")
+    max_compiles_per_client: int = Field(1, gt=0, description="requests of one client (its address) whose "
+                                         "schema is prepared at once on a replica; more wait their turn, a 429 "
+                                         "past planning_timeout_s")
     grammar_cache_mb: int = Field(256, gt=0, description="MiB of compiled grammars each replica keeps")
 
     def known_domains(self) -> frozenset[str]:
