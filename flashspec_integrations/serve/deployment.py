@@ -50,10 +50,13 @@ from flashspec_integrations.serve.turns import CompileTurns
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEPLOYMENT_NAME = "FlashSpecServer"
-# Ray Serve sends a replica up to max_in_flight + this many requests at once, so that overload
-# reaches the replica's own count and gets its 429 (the extra ones are answered at once); its
-# proxy queues a bounded number more (a 503 past them) while every slot is taken.
-ONGOING_HEADROOM = 32
+# Ray Serve sends a replica up to max_in_flight + this many requests at once. The headroom is for
+# requests that hold no slot: those still sending their body (each for at most body_timeout_s: a
+# few hundred stalled bodies leave a replica answering), and overload, which so reaches the
+# replica's own count and gets its 429 at once. While every place is taken, Ray's proxy queues
+# QUEUED_PER_SLOT times max_in_flight more, plus as many again as the headroom (a 503 past them).
+ONGOING_HEADROOM = 256
+QUEUED_PER_SLOT = 4
 WORKER_STARTUP_S = 60.0  # how long a replica waits at start for its grammar compile processes
 logger = logging.getLogger("flashspec.serve")
 
@@ -260,8 +263,8 @@ class FlashSpecServer:
 
 def _queues(settings: ServeSettings) -> dict[str, int]:
     """Ray Serve's own bounds, set from the replica's in-flight limit (`admission`)."""
-    ongoing = settings.max_in_flight + ONGOING_HEADROOM
-    return {"max_ongoing_requests": ongoing, "max_queued_requests": 4 * ongoing}
+    return {"max_ongoing_requests": settings.max_in_flight + ONGOING_HEADROOM,
+            "max_queued_requests": QUEUED_PER_SLOT * settings.max_in_flight + ONGOING_HEADROOM}
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
