@@ -1,6 +1,6 @@
 """Back-pressure for one replica: a bounded number of requests in flight, each with a deadline.
 
-A request is admitted when it arrives (before it is parsed or planned) if fewer than `limit`
+A request is admitted once its body is in (before it is parsed or planned) if fewer than `limit`
 are in flight on this replica; otherwise it is answered at once with a 429 and a `Retry-After`
 estimate, never queued without bound. An admitted request holds its `Ticket` until its reply
 (or its stream) ends, and must end by the ticket's deadline: past it the server stops waiting
@@ -11,12 +11,18 @@ per proxy, a 503 past it); the deployment sets them a little above `limit` so th
 reaches this count and gets the 429. The engine's scheduler (a bounded queue with deadlines and
 cancellation inside the engine) can later take over what this module counts: `Admission` is
 the one place the server asks.
+
+`Retry-After` (on every 429 and 503 of the replica) is the time the requests waiting ahead take
+to drain at the rate requests have been completing lately (`DrainRate`): a client told to come
+back then finds a slot, rather than all of them retrying at once after a fixed second.
 """
 from __future__ import annotations
 
 import math
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 
 from flashspec_integrations.serve.protocol import APIError
 
@@ -26,7 +32,6 @@ class Ticket:
 
     def __init__(self, admission: Admission, deadline: float):
         self._admission, self.deadline = admission, deadline
-        self.started = time.monotonic()
         self._released = False
 
     def remaining(self) -> float:
@@ -43,10 +48,43 @@ class Ticket:
             self._admission._release(self)
 
 
-class Admission:
-    """At most `limit` requests in flight, each given `timeout_s` from its arrival to its end."""
+class DrainRate:
+    """Requests completed per second over the last `window_s` seconds, and the whole seconds a
+    backlog takes to drain at that rate (a `Retry-After`), within 1..`max_s`."""
 
-    def __init__(self, limit: int, timeout_s: float):
+    def __init__(self, window_s: float = 30.0, max_s: int = 60, clock: Callable[[], float] = time.monotonic):
+        self.window_s, self.max_s, self._clock = window_s, max_s, clock
+        self._since = clock()  # a younger replica measures over its life so far
+        self._done: deque[float] = deque()
+        self._lock = threading.Lock()  # completions come from the event loop and from finalizers
+
+    def record(self) -> None:
+        """One request completed now."""
+        with self._lock:
+            self._done.append(self._clock())
+
+    def per_second(self) -> float:
+        now = self._clock()
+        with self._lock:
+            while self._done and self._done[0] <= now - self.window_s:
+                self._done.popleft()
+            done = len(self._done)
+        return done / max(1.0, min(self.window_s, now - self._since))
+
+    def retry_after(self, waiting: int) -> int:
+        """Seconds until `waiting` requests ahead and this one's own slot have drained; `max_s`
+        when none completed within the window."""
+        rate = self.per_second()
+        if rate == 0:
+            return self.max_s
+        return max(1, min(self.max_s, math.ceil((waiting + 1) / rate)))
+
+
+class Admission:
+    """At most `limit` requests in flight, each given `timeout_s` from its arrival to its end;
+    `queued()`: the requests waiting behind those in flight (the engine's queue), for Retry-After."""
+
+    def __init__(self, limit: int, timeout_s: float, queued: Callable[[], int] = lambda: 0):
         if limit < 1:
             raise ValueError(f"max_in_flight must be >= 1; got {limit!r}")
         if not timeout_s > 0:
@@ -54,7 +92,7 @@ class Admission:
         self.limit, self.timeout_s = limit, timeout_s
         self._lock = threading.Lock()
         self._tickets: set[Ticket] = set()
-        self._mean_s = 1.0  # moving average of how long an admitted request holds its slot
+        self._queued, self.drain = queued, DrainRate()
         self.admitted = self.refused = 0
 
     @property
@@ -62,9 +100,11 @@ class Admission:
         return len(self._tickets)
 
     def retry_after(self) -> int:
-        """Whole seconds until a slot is likely free: a held slot lasts `_mean_s` on average, and
-        with `limit` of them held one frees about every `_mean_s / limit` seconds."""
-        return max(1, min(60, math.ceil(self._mean_s / max(1, self.in_flight))))
+        """Whole seconds until a request sent now likely finds a slot: the engine's queue drained
+        at the recent completion rate, then one more completion; 1 while nothing is in flight."""
+        if not self._tickets:
+            return 1
+        return self.drain.retry_after(self._queued())
 
     def admit(self) -> Ticket:
         """A ticket for a new request, or APIError(429) with `retry_after` when the replica is full."""
@@ -83,7 +123,7 @@ class Admission:
     def _release(self, ticket: Ticket) -> None:
         with self._lock:
             self._tickets.discard(ticket)
-            self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - ticket.started)
+            self.drain.record()
 
     def deadline_error(self) -> APIError:
         return APIError(504, f"the request did not finish within this server's deadline of {self.timeout_s:g} s "

@@ -7,11 +7,11 @@ when done (the engine's scheduler); nothing waits for a batch to fill or to fini
 deadline and a client leaving end its row at the engine's next step. Ray restarts a replica
 whose process dies; the proxy sends new requests to the live ones meanwhile.
 
-Safe to expose (each piece in its own module): the API key and the body size are checked by
-middlewares (`guards`), a request's limits before any heavy work (`limits`), planning runs off
-the event loop with a time limit (`planning`), each replica holds a bounded number of requests
-in flight, each with a deadline (`admission`), errors have OpenAI's shape and a 500 only a request
-id (`errors`), and the health check decodes a token when the engine is idle (`health`).
+Safe to expose (each piece in its own module): the API key, the body's size and the time it takes to
+arrive are checked by middlewares (`guards`), a request's limits before any heavy work (`limits`),
+planning runs off the event loop with a time limit (`planning`), each replica holds a bounded number
+of requests in flight, each with a deadline (`admission`), errors have OpenAI's shape and a 500 only
+a request id (`errors`), and the health check decodes a token when the engine is idle (`health`).
 
 `build_app(args)` is the application builder for Serve config files (`serve run config.yaml`,
 docs/serve.md); the CLI (`command.py`) calls it too.
@@ -20,6 +20,7 @@ No `from __future__ import annotations` here: FastAPI reads the handlers' annota
 at run time, and Serve's ingress wrapper would leave postponed ones unresolved.
 """
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -39,20 +40,24 @@ from flashspec_core.memory_plan import MEMORY_FRACTION
 from flashspec_core.models import vocab_size
 from flashspec_integrations.serve import errors, protocol
 from flashspec_integrations.serve.admission import Admission, Ticket
-from flashspec_integrations.serve.guards import API_KEY_ENV, APIKeyMiddleware, BodySizeLimit, resolve_api_key
+from flashspec_integrations.serve.guards import API_KEY_ENV, APIKeyMiddleware, BodyLimits, resolve_api_key
 from flashspec_integrations.serve.health import EngineActivity, EngineUnhealthy, HealthProbe
 from flashspec_integrations.serve.limits import Limits, check_request
 from flashspec_integrations.serve.planning import Planner
 from flashspec_integrations.serve.protocol import APIError
 from flashspec_integrations.serve.stats import share_router
 from flashspec_integrations.serve.translate import DeltaStream, Plan, call_info, plan_call, reply_message
+from flashspec_integrations.serve.turns import CompileTurns
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEPLOYMENT_NAME = "FlashSpecServer"
-# Ray Serve sends a replica up to max_in_flight + this many requests at once, so that overload
-# reaches the replica's own count and gets its 429 (the extra ones are answered at once); its
-# proxy queues a bounded number more (a 503 past them) while every slot is taken.
-ONGOING_HEADROOM = 32
+# Ray Serve sends a replica up to max_in_flight + this many requests at once. The headroom is for
+# requests that hold no slot: those still sending their body (each for at most body_timeout_s: a
+# few hundred stalled bodies leave a replica answering), and overload, which so reaches the
+# replica's own count and gets its 429 at once. While every place is taken, Ray's proxy queues
+# QUEUED_PER_SLOT times max_in_flight more, plus as many again as the headroom (a 503 past them).
+ONGOING_HEADROOM = 256
+QUEUED_PER_SLOT = 4
 WORKER_STARTUP_S = 60.0  # how long a replica waits at start for its grammar compile processes
 logger = logging.getLogger("flashspec.serve")
 
@@ -92,7 +97,7 @@ def _sse(obj: Any) -> str:
 
 
 app = FastAPI(title="FlashSpec OpenAI-compatible API")
-app.add_middleware(BodySizeLimit)
+app.add_middleware(BodyLimits)
 app.add_middleware(APIKeyMiddleware)  # added last, so it runs first: no body is read for a stranger
 errors.install(app)
 
@@ -120,7 +125,7 @@ class FlashSpecServer:
         """The key, the limits, admission, planning threads and the health probe of this replica."""
         limits = settings.limits
         app.state.api_key = resolve_api_key(settings.api_key.get_secret_value() if settings.api_key else None)
-        app.state.max_body_bytes = limits.max_body_bytes
+        app.state.max_body_bytes, app.state.body_timeout_s = limits.max_body_bytes, limits.body_timeout_s
         if app.state.api_key is None:
             logger.warning("no API key (api_key, $%s): every client that reaches Ray Serve's HTTP proxy "
                            "can use this server", API_KEY_ENV)
@@ -129,8 +134,9 @@ class FlashSpecServer:
                                self.engine.eos_ids).wait_ready(WORKER_STARTUP_S):
             logger.warning("no grammar worker process started within %g s; requests with a schema wait for one",
                            WORKER_STARTUP_S)
-        self.admission = Admission(settings.max_in_flight, settings.request_timeout_s)
-        self.planner = Planner(limits.planning_timeout_s)
+        self.admission = Admission(settings.max_in_flight, settings.request_timeout_s, lambda: self.engine.queued)
+        self.planner = Planner(limits.planning_timeout_s, retry_after=self.admission.retry_after)
+        self.turns = CompileTurns(limits.max_compiles_per_client, limits.planning_timeout_s)
         self.activity = EngineActivity()
         probe_ids = self.engine.tokenizer("Hi", add_special_tokens=False).input_ids or [0]
         self.health = HealthProbe(lambda: self.engine.generate(probe_ids, max_new_tokens=1, domain="chat"),
@@ -146,14 +152,22 @@ class FlashSpecServer:
         return {"max_new_tokens": plan.max_new_tokens, "sampling": plan.sampling, "stop": list(plan.stop) or None,
                 "domain": plan.domain, "json_schema": grammar, "timeout": max(timeout, 1e-3)}
 
-    def _plan(self, req: protocol.ChatCompletionRequest) -> Plan:
+    def _plan(self, req: protocol.ChatCompletionRequest, retry_after: int) -> Plan:
         if req.model != self.model_name:
             raise APIError(404, f"model: {req.model[:200]!r} is not served here; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", "model", code="model_not_found")
         limits = self.settings.limits
         check_request(req, limits, self.engine.context_window)
         return plan_call(self.engine, req, min(self.settings.default_max_tokens, limits.max_tokens),
-                         limits.prompt_tokens(self.engine.context_window), limits.compile_timeout_s)
+                         limits.prompt_tokens(self.engine.context_window), limits.compile_timeout_s, retry_after)
+
+    def _turn(self, request: Request, req: protocol.ChatCompletionRequest,
+              retry_after: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """The client's turn at the grammar compilers (`turns`) for a request with a schema to compile."""
+        fmt = req.response_format
+        if not req.tools and (fmt is None or fmt.type == "text"):
+            return contextlib.nullcontext()
+        return self.turns.turn(request.client.host if request.client else "", retry_after)
 
     async def check_health(self) -> None:
         """Ray Serve's health check (every `health_check_period_s`): see `health`."""
@@ -175,14 +189,17 @@ class FlashSpecServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         rid = errors.request_id(request)
+        body = await request.body()  # whole already, within its time (`guards.BodyLimits`): no slot is held for it
         try:
             ticket = self.admission.admit()
         except APIError as exc:
             return errors.respond(exc)
         streaming = False
         try:
-            req = protocol.parse_request(await request.body())
-            plan = await self.planner.run(lambda: self._plan(req))
+            req = protocol.parse_request(body)
+            retry_after = self.admission.retry_after()  # read here: planning runs on another thread
+            async with self._turn(request, req, retry_after):
+                plan = await self.planner.run(lambda: self._plan(req, retry_after))
             cid = protocol.completion_id()
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -254,8 +271,8 @@ class FlashSpecServer:
 
 def _queues(settings: ServeSettings) -> dict[str, int]:
     """Ray Serve's own bounds, set from the replica's in-flight limit (`admission`)."""
-    ongoing = settings.max_in_flight + ONGOING_HEADROOM
-    return {"max_ongoing_requests": ongoing, "max_queued_requests": 4 * ongoing}
+    return {"max_ongoing_requests": settings.max_in_flight + ONGOING_HEADROOM,
+            "max_queued_requests": QUEUED_PER_SLOT * settings.max_in_flight + ONGOING_HEADROOM}
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

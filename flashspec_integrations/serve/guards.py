@@ -1,6 +1,6 @@
-"""The HTTP guards in front of every route: the API key and the body size (ASGI middlewares).
+"""The HTTP guards in front of every route: the API key, the body's size and time (ASGI middlewares).
 
-Both read their setting from the app's state (`app.state.api_key`, `app.state.max_body_bytes`),
+Both read their settings from the app's state (`app.state.api_key`, `.max_body_bytes`, `.body_timeout_s`),
 which each replica sets when it starts; unset, they let everything through. They answer in
 OpenAI's error shape, so the stock clients raise their usual exceptions
 (`openai.AuthenticationError` for a 401).
@@ -8,13 +8,21 @@ OpenAI's error shape, so the stock clients raise their usual exceptions
 - `APIKeyMiddleware`: every route but the health route needs `Authorization: Bearer <key>` (as
   vLLM's and llama.cpp's `--api-key`); the key is compared in constant time. The key comes from
   the `api_key` setting, else the replica's `FLASHSPEC_API_KEY` environment variable.
-- `BodySizeLimit`: a body over the limit is a 413; the body is read up to the limit (the
-  declared Content-Length is refused at once), never whole first.
+- `BodyLimits`: a body over the limit is a 413; the body is read up to the limit (the
+  declared Content-Length is refused at once), never whole first. A body that has not all
+  arrived within the body timeout is a 408 and its connection is closed: Ray Serve's proxy hands
+  a request to a replica once its headers are in, so a client that stalls inside its body holds
+  one of the replica's places (Ray's `max_ongoing_requests`) until then, and neither uvicorn nor
+  Ray Serve bounds that wait. The body is read before the request is admitted (`admission`), so
+  a stalled one holds no in-flight slot and no engine row. What the app receives after the body
+  is the client's disconnect, logged as one INFO line naming the request id.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -24,6 +32,7 @@ if TYPE_CHECKING:  # Starlette is imported where a response is sent: the CLI imp
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 API_KEY_ENV = "FLASHSPEC_API_KEY"
+logger = logging.getLogger("flashspec.serve")
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -84,14 +93,51 @@ class APIKeyMiddleware:
         await _send_error(error, scope, receive, send, {"WWW-Authenticate": "Bearer"})
 
 
-class BodySizeLimit:
-    """413 in OpenAI's shape for a request body over `app.state.max_body_bytes`."""
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None when the client leaves first; _TooLarge once past `limit` bytes."""
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await _from_client(receive)
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        more = message.get("more_body", False)
+        if size > limit:
+            raise _TooLarge
+    return b"".join(chunks)
+
+
+async def _from_client(receive: Receive) -> Message:
+    """The client's next message. Ray Serve's channel to its proxy fails (TaskCancelledError)
+    once the proxy has dropped a request whose client left: that is the client's disconnect too."""
+    try:
+        return await receive()
+    except Exception:  # noqa: BLE001 - any failure of the channel: nobody is left to hear from
+        return {"type": "http.disconnect"}
+
+
+def _left(scope: Scope) -> None:
+    """One line for a client that left before its reply ended (its stream's end frees its row)."""
+    rid = dict(scope.get("headers") or ()).get(b"x-request-id", b"?").decode("latin-1")[:64]
+    logger.info("request %s: the client disconnected before its reply ended", rid)
+
+
+class BodyLimits:
+    """413 in OpenAI's shape for a request body over `app.state.max_body_bytes`, and 408 for one
+    not received whole within `app.state.body_timeout_s` of the request reaching this replica."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limit = _state(scope, "max_body_bytes")
+        limit, seconds = _state(scope, "max_body_bytes"), _state(scope, "body_timeout_s")
+        timeout = float(seconds) if isinstance(seconds, (int, float)) else None
         if scope["type"] != "http" or not isinstance(limit, int):
             await self.app(scope, receive, send)
             return
@@ -99,26 +145,31 @@ class BodySizeLimit:
         if declared.isdigit() and int(declared) > limit:
             await self._refuse(limit, scope, receive, send)
             return
-        chunks: list[bytes] = []
-        size, more = 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away: nobody to answer
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > limit:
-                await self._refuse(limit, scope, receive, send)
-                return
-        body, replayed = b"".join(chunks), False
+        try:
+            async with asyncio.timeout(timeout):
+                body = await _read_body(receive, limit)
+        except TimeoutError:
+            error = APIError(408, f"the request body did not all arrive within {timeout:g} s of the request "
+                                  "(--body-timeout-s); send the whole body at once", code="request_timeout")
+            await _send_error(error, scope, receive, send, {"Connection": "close"})
+            return
+        except _TooLarge:
+            await self._refuse(limit, scope, receive, send)
+            return
+        if body is None:  # the client went away: nobody to answer
+            _left(scope)
+            return
+        replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: the disconnect, when it comes
+            message = await _from_client(receive)  # after the body: only the disconnect comes
+            if message["type"] == "http.disconnect":
+                _left(scope)
+            return message
 
         await self.app(scope, replay, send)
 

@@ -5,7 +5,8 @@ Every limit has a default an exposed server can live with and a `flashspec-agent
 (`limits:` under `args`). What the checks here refuse is a 400 naming the field and the limit
 (413 for the body), before the chat template, the tokenizer or the grammar compiler run:
 
-- the body's size (`guards.BodySizeLimit`, an ASGI middleware: it reads at most the limit);
+- the body's size and the time it takes to arrive (`guards.BodyLimits`, an ASGI middleware: it
+  reads at most the size limit; a 408 past the time limit);
 - counts: messages, tools, stop strings (and their length);
 - each JSON schema (`response_format` and every tool's `parameters`, and all of them together
   when a call is forced over every tool): size as compact JSON and nesting depth, measured
@@ -44,6 +45,8 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_body_bytes: int = Field(4 << 20, gt=0, description="request body size in bytes (413 past it)")
+    body_timeout_s: float = Field(20.0, gt=0, description="seconds a request's body may take to arrive "
+                                  "once its headers are in (408 past it)")
     max_messages: int = Field(1024, gt=0, description="messages in one request")
     max_tools: int = Field(128, gt=0, description="tools in one request")
     max_stop: int = Field(16, gt=0, description="stop strings in one request")
@@ -62,6 +65,9 @@ class Limits(BaseModel):
                                      "or tools) may take to compile; past it the compile is killed")
     planning_timeout_s: float = Field(10.0, gt=0, description="seconds a request may take to prepare "
                                       "(template, tokenizer, schema) before decoding")
+    max_compiles_per_client: int = Field(1, gt=0, description="requests of one client (its address) whose "
+                                         "schema is prepared at once on a replica; more wait their turn, a 429 "
+                                         "past planning_timeout_s")
     grammar_cache_mb: int = Field(256, gt=0, description="MiB of compiled grammars each replica keeps")
 
     def known_domains(self) -> frozenset[str]:

@@ -5,7 +5,7 @@ the schema compile) is CPU work: on the event loop it would stall every other re
 replica and its health check. It runs here on a few threads of its own; the caller waits at most
 `timeout_s`. A plan that started and ran past the limit is the request's doing (a 400: the
 limits keep it rare); one that could not start within the limit, because the threads were busy,
-is the server's (a 503 with Retry-After). Python cannot stop a running thread: a plan past its
+is the server's (a 503 with the replica's Retry-After estimate, `admission`). Python cannot stop a running thread: a plan past its
 limit finishes in the background and its result is dropped. The schema compile, the one step
 that could run long, runs in a worker process killed at its own, shorter limit
 (`Limits.compile_timeout_s`, flashspec_core/constrained/compile_process.py), so it never keeps a
@@ -25,12 +25,13 @@ T = TypeVar("T")
 
 
 class Planner:
-    """`await planner.run(fn)`: `fn()` on a planning thread, or APIError once `timeout_s` passes."""
+    """`await planner.run(fn)`: `fn()` on a planning thread, or APIError once `timeout_s` passes;
+    `retry_after()`: the 503's Retry-After in seconds."""
 
-    def __init__(self, timeout_s: float, workers: int = 2):
+    def __init__(self, timeout_s: float, workers: int = 2, retry_after: Callable[[], int] = lambda: 1):
         if not timeout_s > 0:
             raise ValueError(f"planning_timeout_s must be > 0 seconds; got {timeout_s!r}")
-        self.timeout_s = timeout_s
+        self.timeout_s, self._retry_after = timeout_s, retry_after
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flashspec-plan")
 
     async def run(self, fn: Callable[[], T]) -> T:
@@ -48,9 +49,10 @@ class Planner:
                 raise APIError(400, f"the request took longer than {self.timeout_s:g} s to prepare (chat template, "
                                     "tokenizer, JSON schema) and was dropped; send a shorter prompt or a simpler "
                                     "schema (--planning-timeout-s)", code="planning_timeout") from None
+            wait = self._retry_after()
             raise APIError(503, f"the server could not start preparing the request within {self.timeout_s:g} s; "
-                                "retry later", kind="server_error", code="server_busy",
-                           headers={"Retry-After": "1"}) from None
+                                f"retry after {wait} s", kind="server_error", code="server_busy",
+                           headers={"Retry-After": str(wait)}) from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

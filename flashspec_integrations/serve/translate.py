@@ -115,9 +115,10 @@ def _output_schema(engine: Any, req: ChatCompletionRequest, tools: list[dict],
     return fmt.json_schema.schema_, "response_format"
 
 
-def _compile(engine: Any, schema: dict, field: str, timeout_s: float | None) -> Grammar:
+def _compile(engine: Any, schema: dict, field: str, timeout_s: float | None, retry_after: int) -> Grammar:
     """The schema (or structural tag) compiled within `timeout_s`, in a worker process killed past
-    it; a bad or too costly schema is the caller's 400, every worker busy for the whole limit a 503."""
+    it; a bad or too costly schema is the caller's 400, every worker busy for the whole limit a 503
+    with `Retry-After: retry_after`."""
     try:
         return as_grammar(schema, engine.tokenizer, vocab_size(engine.target_model), sorted(engine.eos_ids),
                           timeout_s=timeout_s)
@@ -125,8 +126,8 @@ def _compile(engine: Any, schema: dict, field: str, timeout_s: float | None) -> 
         raise APIError(400, f"{field}: {str(exc).removeprefix('json_schema: ')}", field) from None
     except CompileBusy:
         raise APIError(503, f"{field}: the server's grammar compilers stayed busy with other requests for "
-                            f"{timeout_s:g} s; retry later", kind="server_error", code="server_busy",
-                       headers={"Retry-After": "1"}) from None
+                            f"{timeout_s:g} s; retry after {retry_after} s", kind="server_error", code="server_busy",
+                       headers={"Retry-After": str(retry_after)}) from None
 
 
 def _sampling(req: ChatCompletionRequest) -> SamplingParams:
@@ -141,12 +142,13 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
 
 
 def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
-              max_prompt_tokens: int | None = None, compile_timeout_s: float | None = None) -> Plan:
+              max_prompt_tokens: int | None = None, compile_timeout_s: float | None = None,
+              retry_after: int = 1) -> Plan:
     """The engine call for `req`; APIError(400) naming the field for anything it cannot serve.
 
     max_prompt_tokens: the server's prompt limit (None: the context window only).
     compile_timeout_s: the longest a schema may take to compile (None: as long as it takes, on
-    the calling thread).
+    the calling thread). retry_after: the seconds a 503 tells the client to wait (`admission`).
     """
     sampling = _sampling(req)
     messages = _messages(req)
@@ -175,7 +177,7 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
         text = render_prompt(engine.tokenizer, messages, shown, extra)
     except (ValueError, TypeError, TemplateError) as exc:  # the template's checks (roles must alternate, ...)
         raise APIError(400, f"messages: the chat template refused them: {exc}"[:1000], "messages") from None
-    grammar = None if schema is None else _compile(engine, schema, str(schema_field), compile_timeout_s)
+    grammar = None if schema is None else _compile(engine, schema, str(schema_field), compile_timeout_s, retry_after)
     ids = engine.tokenizer(text, add_special_tokens=False).input_ids
     room = engine.context_window - len(ids)
     if room <= 0:

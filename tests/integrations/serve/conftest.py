@@ -15,6 +15,7 @@ MAX_TOKENS = 64  # the operator's cap: anything a fuzzed request asks for decode
 # Each replica loads the model and calibrates its kernels before it is up: ~30 s on an idle 2-core
 # machine, minutes beside other CPU-heavy work. Past this the folder's tests fail saying so.
 READY_TIMEOUT_S = 900.0
+BODY_TIMEOUT_S = 8.0  # short, for the stalled-body test; loopback bodies arrive in milliseconds
 TEST_DOMAINS = ["code-test", "share-test", "kill-test", "load-test", "disconnect-test", "disconnect-full"]
 
 
@@ -38,7 +39,7 @@ def service(default_target, tmp_path_factory):
         try:
             url = start(2, _free_port(), router_store=str(ledger), sync_seconds=0.0, default_max_tokens=32,
                         api_key=API_KEY, max_in_flight=MAX_IN_FLIGHT, request_timeout_s=120.0,
-                        limits=Limits(max_tokens=MAX_TOKENS, domains=TEST_DOMAINS), ready_timeout_s=READY_TIMEOUT_S)
+                        limits=Limits(max_tokens=MAX_TOKENS, domains=TEST_DOMAINS, body_timeout_s=BODY_TIMEOUT_S), ready_timeout_s=READY_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - one clear reason for every test of the folder
             pytest.fail(f"the test deployment (two CPU replicas of the default model) did not start: "
                         f"{type(exc).__name__}: {exc}", pytrace=False)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from flashspec_integrations.serve.admission import Admission
+from flashspec_integrations.serve.admission import Admission, DrainRate
 from flashspec_integrations.serve.health import EngineActivity, EngineUnhealthy, HealthProbe
 from flashspec_integrations.serve.planning import Planner
 from flashspec_integrations.serve.protocol import APIError
@@ -30,6 +30,61 @@ def test_past_the_limit_a_request_gets_a_429_with_retry_after_and_a_freed_slot_a
     assert admission.in_flight == 0
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def drained(completions: int, over_s: float, window_s: float = 30.0) -> DrainRate:
+    """A DrainRate that saw `completions` spread evenly over the last `over_s` seconds."""
+    clock = Clock()
+    rate = DrainRate(window_s=window_s, clock=clock)
+    for _ in range(completions):
+        clock.now += over_s / completions
+        rate.record()
+    return rate
+
+
+def test_retry_after_is_the_backlog_over_the_recent_drain_rate_in_whole_seconds_within_1_to_60():
+    fast, slow = drained(30, 30.0), drained(6, 30.0)  # 1/s and 0.2/s
+    assert fast.per_second() == pytest.approx(1.0) and slow.per_second() == pytest.approx(0.2)
+    assert [fast.retry_after(n) for n in (0, 4, 9)] == [1, 5, 10]  # (ahead + this one) / rate
+    assert [slow.retry_after(n) for n in (0, 4, 9)] == [5, 25, 50]
+    assert slow.retry_after(100) == 60 and drained(300, 30.0).retry_after(0) == 1  # bounded both ways
+    waits = [slow.retry_after(n) for n in range(20)]
+    assert waits == sorted(waits) and all(isinstance(w, int) for w in waits)  # never falls as the queue grows
+    assert all(slow.retry_after(n) >= fast.retry_after(n) for n in range(20))
+    young = drained(4, 2.0)  # a replica 2 s old that completed 4: 2 per second, not 4 / 30
+    assert young.retry_after(3) == 2
+    assert DrainRate().retry_after(0) == 60  # nothing completed: the longest wait
+
+
+def test_completions_older_than_the_window_stop_counting():
+    rate = drained(30, 30.0, window_s=10.0)  # 1/s; the window keeps the last 10 s
+    assert rate.per_second() == pytest.approx(1.0)
+    rate._clock.now += 5  # nothing completes for 5 s: half the window's completions age out
+    assert rate.per_second() == pytest.approx(0.5) and rate.retry_after(1) == 4
+    rate._clock.now += 10
+    assert rate.per_second() == 0 and rate.retry_after(0) == 60
+
+
+def test_an_admission_retry_after_uses_the_engines_queue_and_its_completions():
+    queue = [0]
+    admission = Admission(limit=1, timeout_s=60, queued=lambda: queue[0])
+    assert admission.retry_after() == 1  # nothing in flight: a slot is free now
+    admission.drain = drained(10, 30.0)  # 1/3 per second
+    held = admission.admit()
+    assert admission.retry_after() == 3
+    queue[0] = 5
+    with pytest.raises(APIError) as err:
+        admission.admit()
+    assert err.value.headers["Retry-After"] == "18" and "retry after 18 s" in err.value.message
+    held.release()
+
+
 def test_a_ticket_counts_down_to_its_deadline():
     admission = Admission(limit=1, timeout_s=0.05)
     ticket = admission.admit()
@@ -46,7 +101,7 @@ def test_a_ticket_counts_down_to_its_deadline():
 
 def test_a_slow_plan_is_a_400_and_a_plan_that_cannot_start_a_503():
     async def scenario() -> None:
-        planner = Planner(timeout_s=0.2, workers=1)
+        planner = Planner(timeout_s=0.2, workers=1, retry_after=lambda: 17)
         assert await planner.run(lambda: 7) == 7
         ticks = 0
 
@@ -67,7 +122,7 @@ def test_a_slow_plan_is_a_400_and_a_plan_that_cannot_start_a_503():
         ran = []
         with pytest.raises(APIError) as queued:  # the one thread is still busy: never starts
             await planner.run(lambda: ran.append(1))
-        assert queued.value.status == 503 and queued.value.headers["Retry-After"] == "1"
+        assert queued.value.status == 503 and queued.value.headers["Retry-After"] == "17"
         release.set()
         assert await planner.run(lambda: 8) == 8 and ran == []  # the dropped plan never ran
         planner.close()

@@ -17,6 +17,7 @@ from flashspec_core.models import vocab_size
 from flashspec_integrations.serve.planning import Planner
 from flashspec_integrations.serve.protocol import APIError, parse_request
 from flashspec_integrations.serve.translate import plan_call
+from flashspec_integrations.serve.turns import CompileTurns
 
 pytestmark = pytest.mark.slow
 
@@ -115,3 +116,40 @@ def test_a_recursive_schema_compiles_under_every_tool_choice_as_under_response_f
     vocab, eos = vocab_size(engine.target_model), sorted(engine.eos_ids)
     assert plan.grammar is not None and plan.grammar.vocab_size == vocab
     assert as_grammar(plan.grammar, engine.tokenizer, vocab, eos) is plan.grammar  # the engine compiles nothing more
+
+
+def test_one_clients_slow_schemas_leave_another_clients_schema_a_thread_and_a_worker(engine, workers):
+    """Client A sends two schemas that never compile at once, client B a trivial one: A's second
+    waits for A's turn (a 429 when it does not come), so B plans at once on the thread and worker
+    A leaves free, instead of waiting out A's compile limit."""
+    limit_s = 4.0  # A's compile holds a thread and a worker this long
+
+    def plan_for(fields: dict):
+        body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], **fields}
+        req = parse_request(json.dumps(body).encode())
+        return lambda: plan_call(engine, req, 64, compile_timeout_s=limit_s)
+
+    async def scenario() -> None:
+        planner, turns = Planner(timeout_s=limit_s + PROMPT_S + SLACK_S), CompileTurns(limit=1, timeout_s=1.0)
+        started = time.perf_counter()
+
+        async def client(name: str, schema: dict) -> tuple[str, float]:
+            try:
+                async with turns.turn(name, retry_after=3):
+                    await planner.run(plan_for(carrying(schema, "response_format")))
+                outcome = "planned"
+            except APIError as exc:
+                outcome = str(exc.status)
+            return outcome, time.perf_counter() - started
+
+        try:
+            a1, a2 = client("10.0.0.1", ENDLESS), client("10.0.0.1", ENDLESS)
+            (first, _), (second, refused_at), (other, other_at) = await asyncio.gather(
+                a1, a2, client("10.0.0.2", TRIVIAL))
+        finally:
+            planner.close()
+        assert (first, second, other) == ("400", "429", "planned")  # A's compile past its limit; A's second refused
+        assert other_at < limit_s, f"B's trivial schema waited {other_at:.1f} s behind A's"
+        assert refused_at < limit_s and turns.clients() == 0
+
+    asyncio.run(scenario())

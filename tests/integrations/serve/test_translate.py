@@ -157,6 +157,20 @@ def test_sampling_the_engine_refuses_is_a_400_even_past_the_protocol(engine):
     assert err.value.status == 400 and err.value.param == "temperature" and "below 0.01" in err.value.message
 
 
+def test_compile_workers_all_busy_is_a_503_with_the_servers_retry_after(engine, monkeypatch):
+    from flashspec_core.constrained.compile_process import CompileBusy
+    from flashspec_integrations.serve import translate
+
+    def busy(*args, **kwargs):
+        raise CompileBusy("every worker stayed busy")
+
+    monkeypatch.setattr(translate, "as_grammar", busy)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}
+    with pytest.raises(APIError) as err:
+        plan_call(engine, parse_request(json.dumps(body).encode()), 64, compile_timeout_s=1, retry_after=9)
+    assert (err.value.status, err.value.code, err.value.headers) == (503, "server_busy", {"Retry-After": "9"})
+
+
 def test_the_servers_prompt_limit_and_schema_time_limit_are_400s(engine):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 50}]}
     with pytest.raises(APIError) as err:
