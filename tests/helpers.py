@@ -18,6 +18,7 @@ import random
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -361,6 +362,30 @@ def random_gguf_bytes(kind: str, out: int, inp: int, seed: int = 0) -> torch.Ten
         m = (torch.rand(out, nb, generator=gen) * (0.01 if kind.endswith("_k") else -0.1)).half()
         raw[..., m_at:m_at + 2] = m[..., None].view(torch.uint8)
     return raw.reshape(out, -1)
+
+
+def q4_k_m_default() -> Path:
+    """The default model re-quantized by llama.cpp's quantizer to Q4_K_M (as a user makes one), in
+    the cache's models/ folder (shared by xdist workers; made once, written to a temporary file and
+    renamed). Skips the test where llama-cpp-python is missing."""
+    import ctypes
+
+    from flashspec_core.models import cache_root, default_gguf_path
+
+    lc = pytest.importorskip("llama_cpp")
+    source = default_gguf_path()
+    target = cache_root() / "models" / f"{source.stem}-{source.stat().st_size}.Q4_K_M.gguf"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = lc.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = True  # from the shipped Q4_1 file: the only weights here
+    if lc.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source}")
+    os.replace(tmp, target)
+    return target
 
 
 class CopyDraft(DraftSource):

@@ -210,16 +210,22 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def library_path() -> Path:
+    """Where this machine's build lives in the cache: keyed by the sources' bytes and the CPU, so an
+    edited kernel or another CPU gets a build of its own, never a stale one."""
+    from flashspec_core.backends.calibration import cpu_flags, cpu_model
+
+    code = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
+    key = hashlib.sha256(code + f"|{cpu_model()}|{cpu_flags()}".encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"blockq-{key}.so"
+
+
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The compiled kernel for this machine (built on first use), or None where it cannot be built."""
-    from flashspec_core.backends.calibration import cpu_flags, cpu_model
-
     if _compiler() is None:
         return None
-    code = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
-    key = hashlib.sha256(code + f"|{cpu_model()}|{cpu_flags()}".encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"blockq-{key}.so"
+    path = library_path()
     try:
         if not path.exists():
             build(path)

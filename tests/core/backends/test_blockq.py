@@ -246,3 +246,17 @@ def test_every_instruction_set_path_computes_the_same_product(tmp_path, flags):
             errors = _kernel_errors(from_gguf_rows(kind, raw, 67, inp), _gguf_py(kind, raw, 67, inp),
                                     rows_list=(1, 3, 5, 6, 9), lib=lib)
             assert errors == [], f"{kind}, tiles of {tile_rows}: {errors}"
+
+
+def test_an_edited_kernel_source_gets_a_build_of_its_own(tmp_path, monkeypatch):
+    """The cached build is keyed by the sources' bytes: a changed blockq.c is never served stale."""
+    before = blockq.library_path()
+    copies = []
+    for source in blockq.SOURCES:
+        copy = tmp_path / source.name
+        copy.write_bytes(source.read_bytes())
+        copies.append(copy)
+    monkeypatch.setattr(blockq, "SOURCES", tuple(copies))
+    assert blockq.library_path() == before  # the same bytes elsewhere: the same build
+    copies[0].write_bytes(copies[0].read_bytes() + b"\n/* edited */\n")
+    assert blockq.library_path() != before
