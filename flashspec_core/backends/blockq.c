@@ -208,8 +208,33 @@ INLINE void q8_tile(const int R, const int C, const int A, const int G, const in
     case 3: TILE(1, 3, 1, __VA_ARGS__); break; case 4: TILE(1, 4, 1, __VA_ARGS__); break; \
     case 5: TILE(1, C1 >= 5 ? 5 : 1, 1, __VA_ARGS__); break; case 6: TILE(1, C1 >= 6 ? 6 : 1, 1, __VA_ARGS__); break; \
     case 7: TILE(1, C1 >= 7 ? 7 : 1, 1, __VA_ARGS__); break; default: TILE(1, C1, 1, __VA_ARGS__); } } while (0)
-#define DISPATCH(R, TILE, cols, alone, ...) do { \
-    if ((R) == 4) DISPATCH4(TILE, cols, alone, __VA_ARGS__); else DISPATCH1(TILE, cols, alone, __VA_ARGS__); } while (0)
+/* One function per layout: each compiles on its own, as small as a kernel of one layout (inlined
+ * into one function, the six layouts' tiles made every one of them slower). */
+#define LAYOUT_ROWS(NAME, TILE) \
+    static __attribute__((noinline)) void NAME(int R, int cols, int alone, const uint8_t *q, const float *s, int nb, \
+                                               const float *x, int K, float *y, int ldy) { \
+        if (R == 4) DISPATCH4(TILE, cols, alone, q, s, nb, x, K, y, ldy); \
+        else DISPATCH1(TILE, cols, alone, q, s, nb, x, K, y, ldy); }
+LAYOUT_ROWS(q4_1_rows, Q4_1_TILE)
+LAYOUT_ROWS(q4_0_rows, Q4_0_TILE)
+LAYOUT_ROWS(q5_1_rows, Q5_1_TILE)
+LAYOUT_ROWS(q5_0_rows, Q5_0_TILE)
+LAYOUT_ROWS(q8_0_rows, Q8_0_TILE)
+LAYOUT_ROWS(q8_s16_rows, Q8_S16_TILE)
+#endif
+
+#ifndef SCALAR
+typedef void (*rows_fn)(int, int, int, const uint8_t *, const float *, int, const float *, int, float *, int);
+static rows_fn rows_of(int kind) {
+    switch (kind) {
+        case Q4_1: return q4_1_rows;
+        case Q4_0: return q4_0_rows;
+        case Q5_1: return q5_1_rows;
+        case Q5_0: return q5_0_rows;
+        case Q8_S16: return q8_s16_rows;
+        default: return q8_0_rows;
+    }
+}
 #endif
 
 static int nibble_kind(int kind) { return kind == Q4_1 || kind == Q4_0 || kind == Q5_1 || kind == Q5_0; }
@@ -278,14 +303,7 @@ void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const
                 const int step = M - j0 >= C ? C : M - j0;
                 const float *xj = x + (size_t)j0 * K;
                 float *yj = yr + (size_t)j0 * ldy;
-                switch (kind) {
-                    case Q4_1: DISPATCH(R, Q4_1_TILE, step, M == 1, q, s, nb, xj, K, yj, ldy); break;
-                    case Q4_0: DISPATCH(R, Q4_0_TILE, step, M == 1, q, s, nb, xj, K, yj, ldy); break;
-                    case Q5_1: DISPATCH(R, Q5_1_TILE, step, M == 1, q, s, nb, xj, K, yj, ldy); break;
-                    case Q5_0: DISPATCH(R, Q5_0_TILE, step, M == 1, q, s, nb, xj, K, yj, ldy); break;
-                    case Q8_S16: DISPATCH(R, Q8_S16_TILE, step, M == 1, q, s, nb, xj, K, yj, ldy); break;
-                    default: DISPATCH(R, Q8_0_TILE, step, M == 1, q, s, nb, xj, K, yj, ldy);
-                }
+                rows_of(kind)(R, step, M == 1, q, s, nb, xj, K, yj, ldy);
                 j0 += step;
             }
 #endif
