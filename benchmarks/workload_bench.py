@@ -31,6 +31,7 @@ from tqdm import tqdm
 from flashspec_core.backends import llama_cpp
 from flashspec_core.backends.calibration import machine_line
 from flashspec_core.engine import SpecEngine
+from flashspec_core.models import load_model
 from flashspec_core.pool import default_drafts, load_target
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
@@ -85,6 +86,8 @@ def main() -> None:
                         help="drafts (every γ) or arms (name@γ) to run as fixed arms besides plain decoding; "
                              "'all' for the whole pool")
     parser.add_argument("--no-hints", action="store_true", help="classify every step (no adapter hints)")
+    parser.add_argument("--gguf", default=None,
+                        help="a GGUF file to run as the target, e.g. a Q4_K_M of the default model (default: the embedded one)")
     parser.add_argument("--out", default="bench_out/workload")
     args = parser.parse_args()
 
@@ -94,12 +97,12 @@ def main() -> None:
     backends = args.backends.split(",")
     if "llama.cpp" in backends and not llama_cpp.available():
         raise SystemExit(f"--backends llama.cpp needs llama-cpp-python: {llama_cpp.INSTALL}")
-    target = load_target(None)
+    target = load_target(args.gguf)
     encoder = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), backend="hf", calibrate=False)
     encode = lambda s: encoder.encode([s.messages], s.max_new_tokens)[0]  # noqa: E731
     ids, warm_ids = [encode(s) for s in steps], [encode(s) for s in warmup]
 
-    stock = stock_default_model()
+    stock = load_model(args.gguf).model if args.gguf else stock_default_model()
     pad = target.tokenizer.pad_token_id
     runners = {
         "HF generate": baseline_runner(lambda i, n: hf_generate(stock, i, n, pad)),

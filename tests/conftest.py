@@ -111,6 +111,7 @@ LONGEST_FIRST = (
     "tests/integrations/langchain/test_langchain_standard.py",
     "tests/core/constrained/test_constrained_default.py",
     "tests/core/backends/test_blockq.py",
+    "tests/core/test_greedy_q4_k_m.py",
     "tests/core/drafts/test_trained.py",
 )
 SERVE = "tests/integrations/serve/"

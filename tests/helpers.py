@@ -18,6 +18,7 @@ import random
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -342,21 +343,58 @@ def greedy_references(model, prompts, max_new: int) -> list[tuple[list[int], lis
 
 
 def random_blocks(kind: str, out: int, inp: int, seed: int = 0):
-    """A `blockq.BlockWeight` [out, inp] of random GGUF bytes (fp16 scales of realistic size)."""
+    """A `blockq.BlockWeight` [out, inp] of random GGUF bytes of type `kind` (fp16 scales of
+    realistic size, of both signs where the quantizer writes both)."""
     from flashspec_core.backends.blockq import from_gguf_rows
 
+    return from_gguf_rows(kind, random_gguf_bytes(kind, out, inp, seed), out, inp)
+
+
+# byte offsets of each GGUF type's fp16 fields in a block: (d, m or dmin or None)
+_FP16_FIELDS = {"q4_0": (0, None), "q4_1": (0, 2), "q5_0": (0, None), "q5_1": (0, 2), "q8_0": (0, None),
+                "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208, None)}
+
+
+def random_gguf_bytes(kind: str, out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    """[out, bytes per row] uint8: random blocks of GGUF type `kind` as a file holds them."""
+    from flashspec_core.backends.blockq import BLOCK_BYTES
+
     gen = torch.Generator().manual_seed(seed)
-    nb = inp // 32
-    if kind == "q4_1":
-        d = (torch.rand(out, nb, generator=gen) * 0.02).half()
-        m = (-torch.rand(out, nb, generator=gen) * 0.1).half()
-        nibbles = torch.randint(0, 256, (out, nb, 16), generator=gen, dtype=torch.uint8)
-        raw = torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nibbles], dim=-1)
-    else:
-        d = (torch.rand(out, nb, generator=gen) * 0.02).half()
-        q = torch.randint(-128, 128, (out, nb, 32), generator=gen, dtype=torch.int8).view(torch.uint8)
-        raw = torch.cat([d[..., None].view(torch.uint8), q], dim=-1)
-    return from_gguf_rows(kind, raw.reshape(out, -1), out, inp)
+    size, nbytes = BLOCK_BYTES[kind]
+    nb = inp // size
+    raw = torch.randint(0, 256, (out, nb, nbytes), generator=gen, dtype=torch.uint8)
+    d_at, m_at = _FP16_FIELDS[kind]
+    signed = kind in ("q4_0", "q5_0", "q8_0", "q6_k")
+    d = ((torch.rand(out, nb, generator=gen) - (0.5 if signed else 0.0)) * 0.02).half()
+    raw[..., d_at:d_at + 2] = d[..., None].view(torch.uint8)
+    if m_at is not None:
+        m = (torch.rand(out, nb, generator=gen) * (0.01 if kind.endswith("_k") else -0.1)).half()
+        raw[..., m_at:m_at + 2] = m[..., None].view(torch.uint8)
+    return raw.reshape(out, -1)
+
+
+def q4_k_m_default() -> Path:
+    """The default model re-quantized by llama.cpp's quantizer to Q4_K_M (as a user makes one), in
+    the cache's models/ folder (shared by xdist workers; made once, written to a temporary file and
+    renamed). Skips the test where llama-cpp-python is missing."""
+    import ctypes
+
+    from flashspec_core.models import cache_root, default_gguf_path
+
+    lc = pytest.importorskip("llama_cpp")
+    source = default_gguf_path()
+    target = cache_root() / "models" / f"{source.stem}-{source.stat().st_size}.Q4_K_M.gguf"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = lc.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = True  # from the shipped Q4_1 file: the only weights here
+    if lc.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source}")
+    os.replace(tmp, target)
+    return target
 
 
 class CopyDraft(DraftSource):

@@ -1,9 +1,15 @@
-/* y[M,N] = x[M,K] @ W[N,K]^T with W held as GGUF blocks of 32 weights along K, in fp32 arithmetic.
+/* y[M,N] = x[M,K] @ W[N,K]^T with W held as blocks of 32 weights along K, in fp32 arithmetic.
  *
- * q4_1: w = d*q + m, q in 0..15 (low nibbles: weights 0..15 of the block, high: 16..31);
- * q8_0: w = d*q, q in -128..127. With d and m fp16 values, d*q is exact in fp32, so fma(d, q, m)
- * rounds once, as d*q + m does: the kernel multiplies by the dequantised weights bit for bit and
- * differs from a dense fp32 product only in the order of its sums (as MKL's gemv and gemm do).
+ * Layouts (blockq.h; blockq.py repacks each GGUF type into one of them, the K-quants' 256-weight
+ * super-blocks as 8 blocks of 32 with their scales multiplied out):
+ * Q4_1: w = d*q + m, q in 0..15 (low nibbles: weights 0..15 of the block, high: 16..31);
+ * Q4_0: w = d*(q - 8); Q5_1 and Q5_0: the same with a fifth bit per weight (a 32-bit word before
+ * the nibbles, bit i for weight i) and q - 16; Q8_0: w = d*q, q in -128..127, one d per 32
+ * weights; Q8_S16: the same with one d per 16 weights (Q6_K). Every d*q is exact in fp32 (d is an
+ * fp16 value, or a fp16 value times a 6- or 8-bit integer scale, and q has at most 8 bits), so
+ * fma(q, d, m) rounds once, as ggml's d*q + m does, and an offset kind adds -0.0 (the identity,
+ * keeping ggml's sign of a zero weight): the kernel multiplies by the dequantised weights bit for
+ * bit and differs from a dense fp32 product only in the order of its sums (as MKL's gemv and gemm do).
  *
  * Why: a CPU decode step is bound by the bytes of weights it reads; these blocks are 0.75 (q4_1)
  * and 1.125 (q8_0) bytes a weight against fp32's 4. A tile of R rows x C columns (tokens) keeps
@@ -21,6 +27,8 @@
 #include <immintrin.h>
 #endif
 
+#define INLINE static inline __attribute__((always_inline))
+
 #if defined(__AVX512F__)
 typedef __m512 vf;
 #define VW 16
@@ -34,12 +42,28 @@ typedef __m512 vf;
  * d*i + m are one FMA over 0..15, and each nibble picks its value by a permute (which reads only
  * an index's low 4 bits, so the low nibbles need no mask): 5 vector ops where converting every
  * nibble and scaling it took 8. */
-static inline void dequant_q4(const uint8_t *p, vf d, vf m, vf *lo, vf *hi) {
-    const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+INLINE void dequant_q4(const int FIVE, const int OFF, const uint8_t *p, uint32_t qh, int h, vf d, vf m, vf *lo,
+                       vf *hi) {
+    (void)h;  /* 16 lanes: one step a block */
+    const vf iota = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                  _mm512_set1_ps((float)OFF));
     const vf table = _mm512_fmadd_ps(iota, d, m);
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *lo = _mm512_permutexvar_ps(v, table);
-    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+    if (!FIVE) {
+        *lo = _mm512_permutexvar_ps(v, table);
+        *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+        return;
+    }
+    /* 5-bit indices into 32 values (two tables): the fifth bit of weight i is bit i of qh */
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i bits = _mm512_set1_epi32((int)qh), one = _mm512_set1_epi32(1), low = _mm512_set1_epi32(15);
+    const vf upper = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), d, m);
+    __m512i il = _mm512_or_si512(_mm512_and_si512(v, low),
+                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bits, lanes), one), 4));
+    __m512i ih = _mm512_or_si512(_mm512_srli_epi32(v, 4), _mm512_slli_epi32(_mm512_and_si512(
+        _mm512_srlv_epi32(bits, _mm512_add_epi32(lanes, _mm512_set1_epi32(16))), one), 4));
+    *lo = _mm512_permutex2var_ps(table, il, upper);
+    *hi = _mm512_permutex2var_ps(table, ih, upper);
 }
 static inline vf bytes_s8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -58,11 +82,23 @@ static inline float VSUM(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-/* 8 bytes of nibbles -> 8 weights from the low nibbles and 8 from the high ones, as d*q + m */
-static inline void dequant_q4(const uint8_t *p, vf d, vf m, vf *lo, vf *hi) {
+/* 8 bytes of nibbles (weights h.. of the block) -> 8 weights from the low nibbles and 8 from the
+ * high ones, as (q - OFF)*d + m; FIVE: the fifth bit of weight i is bit i of qh */
+INLINE void dequant_q4(const int FIVE, const int OFF, const uint8_t *p, uint32_t qh, int h, vf d, vf m, vf *lo,
+                       vf *hi) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *lo = VFMA(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), d, m);
-    *hi = VFMA(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, m);
+    __m256i il = _mm256_and_si256(v, _mm256_set1_epi32(15)), ih = _mm256_srli_epi32(v, 4);
+    if (FIVE) {
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+        const __m256i bits = _mm256_set1_epi32((int)qh);
+        il = _mm256_or_si256(il, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(
+            bits, _mm256_add_epi32(lanes, _mm256_set1_epi32(h))), one), 4));
+        ih = _mm256_or_si256(ih, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(
+            bits, _mm256_add_epi32(lanes, _mm256_set1_epi32(16 + h))), one), 4));
+    }
+    const __m256i off = _mm256_set1_epi32(OFF);
+    *lo = VFMA(_mm256_cvtepi32_ps(_mm256_sub_epi32(il, off)), d, m);
+    *hi = VFMA(_mm256_cvtepi32_ps(_mm256_sub_epi32(ih, off)), d, m);
 }
 static inline vf bytes_s8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -80,15 +116,20 @@ int blockq_lanes(void) {
 }
 
 
-#define INLINE static inline __attribute__((always_inline))
+/* Layout parameters: FIVE (a fifth bit per weight: 20 bytes a block, else 16), OFF (the offset
+ * subtracted from q; OFF kinds keep one fp32 d a block, the others d and m) */
+#define NIB_BYTES(FIVE) ((FIVE) ? 20 : 16)
+#define NIB_SCALES(OFF) ((OFF) ? 1 : 2)
 
 #ifndef SCALAR
 /* One tile: R rows of W against C columns of x, every accumulator in a register. A = 2 (a pass of
- * one token) sums each row into two accumulators (the low and high halves of a Q4_1 block,
- * alternate vectors of a Q8_0 block) added at the end: one chain of dependent FMAs would bound
- * such a pass, not the arithmetic. The order of a row's sums depends on A only, never on R. */
-INLINE void q4_tile(const int R, const int C, const int A, const uint8_t *q, const float *s, int nb, const float *x, int K,
-                    float *y, int N) {
+ * one token) sums each row into two accumulators (the low and high halves of a 4- or 5-bit block,
+ * alternate vectors of an 8-bit block) added at the end: one chain of dependent FMAs would bound
+ * such a pass, not the arithmetic. The order of a row's sums depends on A only, never on R. y's
+ * columns are ldy apart. */
+INLINE void q4_tile(const int R, const int C, const int A, const int FIVE, const int OFF, const uint8_t *q,
+                    const float *s, int nb, const float *x, int K, float *y, int ldy) {
+    const int P = NIB_BYTES(FIVE), S = NIB_SCALES(OFF);
     vf acc[4][8][2];  /* [R][C][A]: only the tile's own are used */
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
@@ -97,9 +138,12 @@ INLINE void q4_tile(const int R, const int C, const int A, const uint8_t *q, con
         for (int h = 0; h < 16; h += VW) {
             vf lo[4], hi[4];
             for (int r = 0; r < R; r++) {
-                const float *sr = s + (size_t)r * nb * 2 + 2 * b;
-                const vf d = VSET1(sr[0]), m = VSET1(sr[1]);
-                dequant_q4(q + (size_t)r * nb * 16 + b * 16 + h, d, m, &lo[r], &hi[r]);
+                const float *sr = s + ((size_t)r * nb + b) * S;
+                const uint8_t *block = q + ((size_t)r * nb + b) * P;
+                uint32_t qh = 0;
+                if (FIVE) memcpy(&qh, block, 4);
+                const vf d = VSET1(sr[0]), m = VSET1(OFF ? -0.0f : sr[S - 1]);
+                dequant_q4(FIVE, OFF, block + P - 16 + h, qh, h, d, m, &lo[r], &hi[r]);
             }
             for (int c = 0; c < C; c++) {
                 const vf xl = VLOAD(x + (size_t)c * K + b * 32 + h), xh = VLOAD(x + (size_t)c * K + b * 32 + 16 + h);
@@ -111,11 +155,13 @@ INLINE void q4_tile(const int R, const int C, const int A, const uint8_t *q, con
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[(size_t)c * N + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
+        for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
 }
 
-INLINE void q8_tile(const int R, const int C, const int A, const int8_t *q, const float *s, int nb, const float *x, int K,
-                    float *y, int N) {
+/* G: weights per scale (32, or 16 for Q8_S16) */
+INLINE void q8_tile(const int R, const int C, const int A, const int G, const int8_t *q, const float *s, int nb,
+                    const float *x, int K, float *y, int ldy) {
+    const int S = 32 / G;
     vf acc[4][8][2];  /* [R][C][A]: only the tile's own are used */
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
@@ -124,7 +170,8 @@ INLINE void q8_tile(const int R, const int C, const int A, const int8_t *q, cons
         for (int h = 0; h < 32; h += VW) {
             const int a = h / VW % A;
             vf w[4];
-            for (int r = 0; r < R; r++) w[r] = bytes_s8(q + (size_t)r * K + b * 32 + h) * VSET1(s[(size_t)r * nb + b]);
+            for (int r = 0; r < R; r++)
+                w[r] = bytes_s8(q + (size_t)r * K + b * 32 + h) * VSET1(s[((size_t)r * nb + b) * S + h / G]);
             for (int c = 0; c < C; c++) {
                 const vf xv = VLOAD(x + (size_t)c * K + b * 32 + h);
                 for (int r = 0; r < R; r++) acc[r][c][a] = VFMA(w[r], xv, acc[r][c][a]);
@@ -132,8 +179,16 @@ INLINE void q8_tile(const int R, const int C, const int A, const int8_t *q, cons
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[(size_t)c * N + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
+        for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
 }
+
+/* one tile function per layout (the dispatch macros below take a tile by name) */
+#define Q4_1_TILE(R, C, A, ...) q4_tile(R, C, A, 0, 0, __VA_ARGS__)
+#define Q4_0_TILE(R, C, A, ...) q4_tile(R, C, A, 0, 8, __VA_ARGS__)
+#define Q5_1_TILE(R, C, A, ...) q4_tile(R, C, A, 1, 0, __VA_ARGS__)
+#define Q5_0_TILE(R, C, A, ...) q4_tile(R, C, A, 1, 16, __VA_ARGS__)
+#define Q8_0_TILE(R, C, A, q, ...) q8_tile(R, C, A, 32, (const int8_t *)(q), __VA_ARGS__)
+#define Q8_S16_TILE(R, C, A, q, ...) q8_tile(R, C, A, 16, (const int8_t *)(q), __VA_ARGS__)
 
 /* columns per tile: of 4 rows (4 x C accumulators and 4 dequantised pairs in registers), of 1 row */
 #if VW == 16
@@ -153,23 +208,60 @@ INLINE void q8_tile(const int R, const int C, const int A, const int8_t *q, cons
     case 3: TILE(1, 3, 1, __VA_ARGS__); break; case 4: TILE(1, 4, 1, __VA_ARGS__); break; \
     case 5: TILE(1, C1 >= 5 ? 5 : 1, 1, __VA_ARGS__); break; case 6: TILE(1, C1 >= 6 ? 6 : 1, 1, __VA_ARGS__); break; \
     case 7: TILE(1, C1 >= 7 ? 7 : 1, 1, __VA_ARGS__); break; default: TILE(1, C1, 1, __VA_ARGS__); } } while (0)
+/* One function per layout: each compiles on its own, as small as a kernel of one layout (inlined
+ * into one function, the six layouts' tiles made every one of them slower). */
+#define LAYOUT_ROWS(NAME, TILE) \
+    static __attribute__((noinline)) void NAME(int R, int cols, int alone, const uint8_t *q, const float *s, int nb, \
+                                               const float *x, int K, float *y, int ldy) { \
+        if (R == 4) DISPATCH4(TILE, cols, alone, q, s, nb, x, K, y, ldy); \
+        else DISPATCH1(TILE, cols, alone, q, s, nb, x, K, y, ldy); }
+LAYOUT_ROWS(q4_1_rows, Q4_1_TILE)
+LAYOUT_ROWS(q4_0_rows, Q4_0_TILE)
+LAYOUT_ROWS(q5_1_rows, Q5_1_TILE)
+LAYOUT_ROWS(q5_0_rows, Q5_0_TILE)
+LAYOUT_ROWS(q8_0_rows, Q8_0_TILE)
+LAYOUT_ROWS(q8_s16_rows, Q8_S16_TILE)
 #endif
 
+#ifndef SCALAR
+typedef void (*rows_fn)(int, int, int, const uint8_t *, const float *, int, const float *, int, float *, int);
+static rows_fn rows_of(int kind) {
+    switch (kind) {
+        case Q4_1: return q4_1_rows;
+        case Q4_0: return q4_0_rows;
+        case Q5_1: return q5_1_rows;
+        case Q5_0: return q5_0_rows;
+        case Q8_S16: return q8_s16_rows;
+        default: return q8_0_rows;
+    }
+}
+#endif
+
+static int nibble_kind(int kind) { return kind == Q4_1 || kind == Q4_0 || kind == Q5_1 || kind == Q5_0; }
+static int five_kind(int kind) { return kind == Q5_1 || kind == Q5_0; }
+static int offset_of(int kind) { return kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : 0; }
 
 #ifdef SCALAR
 /* One row's blocks against one column of x, weight by weight (builds without AVX2). */
 static float row_dot(int kind, const uint8_t *q, const float *s, int nb, const float *x) {
     float acc = 0.f;
     for (int b = 0; b < nb; b++) {
-        if (kind == Q4_1) {
-            const float d = s[2 * b], m = s[2 * b + 1];
+        if (nibble_kind(kind)) {
+            const int five = five_kind(kind), off = offset_of(kind), S = NIB_SCALES(off);
+            const uint8_t *block = q + (size_t)b * NIB_BYTES(five);
+            uint32_t qh = 0;
+            if (five) memcpy(&qh, block, 4);
+            const uint8_t *nib = block + (five ? 4 : 0);
+            const float d = s[b * S], m = off ? -0.0f : s[b * S + 1];
             for (int i = 0; i < 16; i++) {
-                const uint8_t v = q[b * 16 + i];
-                acc += (d * (float)(v & 15) + m) * x[b * 32 + i];
-                acc += (d * (float)(v >> 4) + m) * x[b * 32 + 16 + i];
+                const int lo = (nib[i] & 15) | (int)((qh >> i) & 1) << 4, hi = (nib[i] >> 4) | (int)((qh >> (16 + i)) & 1) << 4;
+                acc += (d * (float)(lo - off) + m) * x[b * 32 + i];
+                acc += (d * (float)(hi - off) + m) * x[b * 32 + 16 + i];
             }
         } else {
-            for (int i = 0; i < 32; i++) acc += s[b] * (float)((const int8_t *)q)[b * 32 + i] * x[b * 32 + i];
+            const int G = kind == Q8_S16 ? 16 : 32;
+            for (int i = 0; i < 32; i++)
+                acc += s[(b * 32 + i) / G] * (float)((const int8_t *)q)[b * 32 + i] * x[b * 32 + i];
         }
     }
     return acc;
@@ -187,10 +279,12 @@ void blockq_set_rows(int rows) { tile_rows = rows == 4 ? 4 : 1; }
  * products in one region; called outside one it runs on the calling thread); columns C at a time.
  * No barrier at the end (`nowait`): the caller synchronises (the region's end, or decode_layers.c's
  * own barrier). */
-void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y, int N) {
+void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y, int N,
+                int ldy) {
     const int nb = K / 32, tile = tile_rows;
-    const size_t row_bytes = kind == Q4_1 ? (size_t)nb * 16 : (size_t)K;
-    const size_t row_scales = kind == Q4_1 ? (size_t)nb * 2 : (size_t)nb;
+    const int nib = nibble_kind(kind), five = five_kind(kind), off = offset_of(kind);
+    const size_t row_bytes = nib ? (size_t)nb * NIB_BYTES(five) : (size_t)K;
+    const size_t row_scales = (size_t)nb * (nib ? NIB_SCALES(off) : kind == Q8_S16 ? 2 : 1);
     #pragma omp for schedule(static) nowait
     for (int n = 0; n < N; n += tile) {
         const int rows = N - n < tile ? N - n : tile;
@@ -202,17 +296,14 @@ void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const
 #ifdef SCALAR
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < M; j++)
-                    yr[(size_t)j * N + r] = row_dot(kind, q + r * row_bytes, s + r * row_scales, nb, x + (size_t)j * K);
+                    yr[(size_t)j * ldy + r] = row_dot(kind, q + r * row_bytes, s + r * row_scales, nb, x + (size_t)j * K);
 #else
             const int C = R == 4 ? C4 : C1;
             for (int j0 = 0; j0 < M;) {
                 const int step = M - j0 >= C ? C : M - j0;
                 const float *xj = x + (size_t)j0 * K;
-                float *yj = yr + (size_t)j0 * N;
-                if (kind == Q4_1 && R == 4) DISPATCH4(q4_tile, step, M == 1, q, s, nb, xj, K, yj, N);
-                else if (kind == Q4_1) DISPATCH1(q4_tile, step, M == 1, q, s, nb, xj, K, yj, N);
-                else if (R == 4) DISPATCH4(q8_tile, step, M == 1, (const int8_t *)q, s, nb, xj, K, yj, N);
-                else DISPATCH1(q8_tile, step, M == 1, (const int8_t *)q, s, nb, xj, K, yj, N);
+                float *yj = yr + (size_t)j0 * ldy;
+                rows_of(kind)(R, step, M == 1, q, s, nb, xj, K, yj, ldy);
                 j0 += step;
             }
 #endif
@@ -220,16 +311,9 @@ void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const
     }
 }
 
-static void block_mm(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y,
-                     int N, int threads) {
+/* y[M,N] = x[M,K] @ W[N,K]^T for one weight of layout `kind`, on `threads` threads. */
+void block_mm(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y, int N,
+              int threads) {
     #pragma omp parallel num_threads(threads)
-    block_rows(kind, x, M, K, qs, scales, y, N);
-}
-
-void q4_1_mm(const float *x, int M, int K, const uint8_t *qs, const float *dm, float *y, int N, int threads) {
-    block_mm(Q4_1, x, M, K, qs, dm, y, N, threads);
-}
-
-void q8_0_mm(const float *x, int M, int K, const int8_t *qs, const float *ds, float *y, int N, int threads) {
-    block_mm(Q8_0, x, M, K, (const uint8_t *)qs, ds, y, N, threads);
+    block_rows(kind, x, M, K, qs, scales, y, N, N);
 }

@@ -1,7 +1,10 @@
 /* What blockq.c offers the other kernels compiled with it (decode_layers.c). */
 #include <stdint.h>
 
-enum { Q4_1, Q8_0 };  /* block kinds, as blockq.py's KINDS orders them */
+/* block layouts, as blockq.py's LAYOUTS orders them (blockq.c says what each holds) */
+enum { Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, Q8_S16 };
 
-/* y[M,N] = x[M,K] @ W[N,K]^T from W's blocks; an orphaned `omp for nowait` over W's rows. */
-void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y, int N);
+/* y[M,N] = x[M,K] @ W[N,K]^T from W's blocks (y's rows ldy apart); an orphaned `omp for nowait`
+ * over W's rows. */
+void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const float *scales, float *y, int N,
+                int ldy);

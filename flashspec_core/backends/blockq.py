@@ -1,10 +1,11 @@
-"""Linear layers read from a GGUF file's 4- and 8-bit blocks, computed in fp32: the target's own weights.
+"""Linear layers read from a GGUF file's 4- to 8-bit blocks, computed in fp32: the target's own weights.
 
 Why: on a CPU a decode step is bound by the bytes of weights it reads. The default model ships as
-a GGUF file whose layers are Q4_1 blocks (and its tied embedding Q8_0); transformers de-quantises
-them into an fp32 copy 5x larger, which every step then streams from memory (about half of a
-step of the default model). The fp32 weights are exactly the blocks' values
-(d*q + m in fp32), so a kernel that multiplies by those values straight from the blocks computes
+a GGUF file whose layers are Q4_1 blocks (and its tied embedding Q8_0), and llama.cpp's Q4_K_M
+of it mixes Q5_0, Q8_0, Q4_K and Q6_K; transformers de-quantises them into an fp32 copy 4-5x
+larger, which every step then streams from memory (about half of a step of the default model).
+The fp32 weights are exactly the blocks' values (d*q + m or d*(q - offset) in fp32; a K-quant's
+scales multiplied out exactly), so a kernel that multiplies by those values straight from the blocks computes
 the same fp32 function of the same weights; only the order of its sums differs, as it does
 between MKL's one-row and many-row kernels. `gguf_weights.attach` checks, per layer, that the
 blocks de-quantise to the model's weights bit for bit before any layer may use them.
@@ -35,17 +36,30 @@ from flashspec_core.models import cache_root
 # compiled into one library: the block products and the layer stack built on them (decode_layers.c)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("blockq.c", "decode_layers.c"))
 HEADER = Path(__file__).with_name("blockq.h")
-BLOCK = 32  # weights per block along the input dimension (GGUF's Q4_1 and Q8_0)
-KINDS = ("q4_1", "q8_0")
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # fp16 d, fp16 m, 16 bytes of nibbles; fp16 d, 32 int8
+BLOCK = 32  # weights per block of the kernel's layouts along the input dimension
+# The layouts blockq.c reads, in blockq.h's order, and the GGUF types each holds (repacked by
+# `from_gguf_rows`): 4-bit nibbles with (d, m) or with an offset, the same with a fifth bit, int8
+# with one d per 32 or per 16 weights.
+LAYOUTS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q8_s16")
+LAYOUT_OF = {"q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1", "q8_0": "q8_0",
+             "q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q8_s16"}
+KINDS = tuple(LAYOUT_OF)  # the GGUF block types the kernel reads
+SUPER = 256  # weights per K-quant super-block
+# per GGUF type: (weights, bytes) of one of its blocks
+BLOCK_BYTES = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
+               "q4_k": (SUPER, 144), "q5_k": (SUPER, 176), "q6_k": (SUPER, 210)}
+_OFFSET = {"q4_0": 8, "q5_0": 16}  # layouts whose weights are d * (q - offset): one d a block
 
 
 @dataclass
 class BlockWeight:
-    """One [out, in] weight as GGUF blocks, laid out for `blockq.c`.
+    """One [out, in] weight as blocks of 32 weights along `in`, laid out for `blockq.c`.
 
-    q4_1: qs [out, in / 2] uint8 (byte i of a block: weight i in the low nibble, i + 16 in the
-    high one), scales [out, in / 32, 2] fp32 (d, m); q8_0: qs [out, in] int8, scales [out, in / 32] fp32.
+    kind: the GGUF type the blocks came from; `layout` the form blockq.c reads. Nibble layouts:
+    qs [out, in / 32 * 16] uint8 (byte i of a block: weight i in the low nibble, i + 16 in the
+    high one), q5_*: [out, in / 32 * 20] (a little-endian 32-bit word of fifth bits first, bit i
+    for weight i), scales [out, in / 32, 2] fp32 (d, m) or [out, in / 32] (d) for q4_0 and q5_0;
+    int8 layouts: qs [out, in] int8, scales [out, in / 32] (q8_0) or [out, in / 16] (q8_s16) fp32.
     """
 
     kind: str
@@ -54,34 +68,105 @@ class BlockWeight:
     out_features: int
     in_features: int
 
+    @property
+    def layout(self) -> str:
+        return LAYOUT_OF[self.kind]
+
     def dequantize(self) -> torch.Tensor:
-        """The fp32 weight [out, in] these blocks hold (d*q + m, as gguf-py and transformers compute it)."""
-        n, k = self.out_features, self.in_features
-        if self.kind == "q4_1":
-            q = self.qs.view(n, k // BLOCK, BLOCK // 2)
-            q = torch.cat([q & 15, q >> 4], dim=-1).float()  # [out, blocks, 32]
-            return (self.scales[..., :1] * q + self.scales[..., 1:]).reshape(n, k)
-        return (self.scales[..., None] * self.qs.view(n, k // BLOCK, BLOCK).float()).reshape(n, k)
+        """The fp32 weight [out, in] these blocks hold, as gguf-py and transformers compute it:
+        d * q + m (one rounding), d * (q - offset), or d * q (exact)."""
+        n, k, layout = self.out_features, self.in_features, self.layout
+        if layout in ("q8_0", "q8_s16"):
+            group = 32 if layout == "q8_0" else 16
+            q = self.qs.view(n, k // group, group).float()
+            return (self.scales.view(n, k // group, 1) * q).reshape(n, k)
+        five = layout in ("q5_0", "q5_1")
+        blocks = self.qs.view(n, k // BLOCK, 20 if five else 16)
+        nibbles = blocks[..., 4:] if five else blocks
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).int()  # [out, blocks, 32]
+        if five:
+            bits = blocks[..., :4].clone(memory_format=torch.contiguous_format).view(torch.int32)  # [out, blocks, 1]
+            q |= ((bits >> torch.arange(32, dtype=torch.int32)) & 1) << 4
+        if layout in _OFFSET:
+            return (self.scales.view(n, k // BLOCK, 1) * (q - _OFFSET[layout]).float()).reshape(n, k)
+        scales = self.scales.view(n, k // BLOCK, 2)  # d, m
+        return (scales[..., :1] * q.float() + scales[..., 1:]).reshape(n, k)
+
+
+def _fp16(raw: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 -> [...] fp32: little-endian fp16 values."""
+    return raw.contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[..., 32] values 0..31 -> [..., 16] bytes: weight i's low 4 bits in byte i's low nibble, weight
+    i + 16's in its high one (GGUF's order within a 32-weight block)."""
+    q = q.to(torch.uint8)
+    return (q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)
+
+
+def _fifth_bits(q: torch.Tensor) -> torch.Tensor:
+    """[..., 32] values 0..31 -> [..., 4] bytes: a little-endian word, bit i = weight i's fifth bit."""
+    word = (((q.long() >> 4) & 1) << torch.arange(32)).sum(-1, keepdim=True)  # [..., 1] int64
+    return word.view(torch.uint8)[..., :4]  # its low 4 bytes (little-endian)
+
+
+def _k_scales(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K-quant super-block's 12 bytes of 6-bit scales and mins -> ([..., 8], [..., 8]) (ggml's
+    get_scale_min_k4)."""
+    d, m, md = raw[..., 0:4].long(), raw[..., 4:8].long(), raw[..., 8:12].long()
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
+    mins = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
+    return sc, mins
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """A K-quant super-block's 128 bytes of nibbles -> [..., 8, 32] values 0..15: each 32 bytes hold
+    one 32-weight block in their low nibbles and the next in their high ones."""
+    q = qs.reshape(*qs.shape[:-1], 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    return (q & 15).reshape(*qs.shape[:-1], 8, 32)
 
 
 def from_gguf_rows(kind: str, raw: torch.Tensor, out_features: int, in_features: int) -> BlockWeight:
-    """A BlockWeight from GGUF's raw block bytes [out, bytes per row] (uint8).
-
-    Q4_1 blocks are 20 bytes (fp16 d, fp16 m, 16 bytes of nibbles), Q8_0 blocks 34 (fp16 d, 32 int8).
-    """
+    """A BlockWeight from GGUF's raw block bytes [out, bytes per row] (uint8), repacked into the
+    layout blockq.c reads (`LAYOUT_OF`); the values are GGUF's own, scales multiplied out in fp32
+    as ggml does (exact: an fp16 d times a 6- or 8-bit integer scale)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
-    if in_features % BLOCK:
-        raise ValueError(f"in_features must be a multiple of {BLOCK}; got {in_features}")
-    nb = in_features // BLOCK
-    blocks = raw.reshape(out_features, nb, BLOCK_BYTES[kind])
-    if kind == "q4_1":
-        scales = blocks[..., :4].contiguous().view(torch.float16).float()  # [out, nb, 2]: d, m
-        qs = blocks[..., 4:].reshape(out_features, nb * 16).contiguous()
-    else:
-        scales = blocks[..., :2].contiguous().view(torch.float16).float().reshape(out_features, nb)
-        qs = blocks[..., 2:].reshape(out_features, in_features).contiguous().view(torch.int8)
-    return BlockWeight(kind, qs, scales.contiguous(), out_features, in_features)
+    size, nbytes = BLOCK_BYTES[kind]
+    if in_features % size:
+        raise ValueError(f"in_features must be a multiple of {size} for {kind}; got {in_features}")
+    n, nb = out_features, in_features // size
+    blocks = raw.reshape(n, nb, nbytes)
+    if kind == "q8_0":
+        scales = _fp16(blocks[..., :2])
+        qs = blocks[..., 2:].reshape(n, in_features).contiguous().view(torch.int8)
+    elif kind in ("q4_0", "q5_0"):  # d, [fifth bits], nibbles: already the layout
+        scales = _fp16(blocks[..., :2])
+        qs = blocks[..., 2:].reshape(n, -1)
+    elif kind in ("q4_1", "q5_1"):  # d, m, [fifth bits], nibbles
+        scales = _fp16(blocks[..., :4].reshape(n, nb, 2, 2))  # d, m
+        qs = blocks[..., 4:].reshape(n, -1)
+    elif kind in ("q4_k", "q5_k"):  # d, dmin, scales, [fifth bits], nibbles; 8 blocks of 32
+        d, dmin = _fp16(blocks[..., 0:2])[..., None], _fp16(blocks[..., 2:4])[..., None]
+        sc, mins = _k_scales(blocks[..., 4:16])
+        scales = torch.stack([d * sc.float(), -(dmin * mins.float())], dim=-1)  # [out, nb, 8, 2]
+        q = _k_nibbles(blocks[..., -128:]).int()  # [out, nb, 8, 32]
+        if kind == "q5_k":
+            high = blocks[..., 16:48].reshape(n, nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+            q |= (high & 1).int() << 4
+            qs = torch.cat([_fifth_bits(q), _nibbles(q)], dim=-1)
+        else:
+            qs = _nibbles(q)
+        qs = qs.reshape(n, -1)
+    else:  # q6_k: low nibbles, 2-bit highs, 16 int8 scales, d; 16 groups of 16
+        low = blocks[..., :128].reshape(n, nb, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+        high = blocks[..., 128:192].reshape(n, nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+        q = (low & 15).reshape(n, nb, 8, 32) | ((high & 3).reshape(n, nb, 8, 32) << 4)
+        qs = (q.to(torch.int8) - 32).reshape(n, in_features)
+        d = _fp16(blocks[..., 208:210])[..., None]
+        scales = d * blocks[..., 192:208].contiguous().view(torch.int8).float()  # [out, nb, 16]
+    return BlockWeight(kind, qs.contiguous(), scales.reshape(n, -1).contiguous(), out_features, in_features)
 
 
 def _compiler() -> str | None:
@@ -112,9 +197,8 @@ def load(path: Path) -> ctypes.CDLL:
     """A built kernel library with its functions' signatures set."""
     lib = ctypes.CDLL(str(path))
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    for fn in (lib.q4_1_mm, lib.q8_0_mm):
-        fn.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, i32]
-        fn.restype = None
+    lib.block_mm.argtypes = [i32, ptr, i32, i32, ptr, ptr, ptr, i32, i32]
+    lib.block_mm.restype = None
     lib.blockq_lanes.restype = i32
     lib.blockq_set_rows.argtypes = [i32]
     lib.blockq_set_rows.restype = None
@@ -126,16 +210,22 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def library_path() -> Path:
+    """Where this machine's build lives in the cache: keyed by the sources' bytes and the CPU, so an
+    edited kernel or another CPU gets a build of its own, never a stale one."""
+    from flashspec_core.backends.calibration import cpu_flags, cpu_model
+
+    code = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
+    key = hashlib.sha256(code + f"|{cpu_model()}|{cpu_flags()}".encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"blockq-{key}.so"
+
+
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The compiled kernel for this machine (built on first use), or None where it cannot be built."""
-    from flashspec_core.backends.calibration import cpu_flags, cpu_model
-
     if _compiler() is None:
         return None
-    code = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
-    key = hashlib.sha256(code + f"|{cpu_model()}|{cpu_flags()}".encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"blockq-{key}.so"
+    path = library_path()
     try:
         if not path.exists():
             build(path)
@@ -176,9 +266,9 @@ def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     flat = x.reshape(-1, weight.in_features).contiguous()  # [M, in]
     out = torch.empty(flat.shape[0], weight.out_features)  # [M, out]
     if flat.shape[0]:
-        fn = lib.q4_1_mm if weight.kind == "q4_1" else lib.q8_0_mm
-        fn(flat.data_ptr(), flat.shape[0], weight.in_features, weight.qs.data_ptr(), weight.scales.data_ptr(),
-           out.data_ptr(), weight.out_features, torch.get_num_threads())
+        lib.block_mm(LAYOUTS.index(weight.layout), flat.data_ptr(), flat.shape[0], weight.in_features,
+                     weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr(), weight.out_features,
+                     torch.get_num_threads())
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.out_features)

@@ -171,7 +171,7 @@ def project(x: torch.Tensor, layers: tuple[nn.Module, ...],
 
 def _stacked_blocks(layers: tuple[nn.Module, ...]) -> tuple[list[BlockWeight], BlockWeight] | None:
     """The layers' blocks and one BlockWeight of them stacked (cached on the first layer), or None
-    unless every layer runs from blocks of one kind now (BLOCKS kernel, no bias, unchanged weight)."""
+    unless every layer runs from blocks of one layout now (BLOCKS kernel, no bias, unchanged weight)."""
     first = layers[0]
     if not isinstance(first, PackedLinear) or first.choice.name != BLOCKS:
         return None
@@ -181,7 +181,7 @@ def _stacked_blocks(layers: tuple[nn.Module, ...]) -> tuple[list[BlockWeight], B
     present = cast("list[BlockWeight]", blocks)  # none is None (checked above)
     cached = first.__dict__.get("_stacked")
     if cached is None or len(cached[0]) != len(blocks) or any(a is not b for a, b in zip(cached[0], blocks)):
-        if len({b.kind for b in present}) != 1:
+        if len({b.layout for b in present}) != 1:
             return None
         weight = BlockWeight(present[0].kind, torch.cat([b.qs for b in present]),
                              torch.cat([b.scales for b in present]), sum(b.out_features for b in present),

@@ -5,7 +5,8 @@
  * ~10 ms in its 210 products and ~25 ms around them: per layer ~30 torch ops (norms, rotation,
  * cache writes, SDPA, SiLU, residual adds) at 3-90 us each, plus the Python that calls them and
  * an OpenMP fork and join per product (2-core Xeon, torch profiler). Here each layer is nine
- * steps separated by barriers of the one parallel region: norm, q|k|v, rotation and cache write,
+ * steps separated by barriers of the one parallel region: norm, q|k|v (three products, one
+ * barrier), rotation and cache write,
  * attention, o, residual and norm, gate|up, SiLU(gate) * up, down.
  *
  * The arithmetic is the model's, in fp32, step for step as transformers writes it: RMSNorm as
@@ -31,9 +32,12 @@
 #endif
 #include "blockq.h"
 
-/* per-layer slots of the table (int64: addresses, and block kinds) */
-enum { ATTN_NORM, QKV_Q, QKV_S, QKV_KIND, O_Q, O_S, O_KIND, MLP_NORM, GU_Q, GU_S, GU_KIND, DOWN_Q, DOWN_S,
-       DOWN_KIND, K_CACHE, V_CACHE, SLOTS };
+/* per-layer slots of the table (int64: addresses, and block kinds): the norms, the caches, then per
+ * projection (q, k, v, o, gate, up, down) its blocks, scales and layout (blockq.h), each its own
+ * kind (a Q4_K_M file mixes them within a layer) */
+enum { ATTN_NORM, MLP_NORM, K_CACHE, V_CACHE, PROJ };
+enum { P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, N_PROJ };
+enum { SLOTS = PROJ + 3 * N_PROJ };
 /* dims: layers, hidden, heads, kv heads, head dim, intermediate, slots per row (S), tokens per row
  * (W: the T tokens are B rows of W), slots per attention chunk (CH) */
 enum { N_LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, MAX_LEN, WIDTH, CHUNK, N_DIMS };
@@ -328,6 +332,12 @@ static void silu_mul(const float *gu, float *act, int T, int I) {
     for (int t = 0; t < T; t++) silu_row(gu + (size_t)t * 2 * I, gu + (size_t)t * 2 * I + I, act + (size_t)t * I, I);
 }
 
+/* y (rows ldy apart) = x [T, K] @ W^T for projection p of table row e, W [N, K]; no barrier */
+static void product(const int64_t *e, int p, const float *x, int T, int K, float *y, int N, int ldy) {
+    const int64_t *w = e + PROJ + 3 * p;
+    block_rows((int)w[2], x, T, K, U8(w[0]), F(w[1]), y, N, ldy);
+}
+
 /* floats of scratch `decode_layers` needs for T tokens on `threads` threads */
 int64_t decode_layers_work(const int64_t *dims, int T, int threads) {
     const int64_t H = dims[HIDDEN], nq = dims[HEADS], nkv = dims[KV_HEADS], D = dims[HEAD_DIM], I = dims[INTER];
@@ -360,22 +370,25 @@ void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, 
             const int64_t *e = tab + (size_t)l * SLOTS;
             add_norm(x, l ? delta : NULL, F(e[ATTN_NORM]), eps, h, T, H);
             team_sync(&team, &phase);
-            block_rows((int)e[QKV_KIND], h, T, H, U8(e[QKV_Q]), F(e[QKV_S]), qkv, QKV);
+            product(e, P_Q, h, T, H, qkv, nq * D, QKV);  /* q | k | v: one barrier after the three */
+            product(e, P_K, h, T, H, qkv + nq * D, nkv * D, QKV);
+            product(e, P_V, h, T, H, qkv + (nq + nkv) * D, nkv * D, QKV);
             team_sync(&team, &phase);
             rope_and_cache(qkv, pos, cos, sin, T, W, nq, nkv, D, S, F(e[K_CACHE]), F(e[V_CACHE]));
             team_sync(&team, &phase);
             attend(qkv, pos, T, W, nq, nkv, D, S, CH, scale, F(e[K_CACHE]), F(e[V_CACHE]), att, part, scores, &team,
                    &phase);
             team_sync(&team, &phase);
-            block_rows((int)e[O_KIND], att, T, nq * D, U8(e[O_Q]), F(e[O_S]), delta, H);
+            product(e, P_O, att, T, nq * D, delta, H, H);
             team_sync(&team, &phase);
             add_norm(x, delta, F(e[MLP_NORM]), eps, h, T, H);
             team_sync(&team, &phase);
-            block_rows((int)e[GU_KIND], h, T, H, U8(e[GU_Q]), F(e[GU_S]), gu, 2 * I);
+            product(e, P_GATE, h, T, H, gu, I, 2 * I);
+            product(e, P_UP, h, T, H, gu + I, I, 2 * I);
             team_sync(&team, &phase);
             silu_mul(gu, act, T, I);
             team_sync(&team, &phase);
-            block_rows((int)e[DOWN_KIND], act, T, I, U8(e[DOWN_Q]), F(e[DOWN_S]), delta, H);
+            product(e, P_DOWN, act, T, I, delta, H, H);
             team_sync(&team, &phase);
         }
         add_norm(x, dims[N_LAYERS] ? delta : NULL, final_norm, eps, out, T, H);

@@ -10,14 +10,18 @@ kernels. The block kernel (`blockq.py`) then computes with exactly the model's w
 """
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from flashspec_core.backends.blockq import BLOCK, BLOCK_BYTES, KINDS, BlockWeight, from_gguf_rows
+from flashspec_core.backends.blockq import BLOCK_BYTES, KINDS, BlockWeight, from_gguf_rows
 from flashspec_core.backends.cpu_linear import PackedLinear
+
+logger = logging.getLogger(__name__)
 
 
 def _name_map(reader: Any, model: nn.Module) -> Any:
@@ -84,20 +88,40 @@ def attach(model: nn.Module, gguf_path: str | Path) -> int:
         return 0
     tensors = {t.name: t for t in reader.tensors}
     attached = 0
+    blocks_by_kind: Counter[str] = Counter()  # GGUF type -> layers computing from its blocks
+    fp32_by_kind: Counter[str] = Counter()  # GGUF type -> layers left on the fp32 kernels
     with torch.no_grad():
         for name, module in model.named_modules():
             if not isinstance(module, PackedLinear) or module.bias is not None:
                 continue
             tensor = _tensor_for(name, model, names, tensors)
-            kind = None if tensor is None else tensor.tensor_type.name.lower()
-            if kind not in KINDS:
+            if tensor is None:
                 continue
-            raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8)  # [out, bytes per row]
-            if raw.numel() != module.out_features * module.in_features // BLOCK * BLOCK_BYTES[kind]:
-                continue  # another shape than the layer's
-            blocks = match_rows(from_gguf_rows(kind, raw, module.out_features, module.in_features), module.weight)
-            if blocks is not None:
-                module.use_blocks(blocks)
-                attached += 1
+            kind = tensor.tensor_type.name.lower()
+            blocks = _blocks_for(kind, tensor, module)
+            if blocks is None:
+                fp32_by_kind[kind] += 1
+                continue
+            module.use_blocks(blocks)
+            blocks_by_kind[kind] += 1
+            attached += 1
     model.__dict__["_gguf_blocks"] = str(gguf_path)
+    logger.info("GGUF linear layers: block kernel for %s; fp32 kernels for %s",
+                _counts(blocks_by_kind), _counts(fp32_by_kind))
     return attached
+
+
+def _counts(by_kind: Counter[str]) -> str:
+    return ", ".join(f"{kind} x{n}" for kind, n in sorted(by_kind.items())) or "none"
+
+
+def _blocks_for(kind: str, tensor: Any, module: PackedLinear) -> BlockWeight | None:
+    """The blocks of `tensor` (a `gguf.ReaderTensor` of GGUF type `kind`) reordered to hold
+    `module`'s weight bit for bit, or None (a type the kernel does not read, another shape, other values)."""
+    if kind not in KINDS:
+        return None
+    size, nbytes = BLOCK_BYTES[kind]
+    raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8)  # [out, bytes per row]
+    if module.in_features % size or raw.numel() != module.out_features * module.in_features // size * nbytes:
+        return None  # another shape than the layer's
+    return match_rows(from_gguf_rows(kind, raw, module.out_features, module.in_features), module.weight)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from flashspec_core.backends import blockq
-from flashspec_core.backends.blockq import KINDS, BlockWeight
-from flashspec_core.backends.cpu_linear import PackedLinear, _stacked_blocks
+from flashspec_core.backends.blockq import LAYOUTS, BlockWeight
+from flashspec_core.backends.cpu_linear import PackedLinear
 from flashspec_core.backends.static_llama import _RMS_NORMS, StaticLlama, _eps
 
 NATIVE = "gguf-native"
@@ -31,17 +31,16 @@ NATIVE_4ROW = "gguf-native-4row"  # the same with the block kernel's tiles of 4 
 CHUNK = 128  # cache slots per attention work item: 32 KB of keys and values per kv head
 
 
-def _projections(layer: Any) -> tuple[tuple[Any, ...], ...]:
-    """A decoder layer's projection modules (nn.Linear or PackedLinear), grouped as `_weights` runs them."""
+def _projections(layer: Any) -> tuple[Any, ...]:
+    """A decoder layer's projection modules (nn.Linear or PackedLinear) in decode_layers.c's order."""
     attn, mlp = layer.self_attn, layer.mlp
-    return ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
-            (mlp.down_proj,))
+    return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
 
 def eligible(static: StaticLlama) -> bool:
     """Whether `static`'s (a StaticLlama) model can run in `decode_layers.c` now: fp32 on the CPU,
     SiLU-gated MLP, transformers' RMSNorms, no q/k norms, and every projection of every layer a
-    PackedLinear with blocks, of one kind within q|k|v and within gate|up."""
+    PackedLinear with blocks (each of any kind the kernel reads)."""
     model = static.model
     if static.fuse or static.dtype != torch.float32 or static.device.type != "cpu" or blockq.library() is None:
         return False
@@ -54,18 +53,16 @@ def eligible(static: StaticLlama) -> bool:
     for layer in static.layers:
         if hasattr(layer.self_attn, "q_norm") or not hasattr(layer.mlp, "gate_proj"):
             return False
-        for group in _projections(layer):
-            if not all(isinstance(p, PackedLinear) and p.bias is None and p.blocks() is not None for p in group):
-                return False
-            if len({p.blocks().kind for p in group}) > 1:  # q|k|v, gate|up: one product of one kind
-                return False
+        if not all(isinstance(p, PackedLinear) and p.bias is None and p.blocks() is not None
+                   for p in _projections(layer)):
+            return False
     return True
 
 
 class NativeLayers:
     """Runs `static`'s (a StaticLlama) layers through `decode_layers.c`; `__call__` is the layer part of
-    `StaticLlama.hidden`. Call only while the model's kernel choice is BLOCKS (the stacked q|k|v
-    and gate|up blocks are the ones `cpu_linear.project` builds and caches under it)."""
+    `StaticLlama.hidden`. Each projection is its own product over its own blocks (q, k and v, and
+    gate and up, without a barrier between them)."""
 
     def __init__(self, static: StaticLlama, lib: ctypes.CDLL | None = None, chunk: int = CHUNK) -> None:
         """chunk: cache slots per attention work item (see decode_layers.c's `attend`); tests make it
@@ -80,24 +77,14 @@ class NativeLayers:
         self.fdims = torch.tensor([_eps(static.layers[0].input_layernorm), static.scaling], dtype=torch.float32)
         self._table: torch.Tensor | None = None  # [layers, SLOTS] int64
         self._held: tuple = ()  # what the table points into, kept alive
-        self._projections = [p for layer in static.layers for group in _projections(layer) for p in group]
+        self._projections = [p for layer in static.layers for p in _projections(layer)]
         self._stamp: tuple[list, list[int]] | None = None  # what the table was built from (_stamp_now)
 
     def _weights(self) -> list[BlockWeight] | None:
-        """Per layer: stacked q|k|v, o, stacked gate|up, down; None when a projection no longer runs
-        from its blocks (its weight was replaced or edited)."""
-        out: list[BlockWeight] = []
-        for layer in self.static.layers:
-            for group in _projections(layer):
-                if len(group) > 1:  # one stacked product: blocks of one kind
-                    stacked = _stacked_blocks(group)
-                    weight = stacked[1] if stacked else None
-                else:
-                    weight = group[0].blocks()
-                if weight is None:
-                    return None
-                out.append(weight)
-        return out
+        """Per layer: q, k, v, o, gate, up, down; None when a projection no longer runs from its
+        blocks (its weight was replaced or edited)."""
+        out = [p.blocks() for p in self._projections]
+        return None if any(w is None for w in out) else out
 
     def _stamp_now(self) -> tuple[list, list[int]]:
         """What the table depends on, read cheaply on every forward: each projection's weight and
@@ -122,12 +109,10 @@ class NativeLayers:
         held = (*weights, *static.keys, *static.values)
         rows = []
         for i, layer in enumerate(static.layers):
-            row = [layer.input_layernorm.weight.data_ptr()]
-            for j, w in enumerate(weights[4 * i:4 * i + 4]):
-                if j == 2:
-                    row.append(layer.post_attention_layernorm.weight.data_ptr())
-                row += [w.qs.data_ptr(), w.scales.data_ptr(), KINDS.index(w.kind)]
-            row += [static.keys[i].data_ptr(), static.values[i].data_ptr()]
+            row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                   static.keys[i].data_ptr(), static.values[i].data_ptr()]
+            for w in weights[7 * i:7 * i + 7]:
+                row += [w.qs.data_ptr(), w.scales.data_ptr(), LAYOUTS.index(w.layout)]
             rows.append(row)
         table = torch.tensor(rows, dtype=torch.int64)
         assert self.lib is not None  # eligible() checked that the kernel library loads
@@ -155,10 +140,10 @@ class NativeLayers:
         table = self._current_table()
         if table is None:
             return None
-        if first_row:  # the caches' addresses (the table's last two columns) moved to that row
+        if first_row:  # the caches' addresses (columns 2 and 3 of the table) moved to that row
             cache = static.keys[0]
             table = table.clone()
-            table[:, -2:] += first_row * cache.stride(0) * cache.element_size()
+            table[:, 2:4] += first_row * cache.stride(0) * cache.element_size()
         self.dims[6], self.dims[7] = static.max_len, width
         tokens = bsz * width
         x = x.reshape(tokens, hidden).contiguous().clone()  # [T, hidden], the residual stream in place

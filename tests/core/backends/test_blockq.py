@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_blocks, tiny_llama
+from helpers import random_blocks, random_gguf_bytes, tiny_llama
 
 from flashspec_core.backends import blockq, gguf_weights
 from flashspec_core.backends.blockq import block_linear, from_gguf_rows
@@ -21,30 +21,92 @@ def tile_rows(request):
     blockq.set_tile_rows(1)
 
 
-@pytest.mark.parametrize("kind", blockq.KINDS)
-@pytest.mark.parametrize(("out", "inp"), [(1, 32), (5, 64), (67, 96), (256, 576)])
-def test_the_kernel_is_the_fp32_product_with_the_dequantised_weight(kind, out, inp, tile_rows):
-    blocks = random_blocks(kind, out, inp, seed=out)
-    weight = blocks.dequantize()  # [out, in]
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):
+def _width(kind: str, blocks: int) -> int:
+    """An input width of `blocks` of the kind's blocks (32 weights, or a K-quant's 256)."""
+    return blockq.BLOCK_BYTES[kind][0] * blocks
+
+
+def _gguf_py(kind: str, raw: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """[out, inp] fp32: gguf-py's (and so transformers') de-quantisation of GGUF bytes [out, bytes]."""
+    import gguf
+
+    values = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind.upper()])
+    return torch.from_numpy(values.copy()).reshape(out, inp)
+
+
+def _kernel_errors(blocks, weight: torch.Tensor, rows_list=(1, 2, 3, 4, 5, 6, 7, 8, 9, 17), lib=None) -> list[str]:
+    """What is wrong with the kernel's product of `blocks` against weight [out, in] (empty: nothing):
+    every token count within fp32 summation error of the exact product, and one-hot inputs, which
+    read single weights (w * 1 plus exact zeros), giving the weights themselves bit for bit."""
+    inp = weight.shape[1]
+    wrong = []
+    for rows in rows_list:
         x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
         exact = x.double() @ weight.double().T
         scale = x.double().abs() @ weight.double().abs().T  # what fp32 rounding of the sum is relative to
-        err = (block_linear(x, blocks).double() - exact).abs()
-        assert bool((err <= 1e-6 * scale + 1e-30).all()), f"{rows} rows: off by more than fp32 summation"
-    # One-hot inputs read single weights: w * 1 plus exact zeros, so the kernel's weights are the
-    # dequantised ones bit for bit (a swapped nibble, scale or row would show here).
-    assert torch.equal(block_linear(torch.eye(inp), blocks), weight.T)
+        err = (block_linear(x, blocks, lib=lib).double() - exact).abs()
+        if not bool((err <= 1e-6 * scale + 1e-30).all()):
+            wrong.append(f"{rows} rows: off by more than fp32 summation")
+    if not torch.equal(block_linear(torch.eye(inp), blocks, lib=lib), weight.T):
+        wrong.append("one-hot inputs do not read the weights")
+    return wrong
+
+
+@pytest.mark.parametrize("kind", blockq.KINDS)
+@pytest.mark.parametrize(("out", "nb"), [(1, 1), (5, 2), (67, 3), (256, 18)])
+def test_the_kernel_is_the_fp32_product_with_the_dequantised_weight(kind, out, nb, tile_rows):
+    """Against gguf-py's de-quantisation of the same bytes: the weights transformers loads."""
+    if kind.endswith("_k") and nb > 3:
+        nb = 3  # 768 weights a row: enough super-blocks
+    inp = _width(kind, nb)
+    raw = random_gguf_bytes(kind, out, inp, seed=out)
+    weight = _gguf_py(kind, raw, out, inp)  # [out, in]
+    assert _kernel_errors(from_gguf_rows(kind, raw, out, inp), weight) == []
+
+
+@pytest.mark.parametrize("kind", blockq.KINDS)
+def test_every_kind_decodes_to_gguf_py_s_values_bit_for_bit(kind):
+    """The repacked blocks hold exactly gguf-py's fp32 values, signs of zero included (ggml's
+    d * (q - 8) is -0.0 where d < 0 and q = 8)."""
+    out, inp = 9, _width(kind, 4)
+    raw = random_gguf_bytes(kind, out, inp, seed=11)
+    expected = _gguf_py(kind, raw, out, inp)
+    got = from_gguf_rows(kind, raw, out, inp).dequantize()
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "q5_0"])
+def test_a_wrong_sub_block_scale_is_caught(kind):
+    """A planted bug that keeps every magnitude: two sub-blocks' scales swapped in one row (as a
+    misread K-quant scale table would). The kernel's checks against gguf-py's weights must fail."""
+    out, inp = 4, _width(kind, 2 if kind.endswith("_k") else 4)
+    raw = random_gguf_bytes(kind, out, inp, seed=2)
+    weight = _gguf_py(kind, raw, out, inp)
+    blocks = from_gguf_rows(kind, raw, out, inp)
+    assert _kernel_errors(blocks, weight, rows_list=(1, 5)) == []
+    per_block = blocks.scales.shape[1] // (inp // 32)  # scales of one 32-weight block (1 or 2), or 1 a 16
+    a, b = (0, 1) if kind == "q6_k" else (per_block * 2, per_block * 3)  # sub-blocks 2 and 3 (q6_k: groups 0, 1)
+    planted = blockq.BlockWeight(kind, blocks.qs, blocks.scales.clone(), out, inp)
+    planted.scales[2, [a, b]] = planted.scales[2, [b, a]]
+    assert not torch.equal(planted.scales, blocks.scales), "the plant changed nothing"
+    errors = _kernel_errors(planted, weight, rows_list=(1, 5))
+    assert "one-hot inputs do not read the weights" in errors and len(errors) >= 2
+
+
+def test_k_quants_need_whole_super_blocks():
+    with pytest.raises(ValueError, match="in_features must be a multiple of 256 for q4_k"):
+        from_gguf_rows("q4_k", torch.zeros(2, 144 * 2, dtype=torch.uint8), 2, 576)
 
 
 @pytest.mark.parametrize("kind", blockq.KINDS)
 def test_tiles_of_one_and_of_four_rows_give_the_same_product_bit_for_bit(kind):
     """The tile setting is a speed choice the calibration makes per machine: a row's sums must run
     in the same order under both (67 rows: tiles of 4 and a tail of single rows)."""
-    blocks = random_blocks(kind, 67, 96, seed=5)
+    inp = _width(kind, 1 if kind.endswith("_k") else 3)
+    blocks = random_blocks(kind, 67, inp, seed=5)
     try:
         for tokens in range(1, 18):
-            x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens))
+            x = torch.randn(tokens, inp, generator=torch.Generator().manual_seed(tokens))
             blockq.set_tile_rows(4)
             four = block_linear(x, blocks)
             blockq.set_tile_rows(1)
@@ -69,7 +131,7 @@ def test_the_blocks_read_from_the_file_are_gguf_py_s_dequantisation():
         raw = torch.from_numpy(tensor.data.copy()).view(torch.uint8)
         expected = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
         assert torch.equal(from_gguf_rows(kind, raw, out, inp).dequantize(), expected.reshape(out, inp))
-    assert seen == set(blockq.KINDS), "the default file has both block types"
+    assert seen == {"q4_1", "q8_0"}, "the default file has both block types"
 
 
 def test_rows_are_matched_to_the_weight_and_anything_else_is_refused():
@@ -179,12 +241,22 @@ def test_every_instruction_set_path_computes_the_same_product(tmp_path, flags):
     for tile_rows in blockq.TILE_ROWS:
         blockq.set_tile_rows(tile_rows, lib=lib)
         for kind in blockq.KINDS:
-            blocks = random_blocks(kind, 67, 96, seed=3)
-            weight = blocks.dequantize()
-            for rows in (1, 3, 5, 6, 9):
-                x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
-                exact = x.double() @ weight.double().T
-                scale = x.double().abs() @ weight.double().abs().T
-                err = (block_linear(x, blocks, lib=lib).double() - exact).abs()
-                assert bool((err <= 1e-6 * scale + 1e-30).all()), f"{kind}, {rows} rows, tiles of {tile_rows}"
-            assert torch.equal(block_linear(torch.eye(96), blocks, lib=lib), weight.T)
+            inp = _width(kind, 1 if kind.endswith("_k") else 3)
+            raw = random_gguf_bytes(kind, 67, inp, seed=3)
+            errors = _kernel_errors(from_gguf_rows(kind, raw, 67, inp), _gguf_py(kind, raw, 67, inp),
+                                    rows_list=(1, 3, 5, 6, 9), lib=lib)
+            assert errors == [], f"{kind}, tiles of {tile_rows}: {errors}"
+
+
+def test_an_edited_kernel_source_gets_a_build_of_its_own(tmp_path, monkeypatch):
+    """The cached build is keyed by the sources' bytes: a changed blockq.c is never served stale."""
+    before = blockq.library_path()
+    copies = []
+    for source in blockq.SOURCES:
+        copy = tmp_path / source.name
+        copy.write_bytes(source.read_bytes())
+        copies.append(copy)
+    monkeypatch.setattr(blockq, "SOURCES", tuple(copies))
+    assert blockq.library_path() == before  # the same bytes elsewhere: the same build
+    copies[0].write_bytes(copies[0].read_bytes() + b"\n/* edited */\n")
+    assert blockq.library_path() != before

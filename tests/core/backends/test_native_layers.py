@@ -24,11 +24,24 @@ pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler fo
 VOCAB = 24
 
 
+def q4_k_m(name: str) -> str:
+    """The GGUF type llama.cpp's Q4_K_M gives projection `name` of a model whose hidden size is not a
+    multiple of 256 (as the default model's): q5_0 where a K-quant cannot be, v alternating with
+    q8_0, down q4_k and q6_k."""
+    layer = int(name.split(".")[2])
+    if name.endswith("v_proj"):
+        return "q8_0" if layer % 2 else "q5_0"
+    if name.endswith("down_proj"):
+        return "q6_k" if layer % 2 else "q4_k"
+    return "q5_0"
+
+
 def blocked_llama(kinds=("q4_1", "q8_0"), family: str = "llama", hidden: int = 32):
     """tiny_family(family) with every projection of every layer computing from random blocks: q, k,
-    v, gate and up of kinds[0], o and down of kinds[-1] (as GGUF files mix them); the LM head stays
-    fp32. hidden=64: head dim 16 (2 query heads per kv head), where 4+ tokens a pass take
-    decode_layers.c's 16-queries-at-a-time attention."""
+    v, gate and up of kinds[0], o and down of kinds[-1] (as GGUF files mix them), or kinds(name)
+    per projection; the LM head stays fp32. hidden=64: head dim 16 (2 query heads per kv head),
+    where 4+ tokens a pass take decode_layers.c's 16-queries-at-a-time attention; 128: an
+    intermediate size of 256, wide enough for K-quants in down."""
     model = tiny_family(family, VOCAB)
     if hidden != 32:
         model = tiny_llama(VOCAB, seed=3, layers=2, hidden=hidden, max_positions=1024)
@@ -41,7 +54,10 @@ def blocked_llama(kinds=("q4_1", "q8_0"), family: str = "llama", hidden: int = 3
     with torch.no_grad():
         for i, (name, module) in enumerate(model.named_modules()):
             if isinstance(module, PackedLinear) and name != "lm_head":
-                kind = kinds[-1] if name.endswith(("o_proj", "down_proj")) else kinds[0]
+                if callable(kinds):
+                    kind = kinds(name)
+                else:
+                    kind = kinds[-1] if name.endswith(("o_proj", "down_proj")) else kinds[0]
                 blocks = random_blocks(kind, module.out_features, module.in_features, seed=i)
                 module.weight.copy_(blocks.dequantize())
                 module.use_blocks(blocks)
@@ -70,13 +86,16 @@ def _walk(runner, model, rows: int, seed: int, steps: int = 20) -> None:
                 torch.testing.assert_close(out[b], _fresh(model, s, keep), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("rows", "threads", "chunk", "hidden"),
-                         [(1, 1, 128, 32), (1, 2, 5, 32), (3, 2, 8, 32), (1, 2, 7, 64), (2, 1, 128, 64)])
-def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk, hidden):
+@pytest.mark.parametrize(("rows", "threads", "chunk", "hidden", "kinds"),
+                         [(1, 1, 128, 32, None), (1, 2, 5, 32, None), (3, 2, 8, 32, None), (1, 2, 7, 64, None),
+                          (2, 1, 128, 64, None), (1, 2, 8, 128, q4_k_m), (2, 1, 128, 128, q4_k_m)],
+                         ids=lambda v: getattr(v, "__name__", None))
+def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk, hidden, kinds):
     """chunk: cache slots per attention work item; small ones split every context into chunks
     whose partial softmaxes are merged (decode_layers.c's `attend`). hidden 64: head dim 16, so
-    passes of 4+ tokens take the 16-queries-at-a-time attention."""
-    model = blocked_llama(hidden=hidden)
+    passes of 4+ tokens take the 16-queries-at-a-time attention. q4_k_m: the mix of types (within a
+    layer's q, k and v too) of a Q4_K_M file."""
+    model = blocked_llama(hidden=hidden, **({"kinds": kinds} if kinds else {}))
     runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
     assert NATIVE in runner.kernels()
     runner._native = NativeLayers(runner.static, chunk=chunk)
@@ -144,8 +163,8 @@ def test_only_models_the_native_stack_computes_are_eligible():
     blocks = random_blocks("q8_0", k_proj.out_features, k_proj.in_features)
     with torch.no_grad():
         k_proj.weight.copy_(blocks.dequantize())
-    k_proj.use_blocks(blocks)  # q, k and v no longer one product of one kind
-    assert not eligible(StaticCachedModel(mixed, pad_token_id=0).static)
+    k_proj.use_blocks(blocks)  # q, k and v of two kinds: each projection is its own product
+    assert eligible(StaticCachedModel(mixed, pad_token_id=0).static)
     qwen3 = tiny_family("qwen3", VOCAB)  # per-head q/k norms: not in decode_layers.c
     assert not eligible(StaticCachedModel(qwen3, pad_token_id=0).static)
 
@@ -154,7 +173,7 @@ def test_only_models_the_native_stack_computes_are_eligible():
 def test_every_instruction_set_build_runs_the_same_layers(tmp_path, flags):
     path = tmp_path / "blockq.so"
     blockq.build(path, flags)
-    model = blocked_llama(hidden=64)
+    model = blocked_llama(hidden=128, kinds=q4_k_m)  # every layout of blockq.c but Q4_1's
     runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
     runner._native = NativeLayers(runner.static, lib=blockq.load(path), chunk=8)
     runner.use_kernel(NATIVE)
