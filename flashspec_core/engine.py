@@ -45,6 +45,9 @@ class SpecEngine:
     """Exact speculative decoding over a pool of draft sources chosen per step by a router."""
 
     _default: SpecEngine | None = None
+    # `submit` decodes under `json_schema=` (a JSON schema or a structural tag): a reply so
+    # constrained always parses. Front ends read this instead of probing `submit`'s signature.
+    constrains: bool = True
     _default_lock = threading.Lock()
 
     def __init__(

@@ -38,6 +38,7 @@ from ray import serve
 from flashspec_core.constrained.grammar import compile_workers, set_cache_limit
 from flashspec_core.memory_plan import MEMORY_FRACTION
 from flashspec_core.models import vocab_size
+from flashspec_integrations.plan import CallPlan
 from flashspec_integrations.serve import errors, protocol
 from flashspec_integrations.serve.admission import Admission, Ticket
 from flashspec_integrations.serve.guards import API_KEY_ENV, APIKeyMiddleware, BodyLimits, resolve_api_key
@@ -46,7 +47,7 @@ from flashspec_integrations.serve.limits import Limits, check_request
 from flashspec_integrations.serve.planning import Planner
 from flashspec_integrations.serve.protocol import APIError
 from flashspec_integrations.serve.stats import share_router
-from flashspec_integrations.serve.translate import DeltaStream, Plan, call_info, plan_call, reply_message
+from flashspec_integrations.serve.translate import DeltaStream, call_info, plan_call, reply_message
 from flashspec_integrations.serve.turns import CompileTurns
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -142,17 +143,15 @@ class FlashSpecServer:
         self.health = HealthProbe(lambda: self.engine.generate(probe_ids, max_new_tokens=1, domain="chat"),
                                   busy=lambda: self.admission.in_flight > 0 or self.activity.busy)
 
-    def _info(self, plan: Plan, stats: Any) -> dict:
+    def _info(self, plan: CallPlan, stats: Any) -> dict:
         return {**call_info(plan, stats, self.engine.running), "replica": self.replica, "pid": os.getpid(),
                 **self.shared.info()}
 
-    def _settings(self, plan: Plan, timeout: float) -> dict[str, Any]:
+    def _settings(self, plan: CallPlan, timeout: float) -> dict[str, Any]:
         """The engine arguments of a planned request that has `timeout` seconds left."""
-        grammar = plan.json_schema if plan.grammar is None else plan.grammar  # compiled when planned
-        return {"max_new_tokens": plan.max_new_tokens, "sampling": plan.sampling, "stop": list(plan.stop) or None,
-                "domain": plan.domain, "json_schema": grammar, "timeout": max(timeout, 1e-3)}
+        return {**plan.engine_kwargs(), "timeout": max(timeout, 1e-3)}  # the schema compiled when planned
 
-    def _plan(self, req: protocol.ChatCompletionRequest, retry_after: int) -> Plan:
+    def _plan(self, req: protocol.ChatCompletionRequest, retry_after: int) -> CallPlan:
         if req.model != self.model_name:
             raise APIError(404, f"model: {req.model[:200]!r} is not served here; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", "model", code="model_not_found")
@@ -228,14 +227,14 @@ class FlashSpecServer:
                                    protocol.usage(len(plan.prompt_ids), len(res.token_ids)), info)
         return JSONResponse(body)
 
-    async def _pieces(self, plan: Plan, timeout: float) -> AsyncIterator[Any]:
+    async def _pieces(self, plan: CallPlan, timeout: float) -> AsyncIterator[Any]:
         """The engine's chunks of a stream (no thread held between them)."""
         with self.activity:
             await asyncio.to_thread(self.shared.sync)
             async for piece in self.engine.astream(plan.prompt_ids, **self._settings(plan, timeout)):
                 yield piece
 
-    async def _events(self, plan: Plan, cid: str, include_usage: bool, ticket: Ticket, rid: str) -> AsyncIterator[str]:
+    async def _events(self, plan: CallPlan, cid: str, include_usage: bool, ticket: Ticket, rid: str) -> AsyncIterator[str]:
         """Server-sent events: the role, content or tool-call deltas, the finish (with the
         `flashspec` field), usage if asked, then [DONE]. A failure mid-stream, or the deadline
         passing, is sent as an `error` event (the status line has gone out already), never a
