@@ -13,6 +13,7 @@ import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -228,6 +229,11 @@ class SpecEngine:
     @property
     def model_name(self) -> str:
         return self._target.name
+
+    @property
+    def gguf(self) -> Path | None:
+        """The GGUF file the target was loaded from (llama.cpp can run it as is), or None."""
+        return self._target.gguf
 
     @property
     def running(self) -> int:

@@ -15,8 +15,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flashspec_core.handle import RequestHandle
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_integrations.context import DomainDecision
+from flashspec_integrations.engine import Engine
 from flashspec_integrations.plan import CallPlan
 
 
@@ -56,10 +58,10 @@ def _outcome(call: CallPlan, res: GenerationResult) -> Outcome:
                    res.stats.seconds if res.stats is not None else 0.0, call.decision)
 
 
-def _submit(engine: Any, calls: Sequence[CallPlan], timeout: float | None) -> list[Any]:
+def _submit(engine: Engine, calls: Sequence[CallPlan], timeout: float | None) -> list[RequestHandle]:
     """Each call as its own engine request (its rows join the engine's running batch); if one is
     refused (bad input, a full queue), the ones already queued are cancelled and the error raised."""
-    handles: list[Any] = []
+    handles: list[RequestHandle] = []
     try:
         for call in calls:
             handles.append(engine.submit([call.prompt_ids], timeout=timeout, **call.engine_kwargs()))
@@ -70,7 +72,7 @@ def _submit(engine: Any, calls: Sequence[CallPlan], timeout: float | None) -> li
     return handles
 
 
-def run_calls(engine: Any, calls: Sequence[CallPlan], timeout: float | None = None,
+def run_calls(engine: Engine, calls: Sequence[CallPlan], timeout: float | None = None,
               max_retries: int = 0) -> list[Outcome]:
     """Run `calls` side by side in the engine and wait for all of them (the first error is raised).
     A call that runs past `timeout` seconds is tried again up to `max_retries` times."""
@@ -90,10 +92,10 @@ def run_calls(engine: Any, calls: Sequence[CallPlan], timeout: float | None = No
     return outcomes
 
 
-async def arun_calls(engine: Any, calls: Sequence[CallPlan], timeout: float | None = None,
+async def arun_calls(engine: Engine, calls: Sequence[CallPlan], timeout: float | None = None,
                      max_retries: int = 0) -> list[Outcome]:
     """`run_calls` for a coroutine: waits without holding a thread; cancelling it cancels the calls."""
-    async def one(call: CallPlan, handle: Any) -> Outcome:
+    async def one(call: CallPlan, handle: RequestHandle) -> Outcome:
         for attempt in range(max_retries + 1):
             try:
                 return _outcome(call, (await handle.wait_async())[0])
@@ -112,7 +114,7 @@ async def arun_calls(engine: Any, calls: Sequence[CallPlan], timeout: float | No
                 handle.cancel()
 
 
-def stream_call(engine: Any, call: CallPlan, timeout: float | None = None) -> Iterator[StreamChunk]:
+def stream_call(engine: Engine, call: CallPlan, timeout: float | None = None) -> Iterator[StreamChunk]:
     """The engine's chunks for one call; TimeoutError once `timeout` seconds have passed (the
     engine ends the request at its next step boundary, also during a long prefill)."""
     chunks = engine.stream(call.prompt_ids, timeout=timeout, **call.engine_kwargs())

@@ -65,9 +65,9 @@ def run_demo(max_new_tokens: int = 64, baseline: bool = True) -> None:
     hf_rate, hf_same = _race("HF generate", lambda ids, n: hf_generate(stock, ids, n, pad), prompts, budgets, outputs)
     print(f"speed-up over HF generate: {spec_rate / hf_rate:.2f}x")
     same, plain = hf_same, "HF generate"
-    if llama_cpp.available() and engine._target.gguf is not None:
+    if llama_cpp.available() and engine.gguf is not None:
         # What a CPU user runs on the same GGUF file, with its own defaults (every thread).
-        llama = LlamaCppGreedy(engine._target.gguf, engine.eos_ids)
+        llama = LlamaCppGreedy(engine.gguf, engine.eos_ids)
         lc_rate, lc_same = _race("llama.cpp (llama-cpp-python)", llama, prompts, budgets, outputs)
         print(f"speed-up over llama.cpp: {spec_rate / lc_rate:.2f}x")
         if engine.backend == "llama.cpp":

@@ -20,6 +20,7 @@ from flashspec_core.constrained import Grammar
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.domains import classify_prompt, resolve_domain
 from flashspec_integrations.context import REACT, TOOL, TOOL_RESULT, DomainDecision, StepContext
+from flashspec_integrations.engine import Engine
 from flashspec_integrations.prompts import json_instruction, render_prompt, template_supports_tools
 from flashspec_integrations.tool_calls import ParsedCall, parse_tool_calls
 from flashspec_integrations.tool_choice import (
@@ -144,7 +145,7 @@ def _response_schema(fmt: Mapping[str, Any] | None) -> dict | None:
                     f"{{'type': 'json_schema', 'json_schema': {{'schema': ...}}}}; got {fmt!r}", "response_format")
 
 
-def plan_chat(engine: Any, req: ChatRequest, decide: Decide) -> CallPlan:
+def plan_chat(engine: Engine, req: ChatRequest, decide: Decide) -> CallPlan:
     """The engine call for chat request `req`; PlanError naming the argument for bad input.
 
     The reply is decoded under a grammar where the engine takes one (`engine.constrains`): a
@@ -205,7 +206,7 @@ def plan_chat(engine: Any, req: ChatRequest, decide: Decide) -> CallPlan:
     )
 
 
-def plan_text(engine: Any, text: str, max_new_tokens: int, sampling: SamplingParams, stop: Sequence[str],
+def plan_text(engine: Engine, text: str, max_new_tokens: int, sampling: SamplingParams, stop: Sequence[str],
               decision: DomainDecision, templated: bool = False) -> CallPlan:
     """The engine call for a text prompt (a completion); `templated`: `text` is a rendered chat
     template, which holds its special tokens already."""

@@ -26,6 +26,7 @@ from flashspec_core.models import vocab_size
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.results import GenerationStats
 from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
+from flashspec_integrations.engine import ServedEngine
 from flashspec_integrations.plan import CallPlan, ChatRequest, PlanError, plan_chat
 from flashspec_integrations.serve.protocol import CONTEXT_LENGTH_EXCEEDED, APIError, ChatCompletionRequest
 from flashspec_integrations.tool_calls import ParsedCall, ToolCallStreamer
@@ -55,7 +56,7 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
     return dicts
 
 
-def _compile(engine: Any, schema: dict, field: str, timeout_s: float | None, retry_after: int) -> Grammar:
+def _compile(engine: ServedEngine, schema: dict, field: str, timeout_s: float | None, retry_after: int) -> Grammar:
     """The schema (or structural tag) compiled within `timeout_s`, in a worker process killed past
     it; a bad or too costly schema is the caller's 400, every worker busy for the whole limit a 503
     with `Retry-After: retry_after`."""
@@ -97,7 +98,7 @@ def _decide(req: ChatCompletionRequest, facts: StepContext) -> DomainDecision:
         raise APIError(400, str(exc), "domain" if req.domain else "metadata") from None
 
 
-def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
+def plan_call(engine: ServedEngine, req: ChatCompletionRequest, default_max_tokens: int,
               max_prompt_tokens: int | None = None, compile_timeout_s: float | None = None,
               retry_after: int = 1) -> CallPlan:
     """The engine call for `req` (`plan.plan_chat`), its schema compiled; APIError(400) naming the
