@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Generator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -312,7 +312,7 @@ class SpecEngine:
         hint: str | None = None,
         json_schema: dict | str | Grammar | None = None,
         timeout: float | None = None,
-    ) -> Iterator[StreamChunk]:
+    ) -> Generator[StreamChunk, None, None]:
         """Yield text as it is verified; the last chunk carries finish_reason and stats. Closing
         the stream early ends the request at the next step boundary."""
         if is_batch(prompt):

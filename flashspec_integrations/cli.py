@@ -16,7 +16,7 @@ from pathlib import Path
 from flashspec_core.processors.sampling import SamplingParams
 
 
-def _load_prompt(args: argparse.Namespace):
+def _load_prompt(args: argparse.Namespace) -> str | list[dict]:
     if args.chat_file:
         path = Path(args.chat_file)
         if not path.is_file():

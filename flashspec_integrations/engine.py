@@ -9,7 +9,7 @@ compiles grammars for. Nothing else of the engine is touched, its internals neve
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ class Engine(Protocol):
 
     def stream(self, prompt: PromptLike, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                stop: str | Sequence[str] | None = None, domain: str | None = None, hint: str | None = None,
-               json_schema: dict | str | Grammar | None = None, timeout: float | None = None) -> Iterator[StreamChunk]: ...
+               json_schema: dict | str | Grammar | None = None, timeout: float | None = None
+               ) -> Generator[StreamChunk, None, None]: ...
 
 
 class ServedEngine(Engine, Protocol):

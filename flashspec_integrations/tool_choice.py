@@ -84,9 +84,9 @@ def reply_constraint(tools: Sequence[Mapping], choice: ToolChoice, native_templa
     if not tools or choice.none:
         return None
     if choice.forced and choice.name is not None:
-        return tool_call_schema(list(tools), choice.name)
+        return tool_call_schema([dict(t) for t in tools], choice.name)
     style = HERMES if native_template is None else style_for_template(native_template)
-    return tool_tags(list(tools), style, required=choice.forced, parallel=parallel)
+    return tool_tags([dict(t) for t in tools], style, required=choice.forced, parallel=parallel)
 
 
 def forced_prefix(choice: ToolChoice, constrained: bool) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.runnables.config import var_child_runnable_config
@@ -23,7 +23,16 @@ from flashspec_integrations.plan import CallPlan, plan_text
 from flashspec_integrations.settings import FlashSpecFields
 
 PROVIDER = "flashspec"
-T = TypeVar("T")
+
+
+class _Chunk(Protocol):
+    """A streamed chunk as callbacks get it: LangChain's GenerationChunk and ChatGenerationChunk."""
+
+    @property
+    def text(self) -> str: ...
+
+
+T = TypeVar("T", bound=_Chunk)
 # Call keywords LangChain passes that need no action here.
 _PASSED_THROUGH = frozenset({"model", "stream", "ls_structured_output_format"})
 

@@ -7,13 +7,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from functools import partial
 from operator import itemgetter
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.exceptions import OutputParserException
-from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.messages.tool import InvalidToolCall, ToolCall, invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.output_parsers import JsonOutputKeyToolsParser
 from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
@@ -43,13 +43,15 @@ def _parse_json_reply(model: type | None, message: AIMessage) -> Any:
         value = first_json_object(text)
         if model is None:
             return value
-        return model.model_validate(value) if issubclass(model, BaseModel) else model.parse_obj(value)
+        if issubclass(model, BaseModel):
+            return model.model_validate(value)
+        return cast(Any, model).parse_obj(value)  # a pydantic.v1 model
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         raise OutputParserException(f"the reply is not the requested JSON: {exc}", llm_output=text) from exc
 
 
-def _lc_call(call: ParsedCall) -> dict:
-    if call.valid:
+def _lc_call(call: ParsedCall) -> ToolCall | InvalidToolCall:
+    if call.valid and call.name is not None and call.arguments is not None:
         return tool_call(name=call.name, args=call.arguments, id=call.id)
     return invalid_tool_call(name=call.name, args=call.raw, id=call.id, error=call.error)
 
@@ -72,8 +74,8 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
     def _llm_type(self) -> str:
         return "flashspec-chat"
 
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
-        return {**self._ls_common(stop, kwargs), "ls_model_type": "chat"}
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        return cast(LangSmithParams, {**self._ls_common(stop, kwargs), "ls_model_type": "chat"})
 
     # ------------------------------------------------------------------------ token counting
 
@@ -130,7 +132,8 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         """
         if kwargs:
             raise ValueError(f"with_structured_output: unsupported arguments {sorted(kwargs)}")
-        is_model = is_basemodel_subclass(schema)  # pydantic v2 or v1 (pydantic.v1.BaseModel)
+        # pydantic v2 or v1 (pydantic.v1.BaseModel); None for a TypedDict or a JSON schema dict
+        model = schema if isinstance(schema, type) and is_basemodel_subclass(schema) else None
         if method == "function_calling":
             if schema is None:
                 raise ValueError("schema: function_calling needs a schema; pass one or use method='json_mode'")
@@ -139,7 +142,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
                                   ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
                                                                "schema": convert_to_openai_tool(schema)})
             parser: Runnable = (
-                PydanticToolsParser(tools=[schema], first_tool_only=True) if is_model
+                PydanticToolsParser(tools=[model], first_tool_only=True) if model is not None
                 else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
             )
         elif method in ("json_mode", "json_schema"):
@@ -149,7 +152,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
                 "type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}}
             llm = self.bind(response_format=fmt, ls_structured_output_format={
                 "kwargs": {"method": method, "strict": strict}, "schema": schema})
-            parser = RunnableLambda(partial(_parse_json_reply, schema if is_model else None))
+            parser = RunnableLambda(partial(_parse_json_reply, model))
         else:
             raise ValueError(f"method must be 'function_calling', 'json_mode' or 'json_schema'; got {method!r}")
         if not include_raw:

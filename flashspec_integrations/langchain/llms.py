@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseLLM
+from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
@@ -39,8 +39,8 @@ class FlashSpecLLM(LangChainParams, BaseLLM):
     def _llm_type(self) -> str:
         return "flashspec"
 
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
-        return {**self._ls_common(stop, kwargs), "ls_model_type": "llm"}
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        return cast(LangSmithParams, {**self._ls_common(stop, kwargs), "ls_model_type": "llm"})
 
     def _call(self, prompt: str, stop: list[str] | None, run_manager: Any, kwargs: dict) -> CallPlan:
         if not isinstance(prompt, str) or not prompt:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -63,8 +63,8 @@ def _message(req: CallPlan, text: str, final: bool, finished: bool = True) -> Ch
     content, calls = _calls(req, text, finished)
     if not calls:
         return ChatMessage(role=MessageRole.ASSISTANT, content=text)
-    blocks = [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments if c.valid else c.raw)
-              for c in calls]
+    blocks = [ToolCallBlock(tool_call_id=c.id, tool_name=str(c.name),  # `_calls` keeps named calls only
+                            tool_kwargs=c.arguments if c.valid and c.arguments is not None else c.raw) for c in calls]
     openai_calls = [{"id": c.id, "type": "function", "function": {
         "name": c.name, "arguments": json.dumps(c.arguments) if c.valid else c.raw}} for c in calls]
     return ChatMessage(role=MessageRole.ASSISTANT, blocks=([TextBlock(text=content)] if content else []) + blocks,
@@ -98,13 +98,13 @@ def _stream_steps(req: CallPlan, chunks: Iterable[StreamChunk]) -> Iterator[tupl
         yield chunk.text, text, outcome
 
 
-def completion_stream(req: CallPlan, chunks: Iterable[StreamChunk]) -> Iterator[CompletionResponse]:
+def completion_stream(req: CallPlan, chunks: Iterable[StreamChunk]) -> Generator[CompletionResponse, None, None]:
     for delta, text, outcome in _stream_steps(req, chunks):
         raw, extra = _final_info(outcome) if outcome is not None else (None, {PARTIAL: True})
         yield CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=extra)
 
 
-def chat_stream(req: CallPlan, chunks: Iterable[StreamChunk]) -> Iterator[ChatResponse]:
+def chat_stream(req: CallPlan, chunks: Iterable[StreamChunk]) -> Generator[ChatResponse, None, None]:
     """Chat chunks: the text so far and its delta, with tools in play the text outside calls only."""
     streamer = ToolCallStreamer(req.tools) if req.parse_tools else None
     shown = ""

@@ -41,6 +41,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
+from llama_index.core.types import TokenAsyncGen, TokenGen
 
 from flashspec_core.results import StreamChunk
 from flashspec_integrations.async_bridge import aiter_in_thread
@@ -139,11 +140,13 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         """Everything about a chat call that is known before generation, computed in the caller's context."""
         self.check_call_kwargs(kwargs, _CHAT_KWARGS)
         max_new, sampling = self.decoding(kwargs)
-        render = None
-        if not self._uses_chat_template():
-            def render(dicts: Sequence[Mapping[str, Any]], shown: Sequence[Mapping[str, Any]]) -> str:
-                head = [ChatMessage(role=MessageRole.SYSTEM, content=tools_instructions(shown))] if shown else []
-                return self.messages_to_prompt([*head, *messages])
+        def own_format(dicts: Sequence[Mapping[str, Any]], shown: Sequence[Mapping[str, Any]]) -> str:
+            head = [ChatMessage(role=MessageRole.SYSTEM, content=tools_instructions(shown))] if shown else []
+            to_prompt = self.messages_to_prompt
+            assert to_prompt is not None  # LlamaIndex's validator sets one
+            return to_prompt([*head, *messages])
+
+        render = None if self._uses_chat_template() else own_format
         request = ChatRequest(
             to_openai_dicts(messages), max_new, sampling, [tool_spec(t) for t in kwargs.get("tools") or ()],
             kwargs.get("tool_choice"), tool_required=bool(kwargs.get("tool_required")) or _structured_call.get(),
@@ -164,8 +167,9 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         max_new, sampling = self.decoding(kwargs)
         stops = self.stops(kwargs.get("stop"), *(REACT_STOPS if decision.label == REACT else ()))
         text, templated = prompt, False
-        if not formatted and self.completion_to_prompt is not default_completion_to_prompt:
-            text = self.completion_to_prompt(prompt)
+        to_prompt = self.completion_to_prompt
+        if not formatted and to_prompt is not None and to_prompt is not default_completion_to_prompt:
+            text = to_prompt(prompt)
         elif not formatted and self._uses_chat_template():
             turns = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
             text, templated = render_prompt(self.get_engine().tokenizer, [*turns, {"role": "user", "content": prompt}]), True
@@ -231,7 +235,7 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         with template_scope(prompt):
             return super().predict(prompt, **prompt_args)
 
-    def stream(self, prompt: Any, **prompt_args: Any):
+    def stream(self, prompt: Any, **prompt_args: Any) -> TokenGen:
         with template_scope(prompt):
             return super().stream(prompt, **prompt_args)
 
@@ -239,13 +243,15 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         with template_scope(prompt):
             return await super().apredict(prompt, **prompt_args)
 
-    async def astream(self, prompt: Any, **prompt_args: Any):
+    async def astream(self, prompt: Any, **prompt_args: Any) -> TokenAsyncGen:
         with template_scope(prompt):
             return await super().astream(prompt, **prompt_args)
 
     # Structured streaming: the call is forced (see `_structured_call`).
 
-    def _structured_stream_call(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+    def _structured_stream_call(  # type: ignore[override]  # passes the parent's generic arguments through
+        self, *args: Any, **kwargs: Any
+    ) -> Iterator[Any]:
         objects = super()._structured_stream_call(*args, **kwargs)
         while True:
             with _forcing_calls():  # only around the program's own steps, never the consumer's
@@ -255,7 +261,9 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
                     return
             yield item
 
-    async def _structured_astream_call(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    async def _structured_astream_call(  # type: ignore[override]  # passes the parent's generic arguments through
+        self, *args: Any, **kwargs: Any
+    ) -> AsyncIterator[Any]:
         with _forcing_calls():  # the program makes its call before it returns the stream
             return await super()._structured_astream_call(*args, **kwargs)
 
@@ -296,7 +304,7 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         blocks = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
         if not blocks and error_on_no_tool_call:
             raise ValueError(f"Expected at least one tool call, but got 0 tool calls: {response.message.content!r}")
-        selections = []
+        selections: list[ToolSelection] = []
         for block in blocks:
             arguments = block.tool_kwargs
             if isinstance(arguments, str):

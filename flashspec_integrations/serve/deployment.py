@@ -25,19 +25,20 @@ import json
 import logging
 import os
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from ray import serve
 
 from flashspec_core.constrained.grammar import compile_workers, set_cache_limit
 from flashspec_core.memory_plan import MEMORY_FRACTION
 from flashspec_core.models import vocab_size
+from flashspec_core.results import GenerationResult
 from flashspec_integrations.plan import CallPlan
 from flashspec_integrations.serve import errors, protocol
 from flashspec_integrations.serve.admission import Admission, Ticket
@@ -85,7 +86,8 @@ class ServeSettings(BaseModel):
                                                         "of each replica, else no key")
     max_in_flight: int = Field(64, ge=1, description="requests in flight per replica; past it a 429 with Retry-After")
     request_timeout_s: float = Field(300.0, gt=0, description="seconds from a request's arrival to its reply's end")
-    limits: Limits = Field(default_factory=Limits, description="what one request may ask (serve/limits.py)")
+    limits: Limits = Field(default_factory=Limits,  # type: ignore[arg-type]  # pydantic without its mypy plugin
+                           description="what one request may ask (serve/limits.py)")
 
     def served_name(self) -> str:
         if self.model_name:
@@ -173,20 +175,21 @@ class FlashSpecServer:
         await self.health.check()
 
     @app.get("/health")
-    async def health_route(self):
+    async def health_route(self) -> Response:
         """The same check for load balancers; needs no key."""
         try:
             status = await self.health.check()
         except EngineUnhealthy as exc:
             return errors.respond(APIError(503, str(exc), kind="server_error", code="unhealthy"))
-        return {"status": status, "model": self.model_name, "replica": self.replica, **self.admission.info()}
+        return JSONResponse({"status": status, "model": self.model_name, "replica": self.replica,
+                             **self.admission.info()})
 
     @app.get("/v1/models")
     async def models(self) -> dict:
         return protocol.model_list(self.model_name)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
+    async def chat_completions(self, request: Request) -> Response:
         rid = errors.request_id(request)
         body = await request.body()  # whole already, within its time (`guards.BodyLimits`): no slot is held for it
         try:
@@ -210,6 +213,7 @@ class FlashSpecServer:
                 with self.activity:  # the engine ends the row at its deadline, at the next step
                     await asyncio.to_thread(self.shared.sync)
                     res = await self.engine.agenerate(plan.prompt_ids, **self._settings(plan, ticket.remaining()))
+                    assert isinstance(res, GenerationResult)  # one prompt: one result
             except TimeoutError:
                 return errors.respond(self.admission.deadline_error())
             except Exception as exc:  # noqa: BLE001 - an OpenAI-style error for this request only
@@ -223,11 +227,11 @@ class FlashSpecServer:
         info = self._info(plan, res.stats)
         if invalid:
             info["invalid_tool_calls"] = invalid
-        body = protocol.completion(cid, self.model_name, message, finish,
-                                   protocol.usage(len(plan.prompt_ids), len(res.token_ids)), info)
-        return JSONResponse(body)
+        reply = protocol.completion(cid, self.model_name, message, finish,
+                                    protocol.usage(len(plan.prompt_ids), len(res.token_ids)), info)
+        return JSONResponse(reply)
 
-    async def _pieces(self, plan: CallPlan, timeout: float) -> AsyncIterator[Any]:
+    async def _pieces(self, plan: CallPlan, timeout: float) -> AsyncGenerator[Any, None]:
         """The engine's chunks of a stream (no thread held between them)."""
         with self.activity:
             await asyncio.to_thread(self.shared.sync)
@@ -268,23 +272,25 @@ class FlashSpecServer:
         yield "data: [DONE]\n\n"
 
 
-def _queues(settings: ServeSettings) -> dict[str, int]:
-    """Ray Serve's own bounds, set from the replica's in-flight limit (`admission`)."""
-    return {"max_ongoing_requests": settings.max_in_flight + ONGOING_HEADROOM,
-            "max_queued_requests": QUEUED_PER_SLOT * settings.max_in_flight + ONGOING_HEADROOM}
+def _deployment(settings: ServeSettings) -> serve.Deployment:
+    """The replica class as `@serve.deployment` made it (a Deployment, whatever its class says),
+    with Ray Serve's own bounds set from the replica's in-flight limit (`admission`)."""
+    return cast(serve.Deployment, FlashSpecServer).options(
+        max_ongoing_requests=settings.max_in_flight + ONGOING_HEADROOM,
+        max_queued_requests=QUEUED_PER_SLOT * settings.max_in_flight + ONGOING_HEADROOM)
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The application from Serve config `args` (ServeSettings fields); replicas, autoscaling
     and resources come from the config file's `deployments:` section."""
     settings = ServeSettings.model_validate(args or {})
-    return FlashSpecServer.options(**_queues(settings)).bind(settings.model_dump())
+    return _deployment(settings).bind(settings.model_dump())
 
 
 def application(settings: ServeSettings, replicas: int | dict, num_cpus: float, num_gpus: float) -> serve.Application:
     """The application with `replicas` fixed replicas (or an autoscaling config dict), each
     holding `num_cpus` CPUs and `num_gpus` GPUs (the CLI's path)."""
     scaling = {"autoscaling_config": replicas} if isinstance(replicas, dict) else {"num_replicas": replicas}
-    deployment = FlashSpecServer.options(
-        **scaling, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}, **_queues(settings))
+    deployment = _deployment(settings).options(
+        **scaling, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
     return deployment.bind(settings.model_dump())
