@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Generator, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -45,6 +46,9 @@ class SpecEngine:
     """Exact speculative decoding over a pool of draft sources chosen per step by a router."""
 
     _default: SpecEngine | None = None
+    # `submit` decodes under `json_schema=` (a JSON schema or a structural tag): a reply so
+    # constrained always parses. Front ends read this instead of probing `submit`'s signature.
+    constrains: bool = True
     _default_lock = threading.Lock()
 
     def __init__(
@@ -227,6 +231,11 @@ class SpecEngine:
         return self._target.name
 
     @property
+    def gguf(self) -> Path | None:
+        """The GGUF file the target was loaded from (llama.cpp can run it as is), or None."""
+        return self._target.gguf
+
+    @property
     def running(self) -> int:
         """Rows in the running batch now."""
         return self._scheduler.running
@@ -303,7 +312,7 @@ class SpecEngine:
         hint: str | None = None,
         json_schema: dict | str | Grammar | None = None,
         timeout: float | None = None,
-    ) -> Iterator[StreamChunk]:
+    ) -> Generator[StreamChunk, None, None]:
         """Yield text as it is verified; the last chunk carries finish_reason and stats. Closing
         the stream early ends the request at the next step boundary."""
         if is_batch(prompt):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -23,7 +23,7 @@ T = TypeVar("T")
 _ITEM, _DONE, _ERROR = "item", "done", "error"
 
 
-async def aiter_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+async def aiter_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncGenerator[T, None]:
     """Yield the items of `make_iterator()` (called in the producer thread: it may load weights).
 
     If the consumer stops early (break, aclose, cancellation), the producer stops before the next
@@ -63,7 +63,7 @@ async def aiter_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIter
             if kind == _DONE:
                 return
             if kind == _ERROR:
-                raise value  # type: ignore[misc]
-            yield value  # type: ignore[misc]
+                raise value
+            yield value
     finally:
         stopped.set()

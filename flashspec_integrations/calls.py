@@ -1,7 +1,7 @@
 """One engine call as both adapters build it, what comes back, and the streamed and timed paths.
 
-An adapter turns a framework call into an `EngineCall` (prompt ids, decoding settings, the router
-decision) in the caller's context, then runs or streams it here; either way it gets an `Outcome`
+An adapter turns a framework call into a `CallPlan` (`flashspec_integrations.plan`) in the
+caller's context, then runs or streams it here; either way it gets an `Outcome`
 or the engine's chunks back and turns them into its framework's response objects. Every call is
 its own engine request: concurrent calls (LangChain's `batch`/`abatch`, LangGraph branches,
 LlamaIndex's async fan-out) join the engine's running batch as they come, each with its own
@@ -15,41 +15,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flashspec_core import SamplingParams
+from flashspec_core.handle import RequestHandle
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
-from flashspec_core.routing.domains import classify_prompt
 from flashspec_integrations.context import DomainDecision
-
-
-@dataclass
-class EngineCall:
-    """One engine request. prompt_ids: the rendered prompt with `prefix` (assistant text written
-    before generation: a forced call's opening, ReAct's "Thought:") already appended."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams
-    stop: list[str]
-    decision: DomainDecision
-    prompt_text: str = ""  # the rendered prompt, for the classifier when the adapter decided nothing
-    prefix: str = ""
-    json_schema: dict | None = None
-
-    @property
-    def hint(self) -> str | None:
-        """The hint the engine gets: the adapter's, else the classifier's label of this prompt."""
-        if self.decision.domain is not None:
-            return None
-        return self.decision.hint or classify_prompt(self.prompt_text)
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "max_new_tokens": self.max_new_tokens, "sampling": self.sampling, "stop": self.stop or None,
-            "domain": self.decision.domain, "hint": self.hint,
-        }
-        if self.json_schema is not None:
-            kwargs["json_schema"] = self.json_schema
-        return kwargs
+from flashspec_integrations.engine import Engine
+from flashspec_integrations.plan import CallPlan
 
 
 @dataclass
@@ -83,15 +53,15 @@ class Outcome:
         }
 
 
-def _outcome(call: EngineCall, res: GenerationResult) -> Outcome:
+def _outcome(call: CallPlan, res: GenerationResult) -> Outcome:
     return Outcome(call.prefix + res.text, list(res.token_ids), res.finish_reason, res.stats, res.prompt_tokens,
                    res.stats.seconds if res.stats is not None else 0.0, call.decision)
 
 
-def _submit(engine: Any, calls: Sequence[EngineCall], timeout: float | None) -> list[Any]:
+def _submit(engine: Engine, calls: Sequence[CallPlan], timeout: float | None) -> list[RequestHandle]:
     """Each call as its own engine request (its rows join the engine's running batch); if one is
     refused (bad input, a full queue), the ones already queued are cancelled and the error raised."""
-    handles: list[Any] = []
+    handles: list[RequestHandle] = []
     try:
         for call in calls:
             handles.append(engine.submit([call.prompt_ids], timeout=timeout, **call.engine_kwargs()))
@@ -102,7 +72,7 @@ def _submit(engine: Any, calls: Sequence[EngineCall], timeout: float | None) -> 
     return handles
 
 
-def run_calls(engine: Any, calls: Sequence[EngineCall], timeout: float | None = None,
+def run_calls(engine: Engine, calls: Sequence[CallPlan], timeout: float | None = None,
               max_retries: int = 0) -> list[Outcome]:
     """Run `calls` side by side in the engine and wait for all of them (the first error is raised).
     A call that runs past `timeout` seconds is tried again up to `max_retries` times."""
@@ -122,10 +92,10 @@ def run_calls(engine: Any, calls: Sequence[EngineCall], timeout: float | None = 
     return outcomes
 
 
-async def arun_calls(engine: Any, calls: Sequence[EngineCall], timeout: float | None = None,
+async def arun_calls(engine: Engine, calls: Sequence[CallPlan], timeout: float | None = None,
                      max_retries: int = 0) -> list[Outcome]:
     """`run_calls` for a coroutine: waits without holding a thread; cancelling it cancels the calls."""
-    async def one(call: EngineCall, handle: Any) -> Outcome:
+    async def one(call: CallPlan, handle: RequestHandle) -> Outcome:
         for attempt in range(max_retries + 1):
             try:
                 return _outcome(call, (await handle.wait_async())[0])
@@ -144,7 +114,7 @@ async def arun_calls(engine: Any, calls: Sequence[EngineCall], timeout: float | 
                 handle.cancel()
 
 
-def stream_call(engine: Any, call: EngineCall, timeout: float | None = None) -> Iterator[StreamChunk]:
+def stream_call(engine: Engine, call: CallPlan, timeout: float | None = None) -> Iterator[StreamChunk]:
     """The engine's chunks for one call; TimeoutError once `timeout` seconds have passed (the
     engine ends the request at its next step boundary, also during a long prefill)."""
     chunks = engine.stream(call.prompt_ids, timeout=timeout, **call.engine_kwargs())

@@ -16,7 +16,7 @@ from pathlib import Path
 from flashspec_core.processors.sampling import SamplingParams
 
 
-def _load_prompt(args: argparse.Namespace):
+def _load_prompt(args: argparse.Namespace) -> str | list[dict]:
     if args.chat_file:
         path = Path(args.chat_file)
         if not path.is_file():
@@ -68,7 +68,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     target = load_target(args.model)
     engine = SpecEngine(target, [], router="fixed", backend=args.backend, calibrate=False)
     runner = engine.runner
-    if not hasattr(runner, "kernels") or runner.device.type != "cpu":
+    if not runner.kernels() or runner.device.type != "cpu":
         raise ValueError("calibrate times CPU targets; this one runs on "
                          f"{runner.device} (its costs are learned by the router as it runs)")
     widths = [1] + [g + 1 for g in CPU_GAMMAS]

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from tqdm import tqdm
 
 from flashspec_core.backends import llama_cpp
 from flashspec_core.backends.calibration import machine_line
 from flashspec_core.engine import SpecEngine
+from flashspec_core.results import GenerationResult
 from flashspec_workloads.baselines import LlamaCppGreedy, hf_generate, stock_default_model
 from flashspec_workloads.dev import demo_workload
 
@@ -24,7 +26,8 @@ from flashspec_workloads.dev import demo_workload
 ADAPTER_HINTS = {"tool", "rag"}
 
 
-def _race(name: str, run, prompts, budgets, outputs) -> tuple[float, int]:
+def _race(name: str, run: Callable[[list[int], int], tuple[list[int], float]], prompts: list[list[int]],
+          budgets: list[int], outputs: list[list[int]]) -> tuple[float, int]:
     """Run one baseline over the steps; returns its tokens/s and how many steps matched `outputs`."""
     tokens, seconds, same = 0, 0.0, 0
     for ids, budget, ours in tqdm(list(zip(prompts, budgets, outputs)), desc=name, unit="step"):
@@ -46,6 +49,7 @@ def run_demo(max_new_tokens: int = 64, baseline: bool = True) -> None:
         start = time.perf_counter()
         res = engine.generate(ids, max_new_tokens=step.max_new_tokens,
                               hint=step.domain if step.domain in ADAPTER_HINTS else None)
+        assert isinstance(res, GenerationResult) and res.stats is not None  # one prompt: one result
         spec_seconds += time.perf_counter() - start
         arms = Counter(a for a in res.stats.arms)
         rows.append((step.domain, res.stats.domain, arms.most_common(1)[0][0], res.stats.drafted,
@@ -65,9 +69,9 @@ def run_demo(max_new_tokens: int = 64, baseline: bool = True) -> None:
     hf_rate, hf_same = _race("HF generate", lambda ids, n: hf_generate(stock, ids, n, pad), prompts, budgets, outputs)
     print(f"speed-up over HF generate: {spec_rate / hf_rate:.2f}x")
     same, plain = hf_same, "HF generate"
-    if llama_cpp.available() and engine._target.gguf is not None:
+    if llama_cpp.available() and engine.gguf is not None:
         # What a CPU user runs on the same GGUF file, with its own defaults (every thread).
-        llama = LlamaCppGreedy(engine._target.gguf, engine.eos_ids)
+        llama = LlamaCppGreedy(engine.gguf, engine.eos_ids)
         lc_rate, lc_same = _race("llama.cpp (llama-cpp-python)", llama, prompts, budgets, outputs)
         print(f"speed-up over llama.cpp: {spec_rate / lc_rate:.2f}x")
         if engine.backend == "llama.cpp":

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from flashspec_core import SamplingParams
+from flashspec_integrations.engine import Engine
 from flashspec_integrations.engines import EngineSettings, engine_for
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "no_repeat_ngram_size")
@@ -36,7 +37,9 @@ class FlashSpecFields(BaseModel):
     drafts: list[str] | None = Field(None, description="draft names or paths; None is the default pool")
     router: str = Field("thompson", description="router name (flashspec_core.pool.ROUTER_NAMES)")
     device: str | None = Field(None, description="'cpu', 'cuda', ...; None picks one")
-    engine: Any = Field(None, exclude=True, description="a ready SpecEngine, instead of the four settings above")
+    # Typed loosely for pydantic (a Protocol cannot be validated); `get_engine` returns it as an Engine.
+    engine: Any = Field(None, exclude=True, description="a ready SpecEngine (or any `Engine`), instead of the four "
+                        "settings above")
 
     max_tokens: int = Field(
         256, gt=0, validation_alias=AliasChoices("max_tokens", "max_new_tokens"),
@@ -58,7 +61,7 @@ class FlashSpecFields(BaseModel):
         None, gt=0, description="seconds per call: the engine ends a call past it at its next step boundary (a long "
         "prefill included) and the call raises TimeoutError")
 
-    _resolved: Any = PrivateAttr(None)
+    _resolved: Engine | None = PrivateAttr(None)
     _resolve_lock: Any = PrivateAttr(default_factory=threading.Lock)
 
     @model_validator(mode="before")
@@ -82,10 +85,10 @@ class FlashSpecFields(BaseModel):
         drafts = tuple(self.drafts) if self.drafts is not None else None
         return EngineSettings(self.target, drafts, self.router, self.device)
 
-    def get_engine(self) -> Any:
+    def get_engine(self) -> Engine:
         """The engine: `engine=` if given, else the shared one for these settings (loaded on first use)."""
         if self.engine is not None:
-            return self.engine
+            return cast(Engine, self.engine)
         with self._resolve_lock:
             if self._resolved is None:
                 self._resolved = engine_for(self.engine_settings())
@@ -95,7 +98,7 @@ class FlashSpecFields(BaseModel):
     def model_name(self) -> str:
         """What the model is called in traces and responses: the given engine's model, else the target."""
         if self.engine is not None:
-            return str(getattr(self.engine, "model_name", type(self.engine).__name__))
+            return str(self.get_engine().model_name)
         return self.engine_settings().model_name
 
     # --------------------------------------------------------------------------- decoding

@@ -21,7 +21,7 @@ import ast
 import json
 import re
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +124,7 @@ def first_json_object(text: str) -> Any:
         return loads_lenient(text[start:].split("```")[0], closed=True)
 
 
-def _known(name: Any, names: Sequence[str]) -> str | None:
+def _known(name: Any, names: Iterable[str]) -> str | None:
     """`name` as one of `names` (case folded), or None when it is not one of them."""
     if not isinstance(name, str) or not name.strip():
         return None

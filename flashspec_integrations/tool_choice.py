@@ -2,7 +2,7 @@
 choice, the grammar, the stop strings, and a forced call's opening for engines without grammars.
 
 The grammar a reply is decoded under (`reply_constraint`, passed as `json_schema=` to engines
-that take it; the real engine does: `flashspec_core/constrained`): a call forced to one tool (its
+whose `constrains` is true, as the real engine's is: `flashspec_core/constrained`): a call forced to one tool (its
 name, or "any"/"required"/True with one tool bound, LlamaIndex's `tool_required`) is decoded under
 the call's JSON schema and comes out as a bare call object; where the model chooses ("auto") or
 must call one of several tools ("required"), under a structural tag: free text until the model
@@ -12,7 +12,6 @@ call's opening written for them (`forced_prefix`) and their free output parsed.
 """
 from __future__ import annotations
 
-import inspect
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -61,14 +60,6 @@ def normalize_tool_choice(choice: Any, tools: Sequence[Mapping], required: bool 
     raise ValueError(f"tool_choice must be 'auto', 'none', 'any', 'required', True or a tool's name; got {choice!r}")
 
 
-def takes_json_schema(engine: Any) -> bool:
-    """Whether the engine decodes under a JSON schema (its `submit` takes `json_schema=`)."""
-    try:
-        return "json_schema" in inspect.signature(engine.submit).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def reply_stops(tools_in_play: bool, single_call: bool, hermes: bool, constrained: bool = False) -> tuple[str, ...]:
     """Stop strings of a reply with tools in play: the model never writes a tool's result itself
     (the framework supplies it), and a free reply of one call stops where the call closes. Under a
@@ -93,9 +84,9 @@ def reply_constraint(tools: Sequence[Mapping], choice: ToolChoice, native_templa
     if not tools or choice.none:
         return None
     if choice.forced and choice.name is not None:
-        return tool_call_schema(list(tools), choice.name)
+        return tool_call_schema([dict(t) for t in tools], choice.name)
     style = HERMES if native_template is None else style_for_template(native_template)
-    return tool_tags(list(tools), style, required=choice.forced, parallel=parallel)
+    return tool_tags([dict(t) for t in tools], style, required=choice.forced, parallel=parallel)
 
 
 def forced_prefix(choice: ToolChoice, constrained: bool) -> str:

@@ -26,7 +26,7 @@ import random
 from typing import Literal
 
 from flashspec_workloads.common import DEFAULT_MAX_NEW_TOKENS, Step, check_stream_args, domain_order, unused
-from flashspec_workloads.passages import Holdout, holdout_of, passages
+from flashspec_workloads.passages import Holdout, Passage, Question, holdout_of, passages
 from flashspec_workloads.rag import TEMPLATES, questions_over, rag_messages, render_context
 from flashspec_workloads.sharegpt import Conversation, sharegpt_pool
 from flashspec_workloads.tools import FORMATS, episode_messages, episodes, needs_passage
@@ -79,7 +79,7 @@ class _Sources:
             steps.append(Step(domain, messages, self._tokens(domain), f"sharegpt:{conv.id}/turn{k}"))
         return steps
 
-    def _document(self, n_questions: int):
+    def _document(self, n_questions: int) -> tuple[list[Passage], list[Question]]:
         by_id = {p.id: p for p in self.passages}
         while True:
             first = by_id[self._pick(sorted(by_id))]

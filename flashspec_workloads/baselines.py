@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -31,7 +32,7 @@ def stock_default_model() -> PreTrainedModel:
 
 
 def hf_generate(model: PreTrainedModel, ids: Sequence[int], max_new_tokens: int, pad_token_id: int,
-                **generate_kwargs) -> tuple[list[int], float]:
+                **generate_kwargs: Any) -> tuple[list[int], float]:
     """Plain HF `generate` (greedy) of `model` on prompt token ids; returns (new tokens, seconds).
 
     `generate_kwargs` reach `generate` (e.g. `prompt_lookup_num_tokens` for HF's assisted mode).
@@ -39,7 +40,8 @@ def hf_generate(model: PreTrainedModel, ids: Sequence[int], max_new_tokens: int,
     inputs = torch.tensor([list(ids)], device=model.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
+        out = model.generate(inputs,  # type: ignore[operator]  # transformers types generate loosely
+                             attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=pad_token_id, **generate_kwargs)
     return out[0, len(ids):].tolist(), time.perf_counter() - start
 

@@ -220,7 +220,7 @@ def sharegpt_conversations(split: Literal["train", "dev"] | None = "train",
 
 
 @functools.lru_cache(maxsize=4)
-def sharegpt_pool(split: str, pool_size: int = POOL_SIZE) -> dict[str, tuple[Conversation, ...]]:
+def sharegpt_pool(split: Literal["train", "dev"], pool_size: int = POOL_SIZE) -> dict[str, tuple[Conversation, ...]]:
     """The first `pool_size` chat and code conversations of a split, read in one pass and cached."""
     pools: dict[str, list[Conversation]] = {"chat": [], "code": []}
     for conv in sharegpt_conversations(split):

@@ -79,6 +79,8 @@ class ScriptedEngine:
     """An engine stand-in whose replies come from `script`: a list used in turn (its last reply
     repeated) or a function of the rendered prompt."""
 
+    constrains = True  # takes json_schema= (and records it)
+
     def __init__(self, script: Sequence[str] | Callable[[str], str], model_name: str = "scripted"):
         self.tokenizer = byte_tokenizer()
         self.model_name = model_name
@@ -153,6 +155,8 @@ class ScriptedEngine:
 class UnconstrainedEngine(ScriptedEngine):
     """A scripted engine without schema-constrained decoding (no `json_schema=`), as a custom engine
     passed as `engine=` may be: forced calls then get their opening written for them."""
+
+    constrains = False
 
     def submit(self, prompts, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, stream=False,
                timeout=None) -> RequestHandle:

@@ -28,9 +28,14 @@ DOMAINS = ("chat", "code")
 class Conversation(Protocol):
     """One multi-turn conversation to draw prompts from (flashspec_workloads.sharegpt's rows)."""
 
-    split: str  # one of SPLITS
-    domain: str  # one of DOMAINS
-    messages: list[dict]  # chat messages, {"role", "content"}
+    @property
+    def split(self) -> str: ...  # one of SPLITS
+
+    @property
+    def domain(self) -> str: ...  # one of DOMAINS
+
+    @property
+    def messages(self) -> list[dict[str, str]]: ...  # chat messages, {"role", "content"}
 
 
 @dataclass

@@ -8,20 +8,31 @@ cache are `flashspec_integrations.settings`; the domain rules are `flashspec_int
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.runnables.config import var_child_runnable_config
 from pydantic import Field
 
 from flashspec_integrations.async_bridge import aiter_in_thread
-from flashspec_integrations.calls import EngineCall, Outcome, arun_calls, run_calls
+from flashspec_integrations.calls import Outcome, arun_calls, run_calls
 from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
+from flashspec_integrations.plan import CallPlan, plan_text
 from flashspec_integrations.settings import FlashSpecFields
 
 PROVIDER = "flashspec"
-T = TypeVar("T")
+
+
+class _Chunk(Protocol):
+    """A streamed chunk as callbacks get it: LangChain's GenerationChunk and ChatGenerationChunk."""
+
+    @property
+    def text(self) -> str: ...
+
+
+T = TypeVar("T", bound=_Chunk)
 # Call keywords LangChain passes that need no action here.
 _PASSED_THROUGH = frozenset({"model", "stream", "ls_structured_output_format"})
 
@@ -69,12 +80,12 @@ class LangChainParams(FlashSpecFields):
                 "is built, so build another one for another target (target= or model=)"
             )
 
-    def _decide(self, run_manager: Any, kwargs: Mapping[str, Any], **facts: Any) -> DomainDecision:
+    def _decide(self, run_manager: Any, kwargs: Mapping[str, Any], facts: StepContext) -> DomainDecision:
         """The call's domain: a `domain=` call keyword, run metadata or tag, the model's own `domain`
         field, then the context rules of `flashspec_integrations.context` over `facts`."""
         metadata, tags = run_context(run_manager)
         decision = decide_domain(
-            StepContext(explicit_domain=kwargs.get("domain"), metadata=metadata, tags=tags, **facts),
+            dataclasses.replace(facts, explicit_domain=kwargs.get("domain"), metadata=metadata, tags=tags),
             domain_per_node=self.domain_per_node,
         )
         if self.domain is not None and decision.source not in ("explicit", "metadata", "tag"):
@@ -82,19 +93,16 @@ class LangChainParams(FlashSpecFields):
             return DomainDecision(fixed.domain, None, "model_domain", decision.node)
         return decision
 
-    def _engine_call(self, text: str, stop: Sequence[str] | None, kwargs: Mapping[str, Any], decision: DomainDecision,
-                     prefix: str = "", json_schema: dict | None = None, extra_stops: Sequence[str] = (),
-                     chat: bool = True) -> EngineCall:
-        """The engine call for rendered prompt `text` (+ `prefix`, the reply's forced opening)."""
+    def _text_call(self, prompt: str, stop: Sequence[str] | None, kwargs: Mapping[str, Any],
+                   decision: DomainDecision) -> CallPlan:
+        """The engine call for text prompt `prompt`, as it is (no chat template)."""
         max_new, sampling = self.decoding(kwargs)
-        ids = self.get_engine().tokenizer(text + prefix, add_special_tokens=not chat).input_ids
-        stops = self.stops(stop, *extra_stops)
-        return EngineCall(list(ids), max_new, sampling, stops, decision, text, prefix, json_schema)
+        return plan_text(self.get_engine(), prompt, max_new, sampling, self.stops(stop), decision)
 
-    def _run(self, calls: Sequence[EngineCall]) -> list[Outcome]:
+    def _run(self, calls: Sequence[CallPlan]) -> list[Outcome]:
         return run_calls(self.get_engine(), calls, self.timeout, self.max_retries)
 
-    async def _arun(self, calls: Sequence[EngineCall]) -> list[Outcome]:
+    async def _arun(self, calls: Sequence[CallPlan]) -> list[Outcome]:
         engine = await asyncio.to_thread(self.get_engine)  # the first call loads the weights
         return await arun_calls(engine, calls, self.timeout, self.max_retries)
 

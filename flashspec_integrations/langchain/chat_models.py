@@ -5,16 +5,15 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from functools import partial
 from operator import itemgetter
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.exceptions import OutputParserException
-from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.messages.tool import InvalidToolCall, ToolCall, invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.output_parsers import JsonOutputKeyToolsParser
 from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
@@ -24,25 +23,13 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict
 
-from flashspec_integrations.calls import EngineCall, Outcome, stream_call
+from flashspec_integrations.calls import Outcome, stream_call
 from flashspec_integrations.langchain._base import LangChainParams, usage
 from flashspec_integrations.langchain._messages import content_text, to_openai_dicts
-from flashspec_integrations.prompts import json_instruction, render_prompt, template_supports_tools
-from flashspec_integrations.tool_calls import (
-    ParsedCall,
-    ToolCallStreamer,
-    first_json_object,
-    parse_tool_calls,
-)
-from flashspec_integrations.tool_choice import (
-    ToolChoice,
-    forced_prefix,
-    normalize_tool_choice,
-    reply_constraint,
-    reply_stops,
-    takes_json_schema,
-    tool_name,
-)
+from flashspec_integrations.plan import CallPlan, ChatRequest, plan_chat
+from flashspec_integrations.prompts import render_prompt
+from flashspec_integrations.tool_calls import ParsedCall, ToolCallStreamer, first_json_object
+from flashspec_integrations.tool_choice import normalize_tool_choice
 
 _CALL_KWARGS = ("tools", "tool_choice", "response_format", "structured_output", "parallel_tool_calls", "strict")
 
@@ -56,25 +43,17 @@ def _parse_json_reply(model: type | None, message: AIMessage) -> Any:
         value = first_json_object(text)
         if model is None:
             return value
-        return model.model_validate(value) if issubclass(model, BaseModel) else model.parse_obj(value)
+        if issubclass(model, BaseModel):
+            return model.model_validate(value)
+        return cast(Any, model).parse_obj(value)  # a pydantic.v1 model
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         raise OutputParserException(f"the reply is not the requested JSON: {exc}", llm_output=text) from exc
 
 
-def _lc_call(call: ParsedCall) -> dict:
-    if call.valid:
+def _lc_call(call: ParsedCall) -> ToolCall | InvalidToolCall:
+    if call.valid and call.name is not None and call.arguments is not None:
         return tool_call(name=call.name, args=call.arguments, id=call.id)
     return invalid_tool_call(name=call.name, args=call.raw, id=call.id, error=call.error)
-
-
-@dataclass
-class _Plan:
-    """A prepared call: the engine call and how to read its output."""
-
-    call: EngineCall
-    names: dict[str, Any]  # each tool's parameters schema, by name
-    parse_tools: bool
-    single_call: bool  # one call at most: forced, or parallel_tool_calls=False
 
 
 class ChatFlashSpec(LangChainParams, BaseChatModel):
@@ -95,8 +74,8 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
     def _llm_type(self) -> str:
         return "flashspec-chat"
 
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
-        return {**self._ls_common(stop, kwargs), "ls_model_type": "chat"}
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        return cast(LangSmithParams, {**self._ls_common(stop, kwargs), "ls_model_type": "chat"})
 
     # ------------------------------------------------------------------------ token counting
 
@@ -153,7 +132,8 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         """
         if kwargs:
             raise ValueError(f"with_structured_output: unsupported arguments {sorted(kwargs)}")
-        is_model = is_basemodel_subclass(schema)  # pydantic v2 or v1 (pydantic.v1.BaseModel)
+        # pydantic v2 or v1 (pydantic.v1.BaseModel); None for a TypedDict or a JSON schema dict
+        model = schema if isinstance(schema, type) and is_basemodel_subclass(schema) else None
         if method == "function_calling":
             if schema is None:
                 raise ValueError("schema: function_calling needs a schema; pass one or use method='json_mode'")
@@ -162,7 +142,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
                                   ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
                                                                "schema": convert_to_openai_tool(schema)})
             parser: Runnable = (
-                PydanticToolsParser(tools=[schema], first_tool_only=True) if is_model
+                PydanticToolsParser(tools=[model], first_tool_only=True) if model is not None
                 else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
             )
         elif method in ("json_mode", "json_schema"):
@@ -172,7 +152,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
                 "type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}}
             llm = self.bind(response_format=fmt, ls_structured_output_format={
                 "kwargs": {"method": method, "strict": strict}, "schema": schema})
-            parser = RunnableLambda(partial(_parse_json_reply, schema if is_model else None))
+            parser = RunnableLambda(partial(_parse_json_reply, model))
         else:
             raise ValueError(f"method must be 'function_calling', 'json_mode' or 'json_schema'; got {method!r}")
         if not include_raw:
@@ -181,69 +161,28 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         fallback = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
-    @staticmethod
-    def _output_constraint(tools: Sequence[dict], choice: ToolChoice, response_format: Any,
-                           native_template: str | None, parallel: bool, constrained: bool) -> dict | None:
-        """What the reply is decoded under: a tool call's schema or the calls' structural tag
-        (`tool_choice.reply_constraint`; none for an engine without `json_schema=`), structured
-        output's schema (also the prompt's JSON instruction), or None."""
-        if tools and (choice.forced or response_format is None):
-            return reply_constraint(tools, choice, native_template, parallel) if constrained else None
-        if isinstance(response_format, dict):
-            if response_format.get("type") == "json_schema":
-                return (response_format.get("json_schema") or {}).get("schema") or {"type": "object"}
-            if response_format.get("type") == "json_object":
-                return {"type": "object"}
-        if response_format is not None:
-            raise ValueError(
-                "response_format must be {'type': 'json_object'} or "
-                f"{{'type': 'json_schema', 'json_schema': {{'schema': ...}}}}; got {response_format!r}"
-            )
-        return None
-
     # ------------------------------------------------------------------------------ calls
 
-    def _plan(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, kwargs: dict) -> _Plan:
+    def _plan(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, kwargs: dict) -> CallPlan:
         self._check_kwargs(kwargs, _CALL_KWARGS)
-        tokenizer = self.get_engine().tokenizer
         tools = list(kwargs.get("tools") or [])
         if kwargs.get("strict"):
             tools = [convert_to_openai_tool(t, strict=True) for t in tools]
-        choice = normalize_tool_choice(kwargs.get("tool_choice"), tools) if tools else ToolChoice()
-        shown = [] if choice.none else tools
-        response_format = kwargs.get("response_format")
-        hermes = bool(shown) and not template_supports_tools(tokenizer)
-        single = choice.forced or kwargs.get("parallel_tool_calls") is False
-        constrained = takes_json_schema(self.get_engine())
-        schema = self._output_constraint(shown, choice, response_format, None if hermes else tokenizer.chat_template,
-                                         not single, constrained)
-        dicts = to_openai_dicts(messages)
-        decision = self._decide(
-            run_manager, kwargs,
-            tools_bound=bool(shown), tool_choice_forced=choice.forced,
-            structured_output=bool(kwargs.get("structured_output")) or response_format is not None,
-            roles=[d["role"] for d in dicts], prompt_text="\n".join(d["content"] for d in dicts),
+        max_new, sampling = self.decoding(kwargs)
+        request = ChatRequest(
+            to_openai_dicts(messages), max_new, sampling, tools, kwargs.get("tool_choice"),
+            parallel_tool_calls=kwargs.get("parallel_tool_calls"),
+            response_format=kwargs.get("response_format"), structured_output=bool(kwargs.get("structured_output")),
+            stop=self.stops(stop),
         )
-        instruction = json_instruction(schema) if response_format is not None else ""
-        text = render_prompt(tokenizer, dicts, shown, instruction)
-        call = self._engine_call(
-            text, stop, kwargs, decision, prefix=forced_prefix(choice, constrained) if hermes else "",
-            json_schema=schema if constrained else None, extra_stops=reply_stops(bool(shown), single, hermes, schema is not None and constrained),
-        )
-        return _Plan(call, {tool_name(t): t["function"].get("parameters") for t in shown}, bool(shown), single)
+        return plan_chat(self.get_engine(), request, partial(self._decide, run_manager, kwargs))
 
     def _metadata(self, outcome: Outcome, finish_reason: str) -> dict[str, Any]:
         return {"model_name": self.model_name, "model_provider": "flashspec", "finish_reason": finish_reason,
                 "flashspec": outcome.info()}
 
-    def _calls(self, plan: _Plan, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
-        if not plan.parse_tools:
-            return text, []
-        content, calls = parse_tool_calls(text, plan.names, finished)
-        return content, calls[:1] if plan.single_call else calls
-
-    def _result(self, plan: _Plan, outcome: Outcome) -> ChatResult:
-        content, calls = self._calls(plan, outcome.text, outcome.finish_reason != "length")
+    def _result(self, plan: CallPlan, outcome: Outcome) -> ChatResult:
+        content, calls = plan.read(outcome.text, outcome.finish_reason != "length")
         lc_calls = [_lc_call(c) for c in calls]
         valid = [c for c in lc_calls if c["type"] == "tool_call"]
         finish = "tool_calls" if valid else outcome.finish_reason
@@ -262,7 +201,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         plan = self._plan(messages, stop, run_manager, kwargs)
-        return self._result(plan, self._run([plan.call])[0])
+        return self._result(plan, self._run([plan])[0])
 
     async def _agenerate(
         self,
@@ -273,7 +212,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
     ) -> ChatResult:
         # Planned in a worker (the first call loads the weights); then waits on the engine.
         plan = await asyncio.to_thread(self._plan, messages, stop, run_manager, kwargs)
-        return self._result(plan, (await self._arun([plan.call]))[0])
+        return self._result(plan, (await self._arun([plan]))[0])
 
     def batch(
         self,
@@ -292,13 +231,12 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
             configs = [{**c, "max_concurrency": len(inputs)} for c in configs]
         return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
 
-    def _chunks(self, plan: _Plan) -> Iterator[ChatGenerationChunk]:
+    def _chunks(self, plan: CallPlan) -> Iterator[ChatGenerationChunk]:
         """Message chunks of one call; usage and stats come once, on the last chunk."""
-        call = plan.call
-        streamer = ToolCallStreamer(plan.names) if plan.parse_tools else None
-        text, ids, pending, index = call.prefix, [], call.prefix, 0
+        streamer = ToolCallStreamer(plan.tools) if plan.parse_tools else None
+        text, ids, pending, index = plan.prefix, [], plan.prefix, 0
         start = time.perf_counter()
-        for chunk in stream_call(self.get_engine(), call, self.timeout):
+        for chunk in stream_call(self.get_engine(), plan, self.timeout):
             text += chunk.text
             ids.extend(chunk.token_ids)
             delta, pending = pending + chunk.text, ""
@@ -321,9 +259,9 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
                 yield ChatGenerationChunk(message=AIMessageChunk(content=content, tool_call_chunks=calls))
             if chunk.finish_reason is None:
                 continue
-            outcome = Outcome(text, ids, chunk.finish_reason, chunk.stats, len(call.prompt_ids),
-                              time.perf_counter() - start, call.decision)  # wall time, as for invoke
-            called = any(c.valid for c in self._calls(plan, text, chunk.finish_reason != "length")[1])
+            outcome = Outcome(text, ids, chunk.finish_reason, chunk.stats, len(plan.prompt_ids),
+                              time.perf_counter() - start, plan.decision)  # wall time, as for invoke
+            called = any(c.valid for c in plan.read(text, chunk.finish_reason != "length")[1])
             finish = "tool_calls" if called else chunk.finish_reason
             last = AIMessageChunk(content="", usage_metadata=usage(outcome),
                                   response_metadata=self._metadata(outcome, finish), chunk_position="last")

@@ -12,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseLLM
+from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
-from flashspec_integrations.calls import EngineCall, Outcome, stream_call
+from flashspec_integrations.calls import Outcome, stream_call
+from flashspec_integrations.context import StepContext
 from flashspec_integrations.langchain._base import LangChainParams, usage
+from flashspec_integrations.plan import CallPlan
 
 
 class FlashSpecLLM(LangChainParams, BaseLLM):
@@ -37,15 +39,15 @@ class FlashSpecLLM(LangChainParams, BaseLLM):
     def _llm_type(self) -> str:
         return "flashspec"
 
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
-        return {**self._ls_common(stop, kwargs), "ls_model_type": "llm"}
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        return cast(LangSmithParams, {**self._ls_common(stop, kwargs), "ls_model_type": "llm"})
 
-    def _call(self, prompt: str, stop: list[str] | None, run_manager: Any, kwargs: dict) -> EngineCall:
+    def _call(self, prompt: str, stop: list[str] | None, run_manager: Any, kwargs: dict) -> CallPlan:
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("prompt: FlashSpecLLM takes a non-empty string; use ChatFlashSpec for messages")
         self._check_kwargs(kwargs)
-        decision = self._decide(run_manager, kwargs, prompt_text=prompt)
-        return self._engine_call(prompt, stop, kwargs, decision, chat=False)
+        decision = self._decide(run_manager, kwargs, StepContext(prompt_text=prompt))
+        return self._text_call(prompt, stop, kwargs, decision)
 
     @staticmethod
     def _generation_info(outcome: Outcome) -> dict[str, Any]:
@@ -79,7 +81,7 @@ class FlashSpecLLM(LangChainParams, BaseLLM):
         calls = await asyncio.to_thread(lambda: [self._call(p, stop, run_manager, kwargs) for p in prompts])
         return self._result(await self._arun(calls))
 
-    def _chunks(self, call: EngineCall) -> Iterator[GenerationChunk]:
+    def _chunks(self, call: CallPlan) -> Iterator[GenerationChunk]:
         """GenerationChunks of one call; the last carries finish_reason, usage and stats."""
         text, ids = "", []
         start = time.perf_counter()

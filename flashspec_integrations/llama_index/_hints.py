@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping, Sequence
+import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 from llama_index.core.instrumentation.dispatcher import active_instrument_tags
@@ -82,23 +83,10 @@ def _decide(ctx: StepContext, default_domain: str | None, per_node: bool) -> Dom
     return decision
 
 
-def chat_decision(
-    messages: Sequence[Mapping[str, Any]],
-    explicit: str | None,
-    default_domain: str | None,
-    tools_bound: bool,
-    forced: bool,
-    per_node: bool = False,
-) -> DomainDecision:
-    """Domain and hint of a chat call (`messages` as OpenAI-form dicts)."""
-    ctx = StepContext(
-        explicit_domain=explicit,
-        metadata=tag_metadata(),
-        tools_bound=tools_bound or any(m.get("tool_calls") for m in messages),
-        tool_choice_forced=forced,
-        roles=[m["role"] for m in messages],
-        prompt_text="\n".join(m["content"] for m in messages),
-    )
+def chat_decision(facts: StepContext, explicit: str | None, default_domain: str | None,
+                  per_node: bool = False) -> DomainDecision:
+    """Domain and hint of a chat call (`facts`: what the call plan knows of it)."""
+    ctx = dataclasses.replace(facts, explicit_domain=explicit, metadata=tag_metadata())
     return _decide(ctx, default_domain, per_node)
 
 

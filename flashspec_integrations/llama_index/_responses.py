@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Generator, Iterable, Iterator
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -30,20 +28,11 @@ from llama_index.core.base.llms.types import (
 )
 
 from flashspec_core.results import StreamChunk
-from flashspec_integrations.calls import EngineCall, Outcome
-from flashspec_integrations.tool_calls import ParsedCall, ToolCallStreamer, new_call_id, parse_tool_calls
+from flashspec_integrations.calls import Outcome
+from flashspec_integrations.plan import CallPlan
+from flashspec_integrations.tool_calls import ParsedCall, ToolCallStreamer, new_call_id
 
 PARTIAL = "flashspec_partial"
-
-
-@dataclass
-class Request:
-    """One prepared call: the engine call and how to read what comes back."""
-
-    call: EngineCall
-    tool_names: dict[str, Any] | None = None  # parse tool calls from the output when set: parameters by name
-    single_call: bool = False  # keep only the first call (parallel calls not allowed)
-    forced_name: str | None = None  # the tool a forced call must call, known before generation
 
 
 def _final_info(outcome: Outcome) -> tuple[dict, dict]:
@@ -57,47 +46,45 @@ def _final_info(outcome: Outcome) -> tuple[dict, dict]:
     return raw, {**usage, "flashspec": flashspec}
 
 
-def _calls(req: Request, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
-    content, calls = parse_tool_calls(text, req.tool_names or (), finished)
+def _calls(req: CallPlan, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+    content, calls = req.read(text, finished)
     calls = [c for c in calls if c.name]  # a call without a tool name cannot be run
-    if req.single_call:
-        calls = calls[:1]
     if not calls and req.forced_name is not None:
         # The call was forced, so its tool is certain even when its arguments came out unreadable
         # (cut off by the token limit): report the call and let the tool reject the arguments.
-        raw = text[len(req.call.prefix):].strip()
+        raw = text[len(req.prefix):].strip()
         return content, [ParsedCall(new_call_id(), req.forced_name, None, raw, "unreadable arguments")]
     return content, calls
 
 
-def _message(req: Request, text: str, final: bool, finished: bool = True) -> ChatMessage:
-    if not final or req.tool_names is None:
+def _message(req: CallPlan, text: str, final: bool, finished: bool = True) -> ChatMessage:
+    if not final or not req.parse_tools:
         return ChatMessage(role=MessageRole.ASSISTANT, content=text)
     content, calls = _calls(req, text, finished)
     if not calls:
         return ChatMessage(role=MessageRole.ASSISTANT, content=text)
-    blocks = [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments if c.valid else c.raw)
-              for c in calls]
+    blocks = [ToolCallBlock(tool_call_id=c.id, tool_name=str(c.name),  # `_calls` keeps named calls only
+                            tool_kwargs=c.arguments if c.valid and c.arguments is not None else c.raw) for c in calls]
     openai_calls = [{"id": c.id, "type": "function", "function": {
         "name": c.name, "arguments": json.dumps(c.arguments) if c.valid else c.raw}} for c in calls]
     return ChatMessage(role=MessageRole.ASSISTANT, blocks=([TextBlock(text=content)] if content else []) + blocks,
                        additional_kwargs={"tool_calls": openai_calls})
 
 
-def completion_response(req: Request, outcome: Outcome) -> CompletionResponse:
+def completion_response(req: CallPlan, outcome: Outcome) -> CompletionResponse:
     raw, extra = _final_info(outcome)
     return CompletionResponse(text=outcome.text, raw=raw, additional_kwargs=extra)
 
 
-def chat_response(req: Request, outcome: Outcome) -> ChatResponse:
+def chat_response(req: CallPlan, outcome: Outcome) -> ChatResponse:
     raw, extra = _final_info(outcome)
     message = _message(req, outcome.text, final=True, finished=outcome.finish_reason != "length")
     return ChatResponse(message=message, raw=raw, additional_kwargs=extra)
 
 
-def _stream_steps(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[tuple[str, str, Outcome | None]]:
+def _stream_steps(req: CallPlan, chunks: Iterable[StreamChunk]) -> Iterator[tuple[str, str, Outcome | None]]:
     """(delta, text so far, the Outcome on the last chunk) per chunk; the prefix comes first."""
-    call = req.call
+    call = req
     text, ids, start = call.prefix, [], time.perf_counter()
     if call.prefix:
         yield call.prefix, text, None
@@ -111,15 +98,15 @@ def _stream_steps(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[tuple
         yield chunk.text, text, outcome
 
 
-def completion_stream(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[CompletionResponse]:
+def completion_stream(req: CallPlan, chunks: Iterable[StreamChunk]) -> Generator[CompletionResponse, None, None]:
     for delta, text, outcome in _stream_steps(req, chunks):
         raw, extra = _final_info(outcome) if outcome is not None else (None, {PARTIAL: True})
         yield CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=extra)
 
 
-def chat_stream(req: Request, chunks: Iterable[StreamChunk]) -> Iterator[ChatResponse]:
+def chat_stream(req: CallPlan, chunks: Iterable[StreamChunk]) -> Generator[ChatResponse, None, None]:
     """Chat chunks: the text so far and its delta, with tools in play the text outside calls only."""
-    streamer = ToolCallStreamer(req.tool_names) if req.tool_names is not None else None
+    streamer = ToolCallStreamer(req.tools) if req.parse_tools else None
     shown = ""
     for delta, text, outcome in _stream_steps(req, chunks):
         if streamer is not None:

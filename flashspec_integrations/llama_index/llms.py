@@ -41,40 +41,29 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
+from llama_index.core.types import TokenAsyncGen, TokenGen
 
+from flashspec_core.results import StreamChunk
 from flashspec_integrations.async_bridge import aiter_in_thread
-from flashspec_integrations.calls import EngineCall, arun_calls, run_calls, stream_call
-from flashspec_integrations.context import JSON, REACT, TOOL, TOOL_RESULT
+from flashspec_integrations.calls import Outcome, arun_calls, run_calls, stream_call
+from flashspec_integrations.context import REACT
 from flashspec_integrations.llama_index._hints import chat_decision, completion_decision, template_scope
 from flashspec_integrations.llama_index._messages import to_openai_dicts
 from flashspec_integrations.llama_index._responses import (
     PARTIAL,
-    Request,
     chat_response,
     chat_stream,
     completion_response,
     completion_stream,
 )
-from flashspec_integrations.prompts import render_prompt, template_supports_tools, tools_instructions
+from flashspec_integrations.plan import REACT_STOPS, CallPlan, ChatRequest, plan_chat, plan_text
+from flashspec_integrations.prompts import render_prompt, tools_instructions
 from flashspec_integrations.settings import FlashSpecFields
-from flashspec_integrations.tool_calls import (
-    loads_lenient,
-)
-from flashspec_integrations.tool_choice import (
-    ToolChoice,
-    forced_prefix,
-    normalize_tool_choice,
-    reply_constraint,
-    reply_stops,
-    takes_json_schema,
-    tool_name,
-)
+from flashspec_integrations.tool_calls import loads_lenient
 
 # Chat keywords beyond the decoding ones: what `_prepare_chat_with_tools` hands `chat`.
 _CHAT_KWARGS = ("tools", "tool_required", "tool_choice", "allow_parallel_tool_calls")
 
-# Lines a ReAct step must never write itself: the observation is the tool's to supply.
-REACT_STOPS = ("\nObservation:",)
 # Every ReAct turn must open with a thought; small models drift out of the format unless the turn
 # is started for them (the output is still exactly the target's, conditioned on this prefix).
 REACT_PREFIX = "Thought:"
@@ -147,74 +136,54 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
             return False
         return getattr(self.get_engine().tokenizer, "chat_template", None) is not None
 
-    def _engine_call(self, text: str, kwargs: dict, decision: Any, templated: bool, prefix: str = "",
-                     extra_stops: Sequence[str] = (), json_schema: dict | None = None) -> EngineCall:
-        max_new, sampling = self.decoding(kwargs)
-        # A rendered chat template already holds its special tokens.
-        ids = self.get_engine().tokenizer(text + prefix, add_special_tokens=not templated).input_ids
-        return EngineCall(list(ids), max_new, sampling, self.stops(kwargs.get("stop"), *extra_stops), decision,
-                          text, prefix, json_schema)
-
-    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> Request:
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> CallPlan:
         """Everything about a chat call that is known before generation, computed in the caller's context."""
         self.check_call_kwargs(kwargs, _CHAT_KWARGS)
-        engine = self.get_engine()
-        specs = [tool_spec(t) for t in kwargs.get("tools") or ()]
-        required = bool(kwargs.get("tool_required")) or _structured_call.get()
-        choice = normalize_tool_choice(kwargs.get("tool_choice"), specs, required) if specs else ToolChoice()
-        shown = [] if choice.none else specs
-        dicts = to_openai_dicts(messages)
-        decision = chat_decision(
-            dicts, kwargs.get("domain"), self.domain, bool(shown), choice.forced, self.domain_per_node)
-        label = decision.label
-        templated = self._uses_chat_template()
-        hermes = bool(shown) and not (templated and template_supports_tools(engine.tokenizer))
-        single = choice.forced or not kwargs.get("allow_parallel_tool_calls", False)
-        constrained = takes_json_schema(engine)
-        stops = list(reply_stops(bool(shown) or label in (TOOL, TOOL_RESULT, JSON), single and bool(shown), hermes,
-                                 constrained and bool(shown)))
-        prefix, schema = "", None
-        if label == REACT:
-            stops += REACT_STOPS
-            prefix = REACT_PREFIX if self.react_prefill else ""
-        if shown and constrained:  # a forced call's schema, or the structural tag of calls the model may make
-            schema = reply_constraint(shown, choice, None if hermes else engine.tokenizer.chat_template, not single)
-        if choice.forced:
-            prefix = forced_prefix(choice, constrained) if hermes else ""
-        if templated:
-            text = render_prompt(engine.tokenizer, dicts, shown)
-        else:
-            if shown:
-                messages = [ChatMessage(role=MessageRole.SYSTEM, content=tools_instructions(shown)), *messages]
-            text = self.messages_to_prompt(messages)
-        call = self._engine_call(text, kwargs, decision, templated, prefix, stops, schema)
-        names = {tool_name(s): s["function"].get("parameters") for s in shown} if shown else None
-        return Request(call, tool_names=names, single_call=single, forced_name=choice.name)
+        max_new, sampling = self.decoding(kwargs)
+        def own_format(dicts: Sequence[Mapping[str, Any]], shown: Sequence[Mapping[str, Any]]) -> str:
+            head = [ChatMessage(role=MessageRole.SYSTEM, content=tools_instructions(shown))] if shown else []
+            to_prompt = self.messages_to_prompt
+            assert to_prompt is not None  # LlamaIndex's validator sets one
+            return to_prompt([*head, *messages])
 
-    def _completion_request(self, prompt: str, formatted: bool, kwargs: dict) -> Request:
+        render = None if self._uses_chat_template() else own_format
+        request = ChatRequest(
+            to_openai_dicts(messages), max_new, sampling, [tool_spec(t) for t in kwargs.get("tools") or ()],
+            kwargs.get("tool_choice"), tool_required=bool(kwargs.get("tool_required")) or _structured_call.get(),
+            parallel_tool_calls=None if kwargs.get("allow_parallel_tool_calls") else False,
+            stop=self.stops(kwargs.get("stop")), render=render,
+            react_prefix=REACT_PREFIX if self.react_prefill else "",
+        )
+        domain = kwargs.get("domain")
+        return plan_chat(self.get_engine(), request,
+                         lambda facts: chat_decision(facts, domain, self.domain, self.domain_per_node))
+
+    def _completion_request(self, prompt: str, formatted: bool, kwargs: dict) -> CallPlan:
         """A completion: raw text when `formatted`, else `completion_to_prompt` or a user turn."""
         self.check_call_kwargs(kwargs)
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("prompt: expected a non-empty string")
         decision = completion_decision(prompt, kwargs.get("domain"), self.domain, self.domain_per_node)
-        stops = REACT_STOPS if decision.label == REACT else ()
-        if not formatted and self.completion_to_prompt is not default_completion_to_prompt:
-            return Request(self._engine_call(self.completion_to_prompt(prompt), kwargs, decision, False, "", stops))
-        if not formatted and self._uses_chat_template():
+        max_new, sampling = self.decoding(kwargs)
+        stops = self.stops(kwargs.get("stop"), *(REACT_STOPS if decision.label == REACT else ()))
+        text, templated = prompt, False
+        to_prompt = self.completion_to_prompt
+        if not formatted and to_prompt is not None and to_prompt is not default_completion_to_prompt:
+            text = to_prompt(prompt)
+        elif not formatted and self._uses_chat_template():
             turns = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
-            text = render_prompt(self.get_engine().tokenizer, [*turns, {"role": "user", "content": prompt}])
-            return Request(self._engine_call(text, kwargs, decision, True, "", stops))
-        return Request(self._engine_call(prompt, kwargs, decision, False, "", stops))
+            text, templated = render_prompt(self.get_engine().tokenizer, [*turns, {"role": "user", "content": prompt}]), True
+        return plan_text(self.get_engine(), text, max_new, sampling, stops, decision, templated)
 
-    def _run(self, req: Request):
-        return run_calls(self.get_engine(), [req.call], self.timeout)[0]
+    def _run(self, req: CallPlan) -> Outcome:
+        return run_calls(self.get_engine(), [req], self.timeout)[0]
 
-    async def _arun(self, req: Request):
+    async def _arun(self, req: CallPlan) -> Outcome:
         engine = await asyncio.to_thread(self.get_engine)  # the first call loads the weights
-        return (await arun_calls(engine, [req.call], self.timeout))[0]
+        return (await arun_calls(engine, [req], self.timeout))[0]
 
-    def _stream(self, req: Request):
-        return stream_call(self.get_engine(), req.call, self.timeout)
+    def _stream(self, req: CallPlan) -> Iterator[StreamChunk]:
+        return stream_call(self.get_engine(), req, self.timeout)
 
     # ----------------------------------------------------------------------- the LLM surface
 
@@ -238,7 +207,7 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         req = self._chat_request(messages, kwargs)
         return chat_stream(req, self._stream(req))
 
-    # Requests are built in a worker (the first call loads the weights), in the caller's context.
+    # CallPlans are built in a worker (the first call loads the weights), in the caller's context.
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -266,7 +235,7 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         with template_scope(prompt):
             return super().predict(prompt, **prompt_args)
 
-    def stream(self, prompt: Any, **prompt_args: Any):
+    def stream(self, prompt: Any, **prompt_args: Any) -> TokenGen:
         with template_scope(prompt):
             return super().stream(prompt, **prompt_args)
 
@@ -274,13 +243,15 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         with template_scope(prompt):
             return await super().apredict(prompt, **prompt_args)
 
-    async def astream(self, prompt: Any, **prompt_args: Any):
+    async def astream(self, prompt: Any, **prompt_args: Any) -> TokenAsyncGen:
         with template_scope(prompt):
             return await super().astream(prompt, **prompt_args)
 
     # Structured streaming: the call is forced (see `_structured_call`).
 
-    def _structured_stream_call(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+    def _structured_stream_call(  # type: ignore[override]  # passes the parent's generic arguments through
+        self, *args: Any, **kwargs: Any
+    ) -> Iterator[Any]:
         objects = super()._structured_stream_call(*args, **kwargs)
         while True:
             with _forcing_calls():  # only around the program's own steps, never the consumer's
@@ -290,7 +261,9 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
                     return
             yield item
 
-    async def _structured_astream_call(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    async def _structured_astream_call(  # type: ignore[override]  # passes the parent's generic arguments through
+        self, *args: Any, **kwargs: Any
+    ) -> AsyncIterator[Any]:
         with _forcing_calls():  # the program makes its call before it returns the stream
             return await super()._structured_astream_call(*args, **kwargs)
 
@@ -331,7 +304,7 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
         blocks = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
         if not blocks and error_on_no_tool_call:
             raise ValueError(f"Expected at least one tool call, but got 0 tool calls: {response.message.content!r}")
-        selections = []
+        selections: list[ToolSelection] = []
         for block in blocks:
             arguments = block.tool_kwargs
             if isinstance(arguments, str):

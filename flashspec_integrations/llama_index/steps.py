@@ -68,7 +68,7 @@ def step_from_response(kind: str, response: Any) -> LLMStep | None:
         arms=list(info.get("arms") or []),
         drafted=int(info.get("drafted") or 0),
         accepted=int(info.get("accepted") or 0),
-        completion_tokens=int((raw.get("usage") or {}).get("completion_tokens") or 0),
+        completion_tokens=int(((raw or {}).get("usage") or {}).get("completion_tokens") or 0),
         tool_calls=[b.tool_name for b in blocks if getattr(b, "block_type", None) == "tool_call"],
         text=text or "",
     )

@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from flashspec_core.memory_plan import MEMORY_FRACTION
 from flashspec_integrations.serve.guards import API_KEY_ENV, is_loopback, resolve_api_key
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             limits.add_argument(flag, nargs="+", metavar="DOMAIN", help=field.description)
         else:
             kind = float if field.annotation is float else int
-            limits.add_argument(flag, type=kind, help=field.description + ("" if shown is None else f" (default {shown})"))
+            limits.add_argument(flag, type=kind, help=(field.description or "") + ("" if shown is None else f" (default {shown})"))
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -161,7 +161,7 @@ def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None 
         print(f"warning: {replicas} replicas of {gpus_per_replica:g} GPU but {resources['GPU']:g} GPUs; "
               "the rest wait for a GPU (and this call with them)")
     cpus = 1.0 if gpus else resources.get("CPU", 1) / replicas
-    config = ServeSettings(device=device, threads=None if gpus else max(1, int(cpus)), api_key=key, **settings)
+    config = ServeSettings(device=device, threads=None if gpus else max(1, int(cpus)), api_key=None if key is None else SecretStr(key), **settings)
     serve.start(http_options={"host": host, "port": port})
     app = application(config, replicas, cpus, gpus_per_replica if gpus else 0)
     _run_within(lambda: serve.run(app, name=APP_NAME, route_prefix="/"), ready_timeout_s)

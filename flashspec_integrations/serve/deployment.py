@@ -25,19 +25,21 @@ import json
 import logging
 import os
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from ray import serve
 
 from flashspec_core.constrained.grammar import compile_workers, set_cache_limit
 from flashspec_core.memory_plan import MEMORY_FRACTION
 from flashspec_core.models import vocab_size
+from flashspec_core.results import GenerationResult
+from flashspec_integrations.plan import CallPlan
 from flashspec_integrations.serve import errors, protocol
 from flashspec_integrations.serve.admission import Admission, Ticket
 from flashspec_integrations.serve.guards import API_KEY_ENV, APIKeyMiddleware, BodyLimits, resolve_api_key
@@ -46,7 +48,7 @@ from flashspec_integrations.serve.limits import Limits, check_request
 from flashspec_integrations.serve.planning import Planner
 from flashspec_integrations.serve.protocol import APIError
 from flashspec_integrations.serve.stats import share_router
-from flashspec_integrations.serve.translate import DeltaStream, Plan, call_info, plan_call, reply_message
+from flashspec_integrations.serve.translate import DeltaStream, call_info, plan_call, reply_message
 from flashspec_integrations.serve.turns import CompileTurns
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -84,7 +86,8 @@ class ServeSettings(BaseModel):
                                                         "of each replica, else no key")
     max_in_flight: int = Field(64, ge=1, description="requests in flight per replica; past it a 429 with Retry-After")
     request_timeout_s: float = Field(300.0, gt=0, description="seconds from a request's arrival to its reply's end")
-    limits: Limits = Field(default_factory=Limits, description="what one request may ask (serve/limits.py)")
+    limits: Limits = Field(default_factory=Limits,  # type: ignore[arg-type]  # pydantic without its mypy plugin
+                           description="what one request may ask (serve/limits.py)")
 
     def served_name(self) -> str:
         if self.model_name:
@@ -142,17 +145,15 @@ class FlashSpecServer:
         self.health = HealthProbe(lambda: self.engine.generate(probe_ids, max_new_tokens=1, domain="chat"),
                                   busy=lambda: self.admission.in_flight > 0 or self.activity.busy)
 
-    def _info(self, plan: Plan, stats: Any) -> dict:
+    def _info(self, plan: CallPlan, stats: Any) -> dict:
         return {**call_info(plan, stats, self.engine.running), "replica": self.replica, "pid": os.getpid(),
                 **self.shared.info()}
 
-    def _settings(self, plan: Plan, timeout: float) -> dict[str, Any]:
+    def _settings(self, plan: CallPlan, timeout: float) -> dict[str, Any]:
         """The engine arguments of a planned request that has `timeout` seconds left."""
-        grammar = plan.json_schema if plan.grammar is None else plan.grammar  # compiled when planned
-        return {"max_new_tokens": plan.max_new_tokens, "sampling": plan.sampling, "stop": list(plan.stop) or None,
-                "domain": plan.domain, "json_schema": grammar, "timeout": max(timeout, 1e-3)}
+        return {**plan.engine_kwargs(), "timeout": max(timeout, 1e-3)}  # the schema compiled when planned
 
-    def _plan(self, req: protocol.ChatCompletionRequest, retry_after: int) -> Plan:
+    def _plan(self, req: protocol.ChatCompletionRequest, retry_after: int) -> CallPlan:
         if req.model != self.model_name:
             raise APIError(404, f"model: {req.model[:200]!r} is not served here; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", "model", code="model_not_found")
@@ -174,20 +175,21 @@ class FlashSpecServer:
         await self.health.check()
 
     @app.get("/health")
-    async def health_route(self):
+    async def health_route(self) -> Response:
         """The same check for load balancers; needs no key."""
         try:
             status = await self.health.check()
         except EngineUnhealthy as exc:
             return errors.respond(APIError(503, str(exc), kind="server_error", code="unhealthy"))
-        return {"status": status, "model": self.model_name, "replica": self.replica, **self.admission.info()}
+        return JSONResponse({"status": status, "model": self.model_name, "replica": self.replica,
+                             **self.admission.info()})
 
     @app.get("/v1/models")
     async def models(self) -> dict:
         return protocol.model_list(self.model_name)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
+    async def chat_completions(self, request: Request) -> Response:
         rid = errors.request_id(request)
         body = await request.body()  # whole already, within its time (`guards.BodyLimits`): no slot is held for it
         try:
@@ -211,6 +213,7 @@ class FlashSpecServer:
                 with self.activity:  # the engine ends the row at its deadline, at the next step
                     await asyncio.to_thread(self.shared.sync)
                     res = await self.engine.agenerate(plan.prompt_ids, **self._settings(plan, ticket.remaining()))
+                    assert isinstance(res, GenerationResult)  # one prompt: one result
             except TimeoutError:
                 return errors.respond(self.admission.deadline_error())
             except Exception as exc:  # noqa: BLE001 - an OpenAI-style error for this request only
@@ -224,18 +227,18 @@ class FlashSpecServer:
         info = self._info(plan, res.stats)
         if invalid:
             info["invalid_tool_calls"] = invalid
-        body = protocol.completion(cid, self.model_name, message, finish,
-                                   protocol.usage(len(plan.prompt_ids), len(res.token_ids)), info)
-        return JSONResponse(body)
+        reply = protocol.completion(cid, self.model_name, message, finish,
+                                    protocol.usage(len(plan.prompt_ids), len(res.token_ids)), info)
+        return JSONResponse(reply)
 
-    async def _pieces(self, plan: Plan, timeout: float) -> AsyncIterator[Any]:
+    async def _pieces(self, plan: CallPlan, timeout: float) -> AsyncGenerator[Any, None]:
         """The engine's chunks of a stream (no thread held between them)."""
         with self.activity:
             await asyncio.to_thread(self.shared.sync)
             async for piece in self.engine.astream(plan.prompt_ids, **self._settings(plan, timeout)):
                 yield piece
 
-    async def _events(self, plan: Plan, cid: str, include_usage: bool, ticket: Ticket, rid: str) -> AsyncIterator[str]:
+    async def _events(self, plan: CallPlan, cid: str, include_usage: bool, ticket: Ticket, rid: str) -> AsyncIterator[str]:
         """Server-sent events: the role, content or tool-call deltas, the finish (with the
         `flashspec` field), usage if asked, then [DONE]. A failure mid-stream, or the deadline
         passing, is sent as an `error` event (the status line has gone out already), never a
@@ -269,23 +272,25 @@ class FlashSpecServer:
         yield "data: [DONE]\n\n"
 
 
-def _queues(settings: ServeSettings) -> dict[str, int]:
-    """Ray Serve's own bounds, set from the replica's in-flight limit (`admission`)."""
-    return {"max_ongoing_requests": settings.max_in_flight + ONGOING_HEADROOM,
-            "max_queued_requests": QUEUED_PER_SLOT * settings.max_in_flight + ONGOING_HEADROOM}
+def _deployment(settings: ServeSettings) -> serve.Deployment:
+    """The replica class as `@serve.deployment` made it (a Deployment, whatever its class says),
+    with Ray Serve's own bounds set from the replica's in-flight limit (`admission`)."""
+    return cast(serve.Deployment, FlashSpecServer).options(
+        max_ongoing_requests=settings.max_in_flight + ONGOING_HEADROOM,
+        max_queued_requests=QUEUED_PER_SLOT * settings.max_in_flight + ONGOING_HEADROOM)
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The application from Serve config `args` (ServeSettings fields); replicas, autoscaling
     and resources come from the config file's `deployments:` section."""
     settings = ServeSettings.model_validate(args or {})
-    return FlashSpecServer.options(**_queues(settings)).bind(settings.model_dump())
+    return _deployment(settings).bind(settings.model_dump())
 
 
 def application(settings: ServeSettings, replicas: int | dict, num_cpus: float, num_gpus: float) -> serve.Application:
     """The application with `replicas` fixed replicas (or an autoscaling config dict), each
     holding `num_cpus` CPUs and `num_gpus` GPUs (the CLI's path)."""
     scaling = {"autoscaling_config": replicas} if isinstance(replicas, dict) else {"num_replicas": replicas}
-    deployment = FlashSpecServer.options(
-        **scaling, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}, **_queues(settings))
+    deployment = _deployment(settings).options(
+        **scaling, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
     return deployment.bind(settings.model_dump())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -238,7 +239,7 @@ def _given(value: Any) -> str:
     return text if len(text) <= 40 else f"a string of {len(value)} characters" if isinstance(value, str) else "a number"
 
 
-def validation_error(errors: list[dict]) -> APIError:
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """A 400 for pydantic errors (as FastAPI reports them): the first one, with its field."""
     first = errors[0]
     if first.get("type") == "json_invalid":

@@ -23,10 +23,13 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashspec_core.routing.router import BanditRouter
 from flashspec_core.routing.store import ArmDelta, DomainStats, RouterStore
+
+if TYPE_CHECKING:
+    from flashspec_core.engine import SpecEngine
 
 Ledger = dict[str, DomainStats]
 
@@ -142,7 +145,7 @@ class SharedRouterStats:
         return {"warm_steps": self.warm_steps, "peer_steps": self.peer_steps}
 
 
-def share_router(engine: Any, path: str | Path | None, interval: float = 2.0, algorithm: str = "thompson") -> SharedRouterStats:
+def share_router(engine: SpecEngine, path: str | Path | None, interval: float = 2.0, algorithm: str = "thompson") -> SharedRouterStats:
     """Give `engine` a bandit router over its arms that writes to and merges from the ledger at
     `path` (None: the default store beside the converted weights)."""
     free = {name: d for name, d in engine.drafts.items() if d.deterministic}

@@ -1,35 +1,23 @@
 """A chat-completions request -> one engine call; the engine's output -> the reply.
 
-The server decides each call the way the in-process LangChain adapter does, with the same code,
-so a chain gets the same prompt, domain and tool handling whether its model runs in-process or
-behind this endpoint:
-
-- messages go through the target's chat template, tools through the Hermes tool prompt when the
-  template has no tool support (`prompts.render_prompt`, which takes OpenAI-form messages);
-- the router domain comes from `flashspec_integrations.context.decide_domain`: the `domain` field,
-  then `metadata["flashspec_domain"]`, then tools / a tool result / a schema / the prompt;
-- tools are decoded under a grammar by the engine (`json_schema=`, grammar-masked decoding of the
-  target), as the adapters decode them (`tool_choice.reply_constraint`): a call forced to one tool
-  under its JSON schema; with `tool_choice` absent or "auto" (or "required" among several tools)
-  under the structural tag of calls in the template's format, so the reply is free text until the
-  model opens a call, and every call it opens is valid (`parallel_tool_calls: false` allows one);
-  a `response_format` schema likewise. The grammar is compiled here first, in a worker process
-  killed past the server's compile limit (the same limit whatever the tool choice), so one that
-  does not compile, or not in time, is a 400 before any decoding; the engine decodes under the
-  grammar compiled here and compiles nothing itself;
-- tool calls are parsed back from the output, in full or as stream deltas (`tool_calls`).
-
-The adapters' shared helpers are imported here and nowhere else in this package.
+The call is planned by `flashspec_integrations.plan.plan_chat`, the code the LangChain and
+LlamaIndex adapters plan with, so a chain gets the same prompt, stops, domain, tool handling and
+grammar whether its model runs in-process or behind this endpoint. Here the request's fields
+become a `ChatRequest` (OpenAI defaults for sampling), the domain rule reads the `domain` field
+and `metadata["flashspec_domain"]`, and the plan's grammar is compiled first, in a worker process
+killed past the server's compile limit, so a schema that does not compile, or not in time, is a
+400 before any decoding (the engine compiles nothing itself). Tool calls are read back from the
+output, in full or as stream deltas (`tool_calls`).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from flashspec_core.constrained import Grammar, as_grammar
@@ -37,40 +25,14 @@ from flashspec_core.constrained.compile_process import CompileBusy
 from flashspec_core.models import vocab_size
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.results import GenerationStats
-from flashspec_core.routing.domains import resolve_domain
 from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
-from flashspec_integrations.prompts import json_instruction, render_prompt, template_supports_tools
+from flashspec_integrations.engine import ServedEngine
+from flashspec_integrations.plan import CallPlan, ChatRequest, PlanError, plan_chat
 from flashspec_integrations.serve.protocol import CONTEXT_LENGTH_EXCEEDED, APIError, ChatCompletionRequest
-from flashspec_integrations.tool_calls import (
-    ParsedCall,
-    ToolCallStreamer,
-    parse_tool_calls,
-)
-from flashspec_integrations.tool_choice import (
-    ToolChoice,
-    normalize_tool_choice,
-    reply_constraint,
-)
+from flashspec_integrations.tool_calls import ParsedCall, ToolCallStreamer
 
 # OpenAI's defaults where a request leaves a sampling field out.
 OPENAI_TEMPERATURE, OPENAI_TOP_P = 1.0, 1.0
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One request as the engine takes it. prompt_ids: the rendered prompt's token ids."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams
-    stop: tuple[str, ...]
-    domain: str
-    decision: DomainDecision
-    json_schema: dict | None
-    tool_names: tuple[str, ...]
-    parse_tools: bool
-    tool_parameters: dict = field(default_factory=dict)  # each tool's parameters schema, by name
-    grammar: Grammar | None = None  # json_schema compiled: what the engine decodes under
 
 
 def _text(content: Any, at: str) -> str:
@@ -94,28 +56,7 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
     return dicts
 
 
-def _output_schema(engine: Any, req: ChatCompletionRequest, tools: list[dict],
-                   choice: ToolChoice) -> tuple[dict | None, str | None]:
-    """What the reply is decoded under (a tool call's schema, the calls' structural tag or the
-    response format's schema) and the field it came from, or (None, None)."""
-    fmt = req.response_format
-    if tools and (choice.forced or fmt is None or fmt.type == "text"):
-        native = engine.tokenizer.chat_template if template_supports_tools(engine.tokenizer) else None
-        try:
-            return reply_constraint(tools, choice, native, req.parallel_tool_calls is not False), "tools"
-        except ValueError as exc:
-            raise APIError(400, str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
-    if fmt is None or fmt.type == "text":
-        return None, None
-    if fmt.type == "json_object":
-        return {"type": "object"}, "response_format"
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise APIError(400, "response_format.json_schema.schema: required for type 'json_schema'",
-                       "response_format.json_schema.schema")
-    return fmt.json_schema.schema_, "response_format"
-
-
-def _compile(engine: Any, schema: dict, field: str, timeout_s: float | None, retry_after: int) -> Grammar:
+def _compile(engine: ServedEngine, schema: dict, field: str, timeout_s: float | None, retry_after: int) -> Grammar:
     """The schema (or structural tag) compiled within `timeout_s`, in a worker process killed past
     it; a bad or too costly schema is the caller's 400, every worker busy for the whole limit a 503
     with `Retry-After: retry_after`."""
@@ -141,44 +82,50 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
         raise APIError(400, f"{field}: {first['msg']}", field) from None
 
 
-def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
+def _response_format(req: ChatCompletionRequest) -> dict | None:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"schema": None if fmt.json_schema is None else fmt.json_schema.schema_}}
+
+
+def _decide(req: ChatCompletionRequest, facts: StepContext) -> DomainDecision:
+    try:
+        return decide_domain(dataclasses.replace(facts, explicit_domain=req.domain, metadata=req.metadata or {}))
+    except ValueError as exc:
+        raise APIError(400, str(exc), "domain" if req.domain else "metadata") from None
+
+
+def plan_call(engine: ServedEngine, req: ChatCompletionRequest, default_max_tokens: int,
               max_prompt_tokens: int | None = None, compile_timeout_s: float | None = None,
-              retry_after: int = 1) -> Plan:
-    """The engine call for `req`; APIError(400) naming the field for anything it cannot serve.
+              retry_after: int = 1) -> CallPlan:
+    """The engine call for `req` (`plan.plan_chat`), its schema compiled; APIError(400) naming the
+    field for anything it cannot serve.
 
     max_prompt_tokens: the server's prompt limit (None: the context window only).
     compile_timeout_s: the longest a schema may take to compile (None: as long as it takes, on
     the calling thread). retry_after: the seconds a 503 tells the client to wait (`admission`).
     """
-    sampling = _sampling(req)
-    messages = _messages(req)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
-    if req.tool_choice is not None and not tools:
+    if req.tool_choice is not None and not req.tools:
         raise APIError(400, "tool_choice: only allowed when tools are given", "tool_choice")
+    request = ChatRequest(
+        _messages(req), req.max_new_tokens or default_max_tokens, _sampling(req),
+        [t.model_dump(exclude_none=True) for t in req.tools or ()],
+        req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
+        else req.tool_choice.model_dump(),
+        parallel_tool_calls=req.parallel_tool_calls is not False, response_format=_response_format(req),
+        stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+    )
     try:
-        choice = normalize_tool_choice(
-            req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
-            else req.tool_choice.model_dump(), tools) if tools else ToolChoice()
-    except ValueError as exc:
-        raise APIError(400, str(exc), "tool_choice") from None
-    shown = [] if choice.none else tools
-    schema, schema_field = _output_schema(engine, req, shown, choice)
-    text_of = "\n".join(m["content"] for m in messages)
-    try:
-        decision = decide_domain(StepContext(
-            explicit_domain=req.domain, metadata=req.metadata or {}, tools_bound=bool(shown),
-            tool_choice_forced=choice.forced, structured_output=req.response_format is not None
-            and req.response_format.type != "text", roles=[m["role"] for m in messages], prompt_text=text_of,
-        ))
-    except ValueError as exc:
-        raise APIError(400, str(exc), "domain" if req.domain else "metadata") from None
-    extra = json_instruction(schema) if schema_field == "response_format" else ""
-    try:
-        text = render_prompt(engine.tokenizer, messages, shown, extra)
-    except (ValueError, TypeError, TemplateError) as exc:  # the template's checks (roles must alternate, ...)
-        raise APIError(400, f"messages: the chat template refused them: {exc}"[:1000], "messages") from None
-    grammar = None if schema is None else _compile(engine, schema, str(schema_field), compile_timeout_s, retry_after)
-    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+        plan = plan_chat(engine, request, functools.partial(_decide, req))
+    except PlanError as exc:
+        raise APIError(400, str(exc), exc.field) from None
+    if plan.json_schema is not None:
+        plan = plan.replace(grammar=_compile(engine, plan.json_schema, plan.schema_source or "response_format",
+                                                 compile_timeout_s, retry_after))
+    ids = plan.prompt_ids
     room = engine.context_window - len(ids)
     if room <= 0:
         raise APIError(400, f"messages: the prompt has {len(ids)} tokens, more than the model's context "
@@ -186,17 +133,14 @@ def plan_call(engine: Any, req: ChatCompletionRequest, default_max_tokens: int,
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise APIError(400, f"messages: the prompt has {len(ids)} tokens; this server takes at most "
                             f"{max_prompt_tokens} (--max-prompt-tokens); shorten it", "messages")
-    max_new = req.max_new_tokens or min(default_max_tokens, room)
-    if max_new > room:
+    if not req.max_new_tokens:
+        return plan.replace(max_new_tokens=min(default_max_tokens, room))
+    if req.max_new_tokens > room:
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         raise APIError(400, f"{field}: the prompt has {len(ids)} tokens, so at most {room} new tokens fit "
                             f"the context window of {engine.context_window}; lower {field} or shorten the "
                             "prompt", field, code=CONTEXT_LENGTH_EXCEEDED)
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    domain = resolve_domain(decision.domain, decision.hint, text)
-    names = tuple(t["function"]["name"] for t in shown)
-    parameters = {t["function"]["name"]: t["function"].get("parameters") for t in shown}
-    return Plan(ids, max_new, sampling, stop, domain, decision, schema, names, bool(shown), parameters, grammar)
+    return plan
 
 
 # ---------------------------------------------------------------------------------- replies
@@ -208,16 +152,17 @@ def _openai_call(call: ParsedCall, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
-def reply_message(plan: Plan, text: str, finish_reason: str) -> tuple[dict, str, list[dict]]:
+def reply_message(plan: CallPlan, text: str, finish_reason: str) -> tuple[dict, str, list[dict]]:
     """(the assistant message, finish_reason, invalid tool calls) for a finished call.
 
     A tool call the model wrote badly (or that ran out of tokens) is not passed off as a call: it
     is reported with the parser's reason in the `flashspec` field.
     """
+    text = plan.prefix + text  # what the plan wrote for the model comes first
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if not plan.parse_tools:
         return message, finish_reason, []
-    content, parsed = parse_tool_calls(text, plan.tool_parameters or list(plan.tool_names), finish_reason != "length")
+    content, parsed = plan.read(text, finish_reason != "length")
     calls = [c for c in parsed if c.valid]
     invalid = [c for c in parsed if not c.valid]
     # No valid call: the whole text stays the content, so nothing the model wrote is hidden.
@@ -232,10 +177,11 @@ class DeltaStream:
     """Streamed text -> OpenAI `delta` objects: content as it comes, each tool call whole once
     its block closes (arguments are valid JSON only then)."""
 
-    def __init__(self, plan: Plan):
-        self._tools = ToolCallStreamer(plan.tool_parameters or list(plan.tool_names)) if plan.parse_tools else None
+    def __init__(self, plan: CallPlan):
+        self._tools = ToolCallStreamer(plan.tools) if plan.parse_tools else None
         self.called = False
         self._calls = 0
+        self._pending = plan.prefix  # what the plan wrote for the model, sent with the first delta
 
     def _delta(self, content: str, call: ParsedCall | None) -> dict:
         if call is None:
@@ -247,6 +193,7 @@ class DeltaStream:
         return {"tool_calls": [_openai_call(call, self._calls - 1)]}
 
     def feed(self, text: str, finish_reason: str | None) -> Iterator[dict]:
+        text, self._pending = self._pending + text, ""
         if self._tools is None:
             if text:
                 yield {"content": text}
@@ -262,7 +209,7 @@ class DeltaStream:
         return "tool_calls" if self.called else engine_reason
 
 
-def call_info(plan: Plan, stats: GenerationStats | None, rows: int) -> dict[str, Any]:
+def call_info(plan: CallPlan, stats: GenerationStats | None, rows: int) -> dict[str, Any]:
     """The `flashspec` response field: the call's domain and why, the arms its steps used, the
     acceptance, and how many rows the engine's running batch held when it ended."""
     info = stats.as_dict() if stats is not None else {"domain": plan.domain}

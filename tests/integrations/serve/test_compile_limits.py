@@ -53,7 +53,8 @@ HOWS = ["absent", "auto", "required", "named", "response_format"]
 def engine(default_target):
     eos = default_target.model.generation_config.eos_token_id
     return SimpleNamespace(tokenizer=default_target.tokenizer, target_model=default_target.model,
-                           eos_ids=frozenset([eos] if isinstance(eos, int) else eos), context_window=8192)
+                           eos_ids=frozenset([eos] if isinstance(eos, int) else eos), context_window=8192,
+                           constrains=True)
 
 
 @pytest.fixture

@@ -14,15 +14,15 @@ pytest.importorskip("ray", reason="needs the 'serve' extra")
 from flashspec_core.processors.sampling import SamplingParams  # noqa: E402
 from flashspec_core.results import StreamChunk  # noqa: E402
 from flashspec_integrations.context import DomainDecision  # noqa: E402
+from flashspec_integrations.plan import CallPlan  # noqa: E402
 from flashspec_integrations.serve.admission import Admission  # noqa: E402
 from flashspec_integrations.serve.deployment import FlashSpecServer  # noqa: E402
 from flashspec_integrations.serve.health import EngineActivity  # noqa: E402
-from flashspec_integrations.serve.translate import Plan  # noqa: E402
 
 # The replica object is made without Ray's ingress set-up, whose wrapper has an async __del__.
 pytestmark = pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")
 
-PLAN = Plan([1, 2, 3], 50, SamplingParams(), (), "chat", DomainDecision(None, None, "classifier"), None, (), False)
+PLAN = CallPlan([1, 2, 3], "", 50, SamplingParams(), (), DomainDecision("chat", None, "explicit"))
 
 
 class SlowEngine:

@@ -30,7 +30,8 @@ def engine(default_target):
     """What `plan_call` reads from an engine, over the default tokenizer (no decoding here)."""
     eos = default_target.model.generation_config.eos_token_id
     return SimpleNamespace(tokenizer=default_target.tokenizer, target_model=default_target.model,
-                           eos_ids=frozenset([eos] if isinstance(eos, int) else eos), context_window=8192)
+                           eos_ids=frozenset([eos] if isinstance(eos, int) else eos), context_window=8192,
+                           constrains=True)
 
 
 def plan(engine, **body):
