@@ -202,7 +202,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.blockq_lanes.restype = i32
     lib.blockq_set_rows.argtypes = [i32]
     lib.blockq_set_rows.restype = None
-    lib.decode_layers.argtypes = [ptr] * 4 + [i32] + [ptr] * 6 + [i32]
+    lib.decode_layers.argtypes = [ptr] * 4 + [i32] + [ptr] * 3 + [i32] + [ptr] * 5 + [i32]
     lib.decode_layers.restype = None
     lib.decode_layers_work.argtypes = [ptr, i32, i32]
     lib.decode_layers_work.restype = ctypes.c_int64

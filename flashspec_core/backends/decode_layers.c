@@ -19,7 +19,11 @@
  * with -ffp-contract=off). tests/backends/test_decode_layers.py compares it with the torch forward;
  * the greedy tests of the default model with transformers' generate.
  *
- * Layout: x, h, out [T, hidden] (T = tokens of every row, row-major); the stacked q|k|v product
+ * The tokens are ragged: B segments of any lengths (a row's draft, another's single token, a new
+ * request's prompt piece), segment b being tokens starts[b] .. starts[b + 1] - 1 of cache row
+ * row[t] (one row per segment), so every product reads the weights once for all of them.
+ *
+ * Layout: x, h, out [T, hidden] (T = tokens of every segment, in order); the stacked q|k|v product
  * [T, (H + 2 H_kv) * D] (q heads, then k, then v); the caches [rows, H_kv, S, D] per layer. */
 #include <math.h>
 #include <omp.h>
@@ -27,6 +31,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -38,8 +43,8 @@
 enum { ATTN_NORM, MLP_NORM, K_CACHE, V_CACHE, PROJ };
 enum { P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, N_PROJ };
 enum { SLOTS = PROJ + 3 * N_PROJ };
-/* dims: layers, hidden, heads, kv heads, head dim, intermediate, slots per row (S), tokens per row
- * (W: the T tokens are B rows of W), slots per attention chunk (CH) */
+/* dims: layers, hidden, heads, kv heads, head dim, intermediate, slots per row (S), the most tokens
+ * of one segment (W), slots per attention chunk (CH) */
 enum { N_LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, MAX_LEN, WIDTH, CHUNK, N_DIMS };
 
 int decode_layers_slots(void) { return SLOTS; }
@@ -118,9 +123,9 @@ static void add_norm(float *x, const float *delta, const float *w, float eps, fl
 }
 
 /* Rotate the q and k heads of each token in place and write its k and v heads into the cache at
- * (row, kv head, position), token t being row t / W's. cos, sin: [T, D]. */
-static void rope_and_cache(float *qkv, const int64_t *pos, const float *cos, const float *sin, int T, int W,
-                           int nq, int nkv, int D, int S, float *kc, float *vc) {
+ * (row[t], kv head, pos[t]). cos, sin: [T, D]. */
+static void rope_and_cache(float *qkv, const int64_t *pos, const int64_t *row, const float *cos, const float *sin,
+                           int T, int nq, int nkv, int D, int S, float *kc, float *vc) {
     const int heads = nq + 2 * nkv, half = D / 2;
     #pragma omp for schedule(static) nowait
     for (int it = 0; it < T * heads; it++) {
@@ -135,30 +140,30 @@ static void rope_and_cache(float *qkv, const int64_t *pos, const float *cos, con
         }
         if (h >= nq) {
             const int kv = h < nq + nkv ? h - nq : h - nq - nkv;
-            float *cache = (h < nq + nkv ? kc : vc) + (((size_t)(t / W) * nkv + kv) * S + (size_t)pos[t]) * D;
+            float *cache = (h < nq + nkv ? kc : vc) + (((size_t)row[t] * nkv + kv) * S + (size_t)pos[t]) * D;
             for (int i = 0; i < D; i++) cache[i] = v[i];
         }
     }
 }
 
-/* The queries of one work item (a row's tokens x a kv head's query heads; query j is token
- * b*W + j / G's head g*G + j % G) and where their chunk results go. */
+/* The queries of one work item (a segment's tokens x a kv head's query heads; query j is token
+ * t0 + j / G's head g*G + j % G) and where their chunk results go. */
 typedef struct {
     const float *qkv;
     const int64_t *pos;
     float *part;  /* [T, H, chunks, D + 2]: m, l, then the sum of e^(score - m) v */
-    int b, g, W, group, heads, nq, D, queries, chunks, c;
+    int t0, g, group, heads, nq, D, queries, chunks, c;
 } Item;
 
 static inline const float *query(const Item *q, int j) {
-    const int t = q->b * q->W + j / q->group, h = q->g * q->group + j % q->group;
+    const int t = q->t0 + j / q->group, h = q->g * q->group + j % q->group;
     return q->qkv + ((size_t)t * q->heads + h) * q->D;
 }
 
-static inline int64_t query_pos(const Item *q, int j) { return q->pos[q->b * q->W + j / q->group]; }
+static inline int64_t query_pos(const Item *q, int j) { return q->pos[q->t0 + j / q->group]; }
 
 static inline float *result(const Item *q, int j) {
-    const int t = q->b * q->W + j / q->group, h = q->g * q->group + j % q->group;
+    const int t = q->t0 + j / q->group, h = q->g * q->group + j % q->group;
     return q->part + (((size_t)t * q->nq + h) * q->chunks + q->c) * (q->D + 2);
 }
 
@@ -263,38 +268,48 @@ static void chunk_block16(const Item *q, int j0, const float *K, const float *V,
     }
 }
 
+/* The segments of a call: segment b is tokens starts[b] .. starts[b + 1] - 1 of cache row row[b];
+ * its attention work items (kv heads x chunks of its live slots) are items[b] .. items[b + 1] - 1,
+ * its live slots 0 .. len[b] - 1 (1 + its largest position). */
+typedef struct {
+    int B;
+    const int64_t *starts, *row, *items, *len;
+} Segments;
+
 /* att[t, h] = softmax(scale * q . K[0..pos]) V over the slots 0..pos of the token's row (pos: its
  * position) and its kv head, in two passes (flash-decoding). Pass 1 takes a chunk of CH slots of
- * one row and kv head at a time and streams its keys and values once for every query of that row
- * and head group (W tokens x G heads), keeping per query the chunk's max score m, sum l of
- * e^(score - m) and sum of e^(score - m) v; pass 2 merges each query's chunks. Why: with one
- * query head per item, every head of a group read the group's keys and values again, and after a
- * 3.5k-token prompt a decode step read ~0.5 GB of cache (58 ms a token); and chunks spread a
- * single token's attention over every thread. With 8 or more queries a chunk (a verify pass) they
- * go 16 at a time across the vector lanes (chunk_block16): per-query dot products made a 5-token
- * pass after 3.5k tokens cost 76 ms against SDPA's 48. part: [T, H, chunks, D + 2]; scores: per
- * thread, `attend_scratch` floats. */
+ * one segment's row and kv head at a time and streams its keys and values once for every query of
+ * that segment and head group (its tokens x G heads), keeping per query the chunk's max score m,
+ * sum l of e^(score - m) and sum of e^(score - m) v; pass 2 merges each query's chunks. Why: with
+ * one query head per item every head of a group read the group's keys and values again, and
+ * chunks spread a single token's attention over every thread. With 8 or more queries a chunk (a
+ * verify pass, a prompt piece) they go 16 at a time across the vector lanes (chunk_block16).
+ * part: [T, H, chunks, D + 2] (chunks: of the longest row); scores: per thread, `attend_scratch`
+ * floats. */
 static int64_t attend_scratch(int queries, int D, int CH) {
     return (int64_t)(queries > QB ? queries : QB) * CH + QB * D;
 }
 
-static void attend(const float *qkv, const int64_t *pos, int T, int W, int nq, int nkv, int D, int S, int CH,
-                   float scale, const float *kc, const float *vc, float *att, float *part, float *scores,
-                   Team *team, int *phase) {
-    const int heads = nq + 2 * nkv, group = nq / nkv, queries = W * group;
-    const int blocked = queries >= 8 && D % 16 == 0;
+static void attend(const float *qkv, const int64_t *pos, const Segments *sg, int T, int W, int nq, int nkv, int D,
+                   int S, int CH, float scale, const float *kc, const float *vc, float *att, float *part,
+                   float *scores, Team *team, int *phase) {
+    const int heads = nq + 2 * nkv, group = nq / nkv;
     const size_t stride = (size_t)D + 2;
     int len = 0;
-    for (int t = 0; t < T; t++) len = (int)pos[t] + 1 > len ? (int)pos[t] + 1 : len;
+    for (int b = 0; b < sg->B; b++) len = (int)sg->len[b] > len ? (int)sg->len[b] : len;
     const int chunks = (len + CH - 1) / CH;
     #pragma omp for schedule(static) nowait
-    for (int it = 0; it < T / W * nkv * chunks; it++) {
-        const int b = it / (nkv * chunks), g = it / chunks % nkv, c = it % chunks;
-        const int s0 = c * CH, n = (s0 + CH < len ? s0 + CH : len) - s0;
-        const size_t base = ((size_t)b * nkv + g) * S * D + (size_t)s0 * D;
-        const Item q = {qkv, pos, part, b, g, W, group, heads, nq, D, queries, chunks, c};
-        float *sc = scores + (size_t)omp_get_thread_num() * attend_scratch(queries, D, CH);
-        if (!blocked) {
+    for (int it = 0; it < (int)sg->items[sg->B]; it++) {
+        int b = 0;
+        while (sg->items[b + 1] <= it) b++;
+        const int local = it - (int)sg->items[b], mine = ((int)sg->len[b] + CH - 1) / CH;
+        const int g = local / mine, c = local % mine, seg_len = (int)sg->len[b];
+        const int s0 = c * CH, n = (s0 + CH < seg_len ? s0 + CH : seg_len) - s0;
+        const int t0 = (int)sg->starts[b], queries = ((int)sg->starts[b + 1] - t0) * group;
+        const size_t base = ((size_t)sg->row[b] * nkv + g) * S * D + (size_t)s0 * D;
+        const Item q = {qkv, pos, part, t0, g, group, heads, nq, D, queries, chunks, c};
+        float *sc = scores + (size_t)omp_get_thread_num() * attend_scratch(W * group, D, CH);
+        if (queries < 8 || D % 16) {
             chunk_each(&q, kc + base, vc + base, s0, n, CH, scale, sc);
             continue;
         }
@@ -305,11 +320,12 @@ static void attend(const float *qkv, const int64_t *pos, int T, int W, int nq, i
     #pragma omp for schedule(static) nowait
     for (int it = 0; it < T * nq; it++) {  /* it = t * H + h: att's layout too */
         const float *p = part + (size_t)it * chunks * stride;
+        const int mine = (int)pos[it / nq] / CH + 1;  /* the chunks holding this token's slots 0..pos */
         float top = -INFINITY, sum = 0.0f;
-        for (int c = 0; c < chunks; c++) top = p[c * stride] > top ? p[c * stride] : top;
+        for (int c = 0; c < mine; c++) top = p[c * stride] > top ? p[c * stride] : top;
         float *o = att + (size_t)it * D;
         for (int i = 0; i < D; i++) o[i] = 0.0f;
-        for (int c = 0; c < chunks; c++) {
+        for (int c = 0; c < mine; c++) {
             const float *q = p + c * stride;
             if (q[0] == -INFINITY) continue;
             const float w = fexp(q[0] - top);
@@ -347,12 +363,14 @@ int64_t decode_layers_work(const int64_t *dims, int T, int threads) {
 }
 
 /* Every layer and the final norm for T tokens: x [T, hidden] holds the embeddings on entry and the
- * residual stream on exit; out [T, hidden] gets the final norm's output. The tokens are B rows of
- * W (dims): row b's are tokens b*W .. b*W + W - 1, written to and attending over cache row b.
- * pos: [T] (each token's position); cos, sin: [T, D]; fdims: eps, attention scale. */
+ * residual stream on exit; out [T, hidden] gets the final norm's output. The tokens are B
+ * segments: segment b's are tokens starts[b] .. starts[b + 1] - 1 (starts: [B + 1], starts[0] = 0,
+ * starts[B] = T), written to and attending over cache row row[b] (row: [B], each row at most once).
+ * pos: [T] (each token's position); cos, sin: [T, D]; fdims: eps, attention scale. dims[WIDTH]
+ * is at least the longest segment. */
 void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, float *x, int T,
-                   const int64_t *pos, const float *cos, const float *sin, const float *final_norm, float *out,
-                   float *work, int threads) {
+                   const int64_t *pos, const int64_t *starts, const int64_t *row, int B, const float *cos,
+                   const float *sin, const float *final_norm, float *out, float *work, int threads) {
     const int H = (int)dims[HIDDEN], nq = (int)dims[HEADS], nkv = (int)dims[KV_HEADS], D = (int)dims[HEAD_DIM];
     const int I = (int)dims[INTER], S = (int)dims[MAX_LEN], W = (int)dims[WIDTH], CH = (int)dims[CHUNK];
     const int QKV = (nq + 2 * nkv) * D, CHUNKS = (S + CH - 1) / CH;
@@ -360,6 +378,17 @@ void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, 
     float *h = work, *qkv = h + (size_t)T * H, *att = qkv + (size_t)T * QKV, *gu = att + (size_t)T * nq * D;
     float *act = gu + (size_t)T * 2 * I, *delta = act + (size_t)T * I, *part = delta + (size_t)T * H;
     float *scores = part + (size_t)T * nq * CHUNKS * (D + 2);
+    int64_t *items = malloc(sizeof(int64_t) * ((size_t)2 * B + 1 + (size_t)T)), *len = items + B + 1, *trow = len + B;
+    items[0] = 0;
+    for (int b = 0; b < B; b++) {
+        len[b] = 0;
+        for (int64_t t = starts[b]; t < starts[b + 1]; t++) {
+            len[b] = pos[t] + 1 > len[b] ? pos[t] + 1 : len[b];
+            trow[t] = row[b];
+        }
+        items[b + 1] = items[b] + nkv * ((len[b] + CH - 1) / CH);
+    }
+    const Segments sg = {B, starts, row, items, len};
     Team team;
     atomic_init(&team.arrived, 0);
     atomic_init(&team.phase, 0);
@@ -374,10 +403,10 @@ void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, 
             product(e, P_K, h, T, H, qkv + nq * D, nkv * D, QKV);
             product(e, P_V, h, T, H, qkv + (nq + nkv) * D, nkv * D, QKV);
             team_sync(&team, &phase);
-            rope_and_cache(qkv, pos, cos, sin, T, W, nq, nkv, D, S, F(e[K_CACHE]), F(e[V_CACHE]));
+            rope_and_cache(qkv, pos, trow, cos, sin, T, nq, nkv, D, S, F(e[K_CACHE]), F(e[V_CACHE]));
             team_sync(&team, &phase);
-            attend(qkv, pos, T, W, nq, nkv, D, S, CH, scale, F(e[K_CACHE]), F(e[V_CACHE]), att, part, scores, &team,
-                   &phase);
+            attend(qkv, pos, &sg, T, W, nq, nkv, D, S, CH, scale, F(e[K_CACHE]), F(e[V_CACHE]), att, part, scores,
+                   &team, &phase);
             team_sync(&team, &phase);
             product(e, P_O, att, T, nq * D, delta, H, H);
             team_sync(&team, &phase);
@@ -393,4 +422,5 @@ void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, 
         }
         add_norm(x, dims[N_LAYERS] ? delta : NULL, final_norm, eps, out, T, H);
     }
+    free(items);
 }

@@ -121,18 +121,24 @@ class NativeLayers:
         self._table, self._held, self._stamp = table, held, (objects, versions)
         return table
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 positions: torch.Tensor, first_row: int = 0) -> torch.Tensor | None:
-        """x: [B, W, hidden] embeddings; cos, sin: [B, W, D]; positions: [B, W] long (row
-        first_row + b of the cache takes row b's tokens). Writes K/V at those positions; returns
-        the final norm's output [B, W, hidden], or None (having done nothing) when a projection's
-        weight no longer is its blocks' or the rotation covers part of a head only: the caller
-        runs the torch forward."""
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """x: [T, hidden] embeddings of B segments' tokens, segment b being tokens starts[b] ..
+        starts[b + 1] - 1 (starts: [B + 1] long, from 0 to T) of cache row rows[b] (rows: [B] long,
+        each at most once); cos, sin: [T, D]; positions: [T] long. Writes K/V at those positions;
+        returns the final norm's output [T, hidden], or None (having done nothing) when a
+        projection's weight no longer is its blocks' or the rotation covers part of a head only:
+        the caller runs the torch forward."""
         static = self.static
-        bsz, width, hidden = x.shape
-        if static.keys[0].shape[0] < first_row + bsz:
-            raise ValueError(f"x: rows {first_row}..{first_row + bsz - 1} fed, the cache holds "
-                             f"{static.keys[0].shape[0]}")
+        tokens, hidden = x.shape
+        bsz = rows.shape[0]
+        if tuple(starts.shape) != (bsz + 1,) or int(starts[0]) != 0 or int(starts[-1]) != tokens:
+            raise ValueError(f"starts: [{bsz + 1}] offsets from 0 to {tokens}; got {starts.tolist()}")
+        widths = starts[1:] - starts[:-1]  # [B]
+        if bsz == 0 or int(widths.min()) < 1:
+            raise ValueError("starts: every segment holds at least one token")
+        if int(rows.min()) < 0 or int(rows.max()) >= static.keys[0].shape[0] or len(set(rows.tolist())) < bsz:
+            raise ValueError(f"rows: distinct cache rows in [0, {static.keys[0].shape[0]}); got {rows.tolist()}")
         if positions.device.type != "cpu" or int(positions.min()) < 0 or int(positions.max()) >= static.max_len:
             raise ValueError(f"positions: must lie in [0, {static.max_len}) on the CPU")
         if cos.shape[-1] != static.head_dim:  # a partial rotation: decode_layers.c rotates whole heads
@@ -140,23 +146,17 @@ class NativeLayers:
         table = self._current_table()
         if table is None:
             return None
-        if first_row:  # the caches' addresses (columns 2 and 3 of the table) moved to that row
-            cache = static.keys[0]
-            table = table.clone()
-            table[:, 2:4] += first_row * cache.stride(0) * cache.element_size()
-        self.dims[6], self.dims[7] = static.max_len, width
-        tokens = bsz * width
-        x = x.reshape(tokens, hidden).contiguous().clone()  # [T, hidden], the residual stream in place
-        pos = positions.reshape(tokens).contiguous()  # [T]
-        cos = cos.reshape(tokens, -1).contiguous()  # [T, D]
-        sin = sin.reshape(tokens, -1).contiguous()
+        self.dims[6], self.dims[7] = static.max_len, int(widths.max())
+        x = x.contiguous().clone()  # [T, hidden], the residual stream in place
+        pos, starts, rows = (t.to(torch.int64).contiguous() for t in (positions, starts, rows))
+        cos, sin = cos.contiguous(), sin.contiguous()  # [T, D]
         out = torch.empty_like(x)  # [T, hidden]
         threads = torch.get_num_threads()
         assert self.lib is not None  # eligible() checked that the kernel library loads
         work = torch.empty(self.lib.decode_layers_work(self.dims.data_ptr(), tokens, threads))
         norm = static.model.model.norm.weight
         ptrs = [t.data_ptr() for t in (table, self.dims, self.fdims, x)]
-        self.lib.decode_layers(*ptrs, tokens, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), norm.data_ptr(),
-                               out.data_ptr(), work.data_ptr(), threads)
-        return out.view(bsz, width, hidden)
-
+        self.lib.decode_layers(*ptrs, tokens, pos.data_ptr(), starts.data_ptr(), rows.data_ptr(), bsz,
+                               cos.data_ptr(), sin.data_ptr(), norm.data_ptr(), out.data_ptr(), work.data_ptr(),
+                               threads)
+        return out
