@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Generator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -22,13 +22,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from flashspec_core.backends import make_runner, resolve_backend
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.calibration import Calibration, calibrate_runner
-from flashspec_core.constrained.grammar import Grammar
 from flashspec_core.drafts import DraftSource, ModelDraft
 from flashspec_core.handle import RequestHandle
 from flashspec_core.memory_plan import MEMORY_FRACTION, context_limit, plan_engine
 from flashspec_core.models import LoadedModel, eos_ids, vocab_size
+from flashspec_core.options import RequestArgs, RequestOptions, request_options
 from flashspec_core.processors.ngram_ban import json_punctuation_tokens
-from flashspec_core.processors.sampling import SamplingParams, request_generator, request_params
+from flashspec_core.processors.sampling import request_generator
 from flashspec_core.prompts import PromptLike, encode_prompts, is_batch, prompt_text
 from flashspec_core.request import Request, Row
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
@@ -251,50 +251,28 @@ class SpecEngine:
 
     # ----------------------------------------------------------------------------------- API
 
-    def generate(
-        self,
-        prompt: PromptLike | Sequence[PromptLike],
-        max_new_tokens: int = 128,
-        sampling: SamplingParams | None = None,
-        stop: str | Sequence[str] | None = None,
-        domain: str | None = None,
-        hint: str | None = None,
-        json_schema: dict | str | Grammar | None = None,
-        timeout: float | None = None,
-    ) -> GenerationResult | list[GenerationResult]:
+    def generate(self, prompt: PromptLike | Sequence[PromptLike], options: RequestOptions | None = None,
+                 **args: Unpack[RequestArgs]) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (str, chat messages or token ids) or a list of them.
 
+        The settings (`max_new_tokens`, `sampling`, `stop`, `domain`, `hint`, `json_schema`,
+        `timeout`) are keyword arguments or one `RequestOptions` (options.py says what each does).
         The rows join the engine's running batch beside other callers' and leave it when done;
         each has exactly the law it would have alone. Each row draws from its own generator: a
         list's row 0 from `sampling.seed`, row i from a seed mixed from it and i
         (`processors.sampling.request_generator`), whatever runs beside it.
-        json_schema: constrain the output to JSON valid against this schema (a forced tool call,
-        structured output; {"type": "object"} for JSON mode): exactly the law of grammar-masked
-        decoding of the target, not its law conditioned on a valid output (docs/exactness.md;
-        flashspec_core.constrained, whose Grammar is also accepted).
-        timeout: seconds after which the request ends with TimeoutError (checked between steps).
         """
         batch = is_batch(prompt)
         prompts = cast("list[PromptLike]", list(prompt)) if batch else [cast(PromptLike, prompt)]  # is_batch told
-        handle = self.submit(prompts, max_new_tokens, sampling, stop, domain, hint, json_schema, timeout=timeout)
-        results = handle.wait()
+        results = self.submit(prompts, options, **args).wait()
         return results if batch else results[0]
 
-    async def agenerate(
-        self,
-        prompt: PromptLike | Sequence[PromptLike],
-        max_new_tokens: int = 128,
-        sampling: SamplingParams | None = None,
-        stop: str | Sequence[str] | None = None,
-        domain: str | None = None,
-        hint: str | None = None,
-        json_schema: dict | str | Grammar | None = None,
-        timeout: float | None = None,
-    ) -> GenerationResult | list[GenerationResult]:
+    async def agenerate(self, prompt: PromptLike | Sequence[PromptLike], options: RequestOptions | None = None,
+                        **args: Unpack[RequestArgs]) -> GenerationResult | list[GenerationResult]:
         """`generate` for a coroutine: waits without holding a thread; cancelling it cancels the request."""
         batch = is_batch(prompt)
         prompts = cast("list[PromptLike]", list(prompt)) if batch else [cast(PromptLike, prompt)]  # is_batch told
-        handle = self.submit(prompts, max_new_tokens, sampling, stop, domain, hint, json_schema, timeout=timeout)
+        handle = self.submit(prompts, options, **args)
         try:
             results = await handle.wait_async()
         finally:
@@ -302,43 +280,25 @@ class SpecEngine:
                 handle.cancel()
         return results if batch else results[0]
 
-    def stream(
-        self,
-        prompt: PromptLike,
-        max_new_tokens: int = 128,
-        sampling: SamplingParams | None = None,
-        stop: str | Sequence[str] | None = None,
-        domain: str | None = None,
-        hint: str | None = None,
-        json_schema: dict | str | Grammar | None = None,
-        timeout: float | None = None,
-    ) -> Generator[StreamChunk, None, None]:
+    def stream(self, prompt: PromptLike, options: RequestOptions | None = None,
+               **args: Unpack[RequestArgs]) -> Generator[StreamChunk, None, None]:
         """Yield text as it is verified; the last chunk carries finish_reason and stats. Closing
         the stream early ends the request at the next step boundary."""
         if is_batch(prompt):
             raise ValueError("prompt: stream takes one prompt; use generate for a batch")
-        handle = self.submit([prompt], max_new_tokens, sampling, stop, domain, hint, json_schema, True, timeout)
+        handle = self.submit([prompt], options, stream=True, **args)
         try:
             yield from handle
         finally:
             if not handle.done:
                 handle.cancel()
 
-    async def astream(
-        self,
-        prompt: PromptLike,
-        max_new_tokens: int = 128,
-        sampling: SamplingParams | None = None,
-        stop: str | Sequence[str] | None = None,
-        domain: str | None = None,
-        hint: str | None = None,
-        json_schema: dict | str | Grammar | None = None,
-        timeout: float | None = None,
-    ) -> AsyncIterator[StreamChunk]:
+    async def astream(self, prompt: PromptLike, options: RequestOptions | None = None,
+                      **args: Unpack[RequestArgs]) -> AsyncIterator[StreamChunk]:
         """`stream` for a coroutine (no thread held between chunks)."""
         if is_batch(prompt):
             raise ValueError("prompt: stream takes one prompt; use generate for a batch")
-        handle = self.submit([prompt], max_new_tokens, sampling, stop, domain, hint, json_schema, True, timeout)
+        handle = self.submit([prompt], options, stream=True, **args)
         try:
             async for chunk in handle:
                 yield chunk
@@ -346,40 +306,28 @@ class SpecEngine:
             if not handle.done:
                 handle.cancel()
 
-    def submit(
-        self,
-        prompts: Sequence[PromptLike],
-        max_new_tokens: int = 128,
-        sampling: SamplingParams | None = None,
-        stop: str | Sequence[str] | None = None,
-        domain: str | None = None,
-        hint: str | None = None,
-        json_schema: dict | str | Grammar | None = None,
-        stream: bool = False,
-        timeout: float | None = None,
-    ) -> RequestHandle:
+    def submit(self, prompts: Sequence[PromptLike], options: RequestOptions | None = None, *, stream: bool = False,
+               **args: Unpack[RequestArgs]) -> RequestHandle:
         """Queue a request of one row per prompt and return its handle at once (`wait`, iterate,
         `cancel`); what `generate` and `stream` do underneath. Bad input raises ValueError here,
         before anything is queued; a full queue raises EngineBusy."""
         if not prompts:
             raise ValueError("prompt: the batch is empty; pass at least one prompt")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds or None; got {timeout!r}")
-        sampling, stops = request_params(max_new_tokens, sampling, stop)
-        encoded = self.encode(prompts, max_new_tokens)
-        constraints = None
-        if json_schema is not None:
+        opts = request_options(options, args)
+        encoded = self.encode(prompts, opts.max_new_tokens)
+        constraints, hint = None, opts.hint
+        if opts.json_schema is not None:
             from flashspec_core.constrained import as_grammar, constraint_for
 
-            grammar = as_grammar(json_schema, self.tokenizer, self._vocab, sorted(self.eos_ids))  # compiled once
-            constraints = [constraint_for(grammar, self.tokenizer, self._vocab, sorted(self.eos_ids), [p])
-                           for p in encoded]
+            eos = sorted(self.eos_ids)
+            grammar = as_grammar(opts.json_schema, self.tokenizer, self._vocab, eos)  # compiled once
+            constraints = [constraint_for(grammar, self.tokenizer, self._vocab, eos, [p]) for p in encoded]
             hint = hint or "json"
         # The prompt is decoded for the classifier only when neither `domain` nor a hint decides.
-        label = resolve_domain(domain, hint, functools.partial(prompt_text, self.tokenizer, prompts[0]))
-        request = Request(encoded, sampling, stops, max_new_tokens, label, constraints,
+        label = resolve_domain(opts.domain, hint, functools.partial(prompt_text, self.tokenizer, prompts[0]))
+        request = Request(encoded, opts.sampling_params, opts.stops, opts.max_new_tokens, label, constraints,
                           RequestHandle(len(encoded), stream),
-                          deadline=None if timeout is None else time.monotonic() + timeout)
+                          deadline=None if opts.timeout is None else time.monotonic() + opts.timeout)
         self._scheduler.submit([self._row(request, i) for i in range(len(encoded))])
         return request.handle
 
@@ -406,3 +354,4 @@ class SpecEngine:
         if self._json_tokens is None:
             self._json_tokens = json_punctuation_tokens(self.tokenizer, vocab).to(device)
         return self._json_tokens
+
