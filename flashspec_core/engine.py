@@ -24,7 +24,7 @@ from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.calibration import Calibration, calibrate_runner
 from flashspec_core.drafts import DraftSource, ModelDraft
 from flashspec_core.handle import RequestHandle
-from flashspec_core.memory_plan import MEMORY_FRACTION, context_limit, plan_engine
+from flashspec_core.memory_plan import MEMORY_FRACTION, MemoryPlan, context_limit, plan_engine
 from flashspec_core.models import LoadedModel, eos_ids, vocab_size
 from flashspec_core.options import RequestArgs, RequestOptions, request_options
 from flashspec_core.processors.ngram_ban import json_punctuation_tokens
@@ -86,20 +86,34 @@ class SpecEngine:
         window (None: the window): the plan reserves that much a row, so a long-context model
         decodes more rows together under a lower bound.
         """
-        if gammas is None:
-            from flashspec_core.pool import default_gammas
-
-            gammas = default_gammas(target)
-        if verify_backend not in BACKENDS:
-            raise ValueError(f"verify_backend must be one of {BACKENDS}; got {verify_backend!r}")
-        if not gammas or any(not isinstance(g, int) or not 1 <= g <= 16 for g in gammas):
-            raise ValueError(f"gammas must be a non-empty list of ints in [1, 16]; got {list(gammas)!r}")
-        names = [d.name for d in drafts]
-        if len(set(names)) != len(names) or NO_DRAFT in names:
-            raise ValueError(f"drafts must have distinct names other than {NO_DRAFT!r}; got {names}")
+        self.verify_backend = _checked_verify_backend(verify_backend)
+        gammas = _checked_gammas(target, gammas)
+        _check_draft_names(drafts)
         self._target = target
         self.drafts: dict[str, DraftSource] = {d.name: d for d in drafts}
         self.arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in gammas]
+        self._router = self._make_router(router)
+        self.eos_ids = eos_ids(target)
+        self._concatenates = decodes_by_concatenation(self.tokenizer)  # how rows' text is kept (stopping.py)
+        self.backend = resolve_backend(backend, target)
+        self._device = target.model.get_output_embeddings().weight.device
+        self._vocab = vocab_size(target.model)
+        widths = [1] + [g + 1 for g in gammas]
+        runner, self.memory = self._plan_memory(max_batch, memory_fraction, max_context, widths)
+        # The most tokens (prompt + new) one request's row may hold: the model's context window,
+        # or less where memory is short; requests are checked against it when submitted.
+        self.context_window = self.memory.row_tokens
+        runner.limit_cache(self.context_window)
+        self.calibration = self._calibrate(runner, widths) if calibrate else None
+        _capture_graphs(runner, self.memory.rows, widths)
+        self._json_tokens: torch.Tensor | None = None  # [V] bool, built on the first ban under a schema
+        self._stepper = Stepper(runner, self.drafts, self._router, self._vocab, self._device, self.verify_backend,
+                                self._json_punctuation)
+        self._scheduler = Scheduler(self._stepper, runner, self.drafts, self._router, self.memory.rows, max_queue,
+                                    prefill_chunk)
+
+    def _make_router(self, router: Router | str) -> Router:
+        """`router` itself, or the router of that name over this engine's arms."""
         if isinstance(router, str):
             from flashspec_core.routing import make_router
 
@@ -107,41 +121,24 @@ class SpecEngine:
         if not isinstance(router, Router):
             raise ValueError(f"router must be a Router (flashspec_core.routing.Router: subclass it for the defaults "
                              f"of what select/update do not cover) or a router name; got {type(router).__name__}")
-        self._router: Router = router
-        self.verify_backend: Backend = verify_backend  # type: ignore[assignment]  # checked against BACKENDS above
-        self.eos_ids = eos_ids(target)
-        self._concatenates = decodes_by_concatenation(self.tokenizer)  # how rows' text is kept (stopping.py)
+        return router
+
+    def _plan_memory(self, max_batch: int | None, memory_fraction: float, max_context: int | None,
+                     widths: list[int]) -> tuple[TargetRunner, MemoryPlan]:
+        """The target's runner (kept across requests: prefix reuse) and how many rows of how many
+        tokens the memory free now holds beside the models (memory_plan.py)."""
+        target = self._target
         window, source = context_limit(target.model.config, max_context)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.backend = resolve_backend(backend, target)
-        runner = make_runner(target, self.backend, pad, window)  # kept across requests: prefix reuse
-        self._device = target.model.get_output_embeddings().weight.device
-        self._vocab = vocab_size(target.model)
+        runner = make_runner(target, self.backend, pad, window)
         if max_batch is None:
             max_batch = GPU_MAX_ROWS if self._device.type == "cuda" else MAX_ROWS
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1 (rows decoded together); got {max_batch!r}")
-        widths = [1] + [g + 1 for g in gammas]
         draft_models = [d.model for d in self.drafts.values() if isinstance(d, ModelDraft)]  # their caches grow too
-        self.memory = plan_engine([target.model, *draft_models], self.backend == "llama.cpp", runner, max_batch,
-                                  memory_fraction, window, widths, source)
-        # The most tokens (prompt + new) one request's row may hold: the model's context window,
-        # or less where memory is short; requests are checked against it when submitted.
-        self.context_window = self.memory.row_tokens
-        runner.limit_cache(self.context_window)
-        max_batch = self.memory.rows
-        self.calibration = self._calibrate(runner, gammas) if calibrate else None
-        # CUDA graphs of every width the arms feed and every batch size the scheduler grows
-        # through, captured now, not mid-request (the largest first: it allocates the rows).
-        for rows in reversed(buckets(max_batch)) if runner.use_graphs else [1]:
-            runner.resize(rows)
-            runner.warm(widths)
-        runner.resize(1)
-        self._json_tokens: torch.Tensor | None = None  # [V] bool, built on the first ban under a schema
-        self._stepper = Stepper(runner, self.drafts, router, self._vocab, self._device, self.verify_backend,
-                                self._json_punctuation)
-        self._scheduler = Scheduler(self._stepper, runner, self.drafts, router, max_batch, max_queue,
-                                    prefill_chunk)
+        memory = plan_engine([target.model, *draft_models], self.backend == "llama.cpp", runner, max_batch,
+                             memory_fraction, window, widths, source)
+        return runner, memory
 
     @property
     def router(self) -> Router:
@@ -161,11 +158,10 @@ class SpecEngine:
     def runner(self, runner: TargetRunner) -> None:
         self._stepper.runner = self._scheduler.runner = runner
 
-    def _calibrate(self, runner: TargetRunner, gammas: Sequence[int]) -> Calibration | None:
+    def _calibrate(self, runner: TargetRunner, widths: list[int]) -> Calibration | None:
         """Measured forward cost per width on this machine (cached): the kernel per width, and the
         router's starting cost model and priors. Only the CPU runners take part; a GPU's costs are learned."""
-        cal = calibrate_runner(runner, self.target_model, self.backend, [1] + [g + 1 for g in gammas],
-                               self.context_window)
+        cal = calibrate_runner(runner, self.target_model, self.backend, widths, self.context_window)
         if cal is not None:
             runner.plan = cal
             self.router.set_forward_costs(cal.forward_seconds(), cal.slopes, cal.context)
@@ -355,3 +351,34 @@ class SpecEngine:
             self._json_tokens = json_punctuation_tokens(self.tokenizer, vocab).to(device)
         return self._json_tokens
 
+
+def _checked_gammas(target: LoadedModel, gammas: Sequence[int] | None) -> Sequence[int]:
+    """`gammas`, or the target's default (`pool.default_gammas`); ValueError unless ints in [1, 16]."""
+    if gammas is None:
+        from flashspec_core.pool import default_gammas
+
+        gammas = default_gammas(target)
+    if not gammas or any(not isinstance(g, int) or not 1 <= g <= 16 for g in gammas):
+        raise ValueError(f"gammas must be a non-empty list of ints in [1, 16]; got {list(gammas)!r}")
+    return gammas
+
+
+def _check_draft_names(drafts: Sequence[DraftSource]) -> None:
+    names = [d.name for d in drafts]
+    if len(set(names)) != len(names) or NO_DRAFT in names:
+        raise ValueError(f"drafts must have distinct names other than {NO_DRAFT!r}; got {names}")
+
+
+def _checked_verify_backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise ValueError(f"verify_backend must be one of {BACKENDS}; got {name!r}")
+    return cast(Backend, name)
+
+
+def _capture_graphs(runner: TargetRunner, max_rows: int, widths: list[int]) -> None:
+    """CUDA graphs of every width the arms feed and every batch size the scheduler grows through,
+    captured now, not mid-request (the largest first: it allocates the rows)."""
+    for rows in reversed(buckets(max_rows)) if runner.use_graphs else [1]:
+        runner.resize(rows)
+        runner.warm(widths)
+    runner.resize(1)
