@@ -4,8 +4,7 @@
     engine = SpecEngine.from_default()
     print(engine.generate("Hello", max_new_tokens=32).text)
 
-Names are imported lazily, so light submodules (the router store, the CLI) load without
-torch and transformers.
+Names are imported lazily, so `import flashspec_core` loads neither torch nor transformers.
 """
 from __future__ import annotations
 
