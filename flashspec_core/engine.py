@@ -39,7 +39,7 @@ from flashspec_core.scheduler import GPU_MAX_ROWS, MAX_QUEUE, MAX_ROWS, PREFILL_
 from flashspec_core.step import Stepper
 from flashspec_core.stopping import RowOutput, decodes_by_concatenation
 from flashspec_core.types import NO_DRAFT, Arm
-from flashspec_core.verify import BACKENDS, Backend
+from flashspec_core.verify import VERIFY_BACKENDS, Backend
 
 
 class SpecEngine:
@@ -370,8 +370,8 @@ def _check_draft_names(drafts: Sequence[DraftSource]) -> None:
 
 
 def _checked_verify_backend(name: str) -> Backend:
-    if name not in BACKENDS:
-        raise ValueError(f"verify_backend must be one of {BACKENDS}; got {name!r}")
+    if name not in VERIFY_BACKENDS:
+        raise ValueError(f"verify_backend must be one of {VERIFY_BACKENDS}; got {name!r}")
     return cast(Backend, name)
 
 
