@@ -45,7 +45,7 @@ from flashspec_core.constrained.tool_suite import TOOL_SUITE
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.handle import RequestHandle
-from flashspec_core.pool import load_target
+from flashspec_core.loading import load_target
 from flashspec_core.results import GenerationResult
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm

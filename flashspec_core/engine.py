@@ -71,7 +71,7 @@ class SpecEngine:
         opt-in, see backends/__init__.py).
         calibrate: time the target's forward per width on this machine at first use (cached per
         CPU in the cache folder) to pick the fastest kernel and seed the router's cost model.
-        gammas: the γ of each draft's arms; None: `pool.default_gammas` (16 too on a GPU).
+        gammas: the γ of each draft's arms; None: `loading.default_gammas` (16 too on a GPU).
         router: a `Router` (routing/base.py) or a name from `routing.ROUTER_NAMES`.
         max_batch: rows decoded together (each a cache slot; None: 64 on a GPU, 8 on a CPU), cut to
         what `memory_fraction` of the memory free at construction holds with every row at the full
@@ -174,7 +174,7 @@ class SpecEngine:
         statistics persist, once per process."""
         with cls._default_lock:
             if cls._default is None:
-                from flashspec_core.pool import default_drafts, default_gammas, load_target
+                from flashspec_core.loading import default_drafts, default_gammas, load_target
                 from flashspec_core.routing import make_router
 
                 target = load_target(None)
@@ -203,10 +203,10 @@ class SpecEngine:
     ) -> SpecEngine:
         """target: None (embedded default), a .gguf file, a local folder or a cached HF id.
 
-        drafts: names from `flashspec_core.pool.DRAFT_NAMES`, paths or HF ids of model drafts, or
+        drafts: names from `flashspec_core.loading.DRAFT_NAMES`, paths or HF ids of model drafts, or
         DraftSource objects; None gives the default pool.
         """
-        from flashspec_core.pool import build_drafts, load_target
+        from flashspec_core.loading import build_drafts, load_target
 
         loaded = load_target(target, device=device, dtype=dtype, load_in_4bit=load_in_4bit)
         pool = build_drafts(drafts, loaded, target, device=device, dtype=dtype)
@@ -353,9 +353,9 @@ class SpecEngine:
 
 
 def _checked_gammas(target: LoadedModel, gammas: Sequence[int] | None) -> Sequence[int]:
-    """`gammas`, or the target's default (`pool.default_gammas`); ValueError unless ints in [1, 16]."""
+    """`gammas`, or the target's default (`loading.default_gammas`); ValueError unless ints in [1, 16]."""
     if gammas is None:
-        from flashspec_core.pool import default_gammas
+        from flashspec_core.loading import default_gammas
 
         gammas = default_gammas(target)
     if not gammas or any(not isinstance(g, int) or not 1 <= g <= 16 for g in gammas):

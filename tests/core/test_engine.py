@@ -233,8 +233,8 @@ def test_unknown_router_name_and_backend_are_value_errors(tiny_target):
 
 
 def test_vocabulary_mismatch_names_both_sizes(tiny_target, tmp_path):
+    from flashspec_core.loading import build_drafts
     from flashspec_core.models import check_vocab
-    from flashspec_core.pool import build_drafts
 
     with pytest.raises(ValueError, match=r"32.*16|16.*32"):
         check_vocab(tiny_target.model, tiny_llama(32, seed=2), "other")
@@ -246,7 +246,7 @@ def test_vocabulary_mismatch_names_both_sizes(tiny_target, tmp_path):
 
 
 def test_unknown_draft_name_lists_the_valid_ones(tiny_target):
-    from flashspec_core.pool import DRAFT_NAMES, build_drafts
+    from flashspec_core.loading import DRAFT_NAMES, build_drafts
 
     with pytest.raises(ValueError, match="drafts") as err:
         build_drafts(["no_such_draft"], tiny_target, None)

@@ -20,8 +20,8 @@ from flashspec_core.backends.cpu_linear import BLOCKS, PackedLinear
 from flashspec_core.backends.native_layers import NATIVE
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
+from flashspec_core.loading import load_target
 from flashspec_core.models import load_model, vocab_size
-from flashspec_core.pool import load_target
 from flashspec_core.prompts import encode_prompt
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
