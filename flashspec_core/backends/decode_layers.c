@@ -6,8 +6,8 @@
  * cache writes, SDPA, SiLU, residual adds) at 3-90 us each, plus the Python that calls them and
  * an OpenMP fork and join per product (2-core Xeon, torch profiler). Here each layer is nine
  * steps separated by barriers of the one parallel region: norm, q|k|v (three products, one
- * barrier), rotation and cache write,
- * attention, o, residual and norm, gate|up, SiLU(gate) * up, down.
+ * barrier), rotation and cache write, attention, o, residual and norm, gate|up, SiLU(gate) * up,
+ * down; and a tenth after q|k|v where the model has q/k/v biases (Qwen2) or q/k norms (Qwen3).
  *
  * The arithmetic is the model's, in fp32, step for step as transformers writes it: RMSNorm as
  * weight * (x * (1 / sqrt(mean(x^2) + eps))); the rotation as q * cos + rotate_half(q) * sin from
@@ -37,7 +37,9 @@
  * kind (a Q4_K_M file mixes them within a layer) */
 enum { ATTN_NORM, MLP_NORM, K_CACHE, V_CACHE, PROJ };
 enum { P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, N_PROJ };
-enum { SLOTS = PROJ + 3 * N_PROJ };
+/* then the q, k and v biases (Qwen2: [H * D], [H_kv * D], [H_kv * D]) and the per-head q and k norm
+ * weights (Qwen3: [D] each), each an address or 0 where the model has none */
+enum { Q_BIAS = PROJ + 3 * N_PROJ, K_BIAS, V_BIAS, Q_NORM, K_NORM, SLOTS };
 /* dims: layers, hidden, heads, kv heads, head dim, intermediate, slots per row (S), tokens per row
  * (W: the T tokens are B rows of W), slots per attention chunk (CH) */
 enum { N_LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, MAX_LEN, WIDTH, CHUNK, N_DIMS };
@@ -114,6 +116,41 @@ static void add_norm(float *x, const float *delta, const float *w, float eps, fl
             for (int i = 0; i < H; i++) xr[i] += delta[(size_t)t * H + i];
         const float r = 1.0f / sqrtf(dot(xr, xr, H) / (float)H + eps);
         for (int i = 0; i < H; i++) yr[i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* v [D] += b [D]: one head's share of its projection's bias, added after the product as
+ * transformers' F.linear(x, W, b) adds it (Qwen2's q, k and v). */
+static void add_bias(float *v, const float *b, int D) {
+    for (int i = 0; i < D; i++) v[i] += b[i];
+}
+
+/* RMSNorm in place over one head's D values with weight w [D] and the norm's own eps, as
+ * transformers' Qwen3RMSNorm computes it (and add_norm: w * (v * (1 / sqrt(mean(v^2) + eps)))). */
+static void head_norm(float *v, const float *w, float eps, int D) {
+    const float r = 1.0f / sqrtf(dot(v, v, D) / (float)D + eps);
+    for (int i = 0; i < D; i++) v[i] = w[i] * (v[i] * r);
+}
+
+/* Whether table row e has q/k/v biases or q/k norms (`bias_and_norm` then runs, between the q|k|v
+ * products and the rotation). */
+static int has_bias_or_norm(const int64_t *e) {
+    return e[Q_BIAS] || e[K_BIAS] || e[V_BIAS] || e[Q_NORM] || e[K_NORM];
+}
+
+/* Each head of each token's q|k|v [T, (H + 2 H_kv) * D]: its projection's bias added (where the
+ * table has one), then the q and k heads normed (where it has q/k norms, eps their eps): Qwen2's
+ * biases and Qwen3's norms, in transformers' order (q_norm(q_proj(x)) before the rotation). */
+static void bias_and_norm(float *qkv, const int64_t *e, float eps, int T, int nq, int nkv, int D) {
+    const int heads = nq + 2 * nkv;
+    const float *bias[3] = {F(e[Q_BIAS]), F(e[K_BIAS]), F(e[V_BIAS])}, *norm[2] = {F(e[Q_NORM]), F(e[K_NORM])};
+    #pragma omp for schedule(static) nowait
+    for (int it = 0; it < T * heads; it++) {
+        const int t = it / heads, h = it % heads;
+        const int part = h < nq ? 0 : h < nq + nkv ? 1 : 2, first = part == 0 ? 0 : part == 1 ? nq : nq + nkv;
+        float *v = qkv + ((size_t)t * heads + h) * D;
+        if (bias[part]) add_bias(v, bias[part] + (size_t)(h - first) * D, D);
+        if (part < 2 && norm[part]) head_norm(v, norm[part], eps, D);
     }
 }
 
@@ -349,14 +386,14 @@ int64_t decode_layers_work(const int64_t *dims, int T, int threads) {
 /* Every layer and the final norm for T tokens: x [T, hidden] holds the embeddings on entry and the
  * residual stream on exit; out [T, hidden] gets the final norm's output. The tokens are B rows of
  * W (dims): row b's are tokens b*W .. b*W + W - 1, written to and attending over cache row b.
- * pos: [T] (each token's position); cos, sin: [T, D]; fdims: eps, attention scale. */
+ * pos: [T] (each token's position); cos, sin: [T, D]; fdims: eps, attention scale, q/k norms' eps. */
 void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, float *x, int T,
                    const int64_t *pos, const float *cos, const float *sin, const float *final_norm, float *out,
                    float *work, int threads) {
     const int H = (int)dims[HIDDEN], nq = (int)dims[HEADS], nkv = (int)dims[KV_HEADS], D = (int)dims[HEAD_DIM];
     const int I = (int)dims[INTER], S = (int)dims[MAX_LEN], W = (int)dims[WIDTH], CH = (int)dims[CHUNK];
     const int QKV = (nq + 2 * nkv) * D, CHUNKS = (S + CH - 1) / CH;
-    const float eps = fdims[0], scale = fdims[1];
+    const float eps = fdims[0], scale = fdims[1], qk_eps = fdims[2];
     float *h = work, *qkv = h + (size_t)T * H, *att = qkv + (size_t)T * QKV, *gu = att + (size_t)T * nq * D;
     float *act = gu + (size_t)T * 2 * I, *delta = act + (size_t)T * I, *part = delta + (size_t)T * H;
     float *scores = part + (size_t)T * nq * CHUNKS * (D + 2);
@@ -374,6 +411,10 @@ void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, 
             product(e, P_K, h, T, H, qkv + nq * D, nkv * D, QKV);
             product(e, P_V, h, T, H, qkv + (nq + nkv) * D, nkv * D, QKV);
             team_sync(&team, &phase);
+            if (has_bias_or_norm(e)) {  /* the same for every thread: all of them sync or none */
+                bias_and_norm(qkv, e, qk_eps, T, nq, nkv, D);
+                team_sync(&team, &phase);
+            }
             rope_and_cache(qkv, pos, cos, sin, T, W, nq, nkv, D, S, F(e[K_CACHE]), F(e[V_CACHE]));
             team_sync(&team, &phase);
             attend(qkv, pos, T, W, nq, nkv, D, S, CH, scale, F(e[K_CACHE]), F(e[V_CACHE]), att, part, scores, &team,
