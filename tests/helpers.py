@@ -360,6 +360,12 @@ def random_gguf_bytes(kind: str, out: int, inp: int, seed: int = 0) -> torch.Ten
     from flashspec_core.backends.blockq import BLOCK_BYTES
 
     gen = torch.Generator().manual_seed(seed)
+    if kind in ("f16", "bf16", "f32"):  # values over many binades, subnormals and signed zeros among them
+        dtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[kind]
+        scale = torch.exp2(-torch.randint(0, 30, (out, inp), generator=gen).float())
+        values = (torch.randn(out, inp, generator=gen) * scale).to(dtype)
+        values[torch.rand(out, inp, generator=gen) < 0.02] = -0.0
+        return values.view(torch.uint8).reshape(out, -1)
     size, nbytes = BLOCK_BYTES[kind]
     nb = inp // size
     raw = torch.randint(0, 256, (out, nb, nbytes), generator=gen, dtype=torch.uint8)
