@@ -101,13 +101,14 @@ def _walk(runner, model, rows: int, seed: int, steps: int = 20) -> None:
 
 @pytest.mark.parametrize(("rows", "threads", "chunk", "hidden", "kinds"),
                          [(1, 1, 128, 32, None), (1, 2, 5, 32, None), (3, 2, 8, 32, None), (1, 2, 7, 64, None),
-                          (2, 1, 128, 64, None), (1, 2, 8, 128, q4_k_m), (2, 1, 128, 128, q4_k_m)],
+                          (2, 1, 128, 64, None), (1, 2, 8, 128, q4_k_m), (2, 1, 128, 128, q4_k_m),
+                          (1, 2, 8, 64, ("f16", "bf16")), (2, 1, 128, 32, ("bf16", "f32"))],
                          ids=lambda v: getattr(v, "__name__", None))
 def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk, hidden, kinds):
     """chunk: cache slots per attention work item; small ones split every context into chunks
     whose partial softmaxes are merged (decode_layers.c's `attend`). hidden 64: head dim 16, so
     passes of 4+ tokens take the 16-queries-at-a-time attention. q4_k_m: the mix of types (within a
-    layer's q, k and v too) of a Q4_K_M file."""
+    layer's q, k and v too) of a Q4_K_M file; f16, bf16, f32: tensors a file stores unquantized."""
     model = blocked_llama(hidden=hidden, **({"kinds": kinds} if kinds else {}))
     runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
     assert NATIVE in runner.kernels()
