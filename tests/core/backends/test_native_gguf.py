@@ -1,9 +1,10 @@
-"""Qwen2 and Qwen3 GGUF files, as a user would bring them, through the native layer stack.
+"""Qwen2, Qwen3 and Llama GGUF files, as a user would bring them, through the native layer stack.
 
 Each file here is written at test time by gguf-py: a tiny random model (2 layers, head dim 128,
 Qwen3's default) whose projections are random blocks of the types a real file mixes (Q4_K, Q5_0,
-Q6_K, Q8_0, and F16 and BF16 tensors), with fp32 norms, Qwen2's q/k/v biases and Qwen3's per-head
-q/k norms. transformers loads it by de-quantising every tensor; the engine's runner attaches the
+Q6_K, Q8_0, and F16 and BF16 tensors), or all F16 or BF16 (an unquantized file), with fp32 norms,
+Qwen2's q/k/v biases and Qwen3's per-head q/k norms (a Llama file's q and k rows are permuted, as
+llama.cpp's converter writes them, and transformers permutes them back). transformers loads it by de-quantising every tensor; the engine's runner attaches the
 file's blocks to every projection (bit for bit the loaded weights), runs its layers in
 `decode_layers.c`, and its greedy tokens must be transformers' `generate` on the same file, its
 logits generate's within fp32 rounding (a greedy token alone can survive a skipped bias).
@@ -26,14 +27,17 @@ pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler fo
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, INTER, HEAD_DIM = 64, 256, 2, 2, 1, 512, 128
 # per projection: its GGUF type (a K-quant where the width allows, as Q4_K_M files; F16 and BF16 too)
-TYPES = {"attn_q": "q4_k", "attn_k": "f16", "attn_v": "q6_k", "attn_output": "q5_0", "ffn_gate": "q4_k",
-         "ffn_up": "bf16", "ffn_down": "q6_k"}
+MIXED = {"attn_q": "q4_k", "attn_k": "f16", "attn_v": "q6_k", "attn_output": "q5_0", "ffn_gate": "q4_k",
+         "ffn_up": "bf16", "ffn_down": "q6_k", "output": "q8_0"}
+F16 = dict.fromkeys(MIXED, "f16")
+BF16 = dict.fromkeys(MIXED, "bf16")
 MAX_NEW = 12
 TIE_GAP = 1e-4
 
 
-def write_random_gguf(path: Path, arch: str) -> Path:
-    """A random-weight `arch` ("qwen2" or "qwen3") model as a GGUF file at `path` (no tokenizer)."""
+def write_random_gguf(path: Path, arch: str, types: dict[str, str]) -> Path:
+    """A random-weight `arch` ("qwen2", "qwen3" or "llama") model as a GGUF file at `path` (no
+    tokenizer), each projection and the head of its GGUF type in `types`; the embedding Q8_0."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
@@ -69,15 +73,15 @@ def write_random_gguf(path: Path, arch: str) -> Path:
         vector(prefix + "attn_norm.weight", HIDDEN, 1.0)
         vector(prefix + "ffn_norm.weight", HIDDEN, 1.0)
         for i, (name, (out, inp)) in enumerate(shapes.items()):
-            matrix(f"{prefix}{name}.weight", TYPES[name], out, inp, seed=10 * layer + i + 2)
+            matrix(f"{prefix}{name}.weight", types[name], out, inp, seed=10 * layer + i + 2)
         if arch == "qwen2":
             for name in ("attn_q", "attn_k", "attn_v"):
                 vector(f"{prefix}{name}.bias", shapes[name][0], 0.0)
-        else:
+        elif arch == "qwen3":
             vector(prefix + "attn_q_norm.weight", HEAD_DIM, 1.0)
             vector(prefix + "attn_k_norm.weight", HEAD_DIM, 1.0)
     vector("output_norm.weight", HIDDEN, 1.0)
-    matrix("output.weight", "q8_0", VOCAB, HIDDEN, 99)
+    matrix("output.weight", types["output"], VOCAB, HIDDEN, 99)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -91,15 +95,18 @@ def _load(path: Path):
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_greedy_from_a_random_qwen_gguf_is_transformers_generate(tmp_path, arch):
-    path = write_random_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
+@pytest.mark.parametrize(("arch", "types"), [("qwen2", MIXED), ("qwen3", MIXED), ("llama", F16), ("qwen2", BF16)],
+                         ids=["qwen2-mixed", "qwen3-mixed", "llama-f16", "qwen2-bf16"])
+def test_greedy_from_a_random_gguf_is_transformers_generate(tmp_path, arch, types):
+    path = write_random_gguf(tmp_path / f"tiny-{arch}.gguf", arch, types)
     stock, model = _load(path), _load(path)
-    assert type(model).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    stock.generation_config.eos_token_id = None  # random weights: every step a token, whatever it is
+    assert type(model).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                    "llama": "LlamaForCausalLM"}[arch]
     runner = StaticCachedModel(model, pad_token_id=0, gguf=path)
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert runner.block_layers == len(layers) == 7 * LAYERS + 1  # every projection and the head
-    assert {m.blocks().kind for m in layers} == set(TYPES.values()) | {"q8_0"}
+    assert {m.blocks().kind for m in layers} == set(types.values())
     assert NATIVE in runner.kernels()
     runner.use_kernel(NATIVE)
     calls = []
@@ -109,8 +116,9 @@ def test_greedy_from_a_random_qwen_gguf_is_transformers_generate(tmp_path, arch)
         ids = torch.tensor([prompt])
         with torch.inference_mode():
             out = stock.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                                 min_new_tokens=MAX_NEW, output_logits=True, return_dict_in_generate=True)
+                                 output_logits=True, return_dict_in_generate=True)
         expected = out.sequences[0, len(prompt):].tolist()
+        assert len(expected) == MAX_NEW
         top2 = torch.stack([step[0].topk(2).values for step in out.logits])
         gaps = (top2[:, 0] - top2[:, 1]).tolist()
         runner.reset(1)
