@@ -32,14 +32,14 @@
 #endif
 #include "blockq.h"
 
-/* per-layer slots of the table (int64: addresses, and block kinds): the norms, the caches, then per
- * projection (q, k, v, o, gate, up, down) its blocks, scales and layout (blockq.h), each its own
- * kind (a Q4_K_M file mixes them within a layer) */
-enum { ATTN_NORM, MLP_NORM, K_CACHE, V_CACHE, PROJ };
+/* per-layer slots of the table (int64: addresses, and block kinds): the norms, the caches, the q, k
+ * and v biases (Qwen2's [H * D], [H_kv * D], [H_kv * D]) and the per-head q and k norm weights
+ * (Qwen3's [D] each), 0 where the model has none, then per projection (q, k, v, o, gate, up, down)
+ * its blocks, scales and layout (blockq.h), each its own kind (a Q4_K_M file mixes them within a
+ * layer) */
+enum { ATTN_NORM, MLP_NORM, K_CACHE, V_CACHE, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM, PROJ };
 enum { P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, N_PROJ };
-/* then the q, k and v biases (Qwen2: [H * D], [H_kv * D], [H_kv * D]) and the per-head q and k norm
- * weights (Qwen3: [D] each), each an address or 0 where the model has none */
-enum { Q_BIAS = PROJ + 3 * N_PROJ, K_BIAS, V_BIAS, Q_NORM, K_NORM, SLOTS };
+enum { SLOTS = PROJ + 3 * N_PROJ };
 /* dims: layers, hidden, heads, kv heads, head dim, intermediate, slots per row (S), tokens per row
  * (W: the T tokens are B rows of W), slots per attention chunk (CH) */
 enum { N_LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, MAX_LEN, WIDTH, CHUNK, N_DIMS };
@@ -107,18 +107,6 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* x += delta (when given), then y = RMSNorm(x) with weight w; one token per iteration. */
-static void add_norm(float *x, const float *delta, const float *w, float eps, float *y, int T, int H) {
-    #pragma omp for schedule(static) nowait
-    for (int t = 0; t < T; t++) {
-        float *xr = x + (size_t)t * H, *yr = y + (size_t)t * H;
-        if (delta)
-            for (int i = 0; i < H; i++) xr[i] += delta[(size_t)t * H + i];
-        const float r = 1.0f / sqrtf(dot(xr, xr, H) / (float)H + eps);
-        for (int i = 0; i < H; i++) yr[i] = w[i] * (xr[i] * r);
-    }
-}
-
 /* v [D] += b [D]: one head's share of its projection's bias, added after the product as
  * transformers' F.linear(x, W, b) adds it (Qwen2's q, k and v). */
 static void add_bias(float *v, const float *b, int D) {
@@ -151,6 +139,18 @@ static void bias_and_norm(float *qkv, const int64_t *e, float eps, int T, int nq
         float *v = qkv + ((size_t)t * heads + h) * D;
         if (bias[part]) add_bias(v, bias[part] + (size_t)(h - first) * D, D);
         if (part < 2 && norm[part]) head_norm(v, norm[part], eps, D);
+    }
+}
+
+/* x += delta (when given), then y = RMSNorm(x) with weight w; one token per iteration. */
+static void add_norm(float *x, const float *delta, const float *w, float eps, float *y, int T, int H) {
+    #pragma omp for schedule(static) nowait
+    for (int t = 0; t < T; t++) {
+        float *xr = x + (size_t)t * H, *yr = y + (size_t)t * H;
+        if (delta)
+            for (int i = 0; i < H; i++) xr[i] += delta[(size_t)t * H + i];
+        const float r = 1.0f / sqrtf(dot(xr, xr, H) / (float)H + eps);
+        for (int i = 0; i < H; i++) yr[i] = w[i] * (xr[i] * r);
     }
 }
 
@@ -386,14 +386,14 @@ int64_t decode_layers_work(const int64_t *dims, int T, int threads) {
 /* Every layer and the final norm for T tokens: x [T, hidden] holds the embeddings on entry and the
  * residual stream on exit; out [T, hidden] gets the final norm's output. The tokens are B rows of
  * W (dims): row b's are tokens b*W .. b*W + W - 1, written to and attending over cache row b.
- * pos: [T] (each token's position); cos, sin: [T, D]; fdims: eps, attention scale, q/k norms' eps. */
+ * pos: [T] (each token's position); cos, sin: [T, D]; fdims: eps, attention scale. */
 void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, float *x, int T,
                    const int64_t *pos, const float *cos, const float *sin, const float *final_norm, float *out,
                    float *work, int threads) {
     const int H = (int)dims[HIDDEN], nq = (int)dims[HEADS], nkv = (int)dims[KV_HEADS], D = (int)dims[HEAD_DIM];
     const int I = (int)dims[INTER], S = (int)dims[MAX_LEN], W = (int)dims[WIDTH], CH = (int)dims[CHUNK];
     const int QKV = (nq + 2 * nkv) * D, CHUNKS = (S + CH - 1) / CH;
-    const float eps = fdims[0], scale = fdims[1], qk_eps = fdims[2];
+    const float eps = fdims[0], scale = fdims[1], qk_eps = fdims[2];  /* fdims[2]: the q/k norms' eps */
     float *h = work, *qkv = h + (size_t)T * H, *att = qkv + (size_t)T * QKV, *gu = att + (size_t)T * nq * D;
     float *act = gu + (size_t)T * 2 * I, *delta = act + (size_t)T * I, *part = delta + (size_t)T * H;
     float *scores = part + (size_t)T * nq * CHUNKS * (D + 2);
@@ -410,11 +410,11 @@ void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, 
             product(e, P_Q, h, T, H, qkv, nq * D, QKV);  /* q | k | v: one barrier after the three */
             product(e, P_K, h, T, H, qkv + nq * D, nkv * D, QKV);
             product(e, P_V, h, T, H, qkv + (nq + nkv) * D, nkv * D, QKV);
-            team_sync(&team, &phase);
             if (has_bias_or_norm(e)) {  /* the same for every thread: all of them sync or none */
-                bias_and_norm(qkv, e, qk_eps, T, nq, nkv, D);
                 team_sync(&team, &phase);
+                bias_and_norm(qkv, e, qk_eps, T, nq, nkv, D);
             }
+            team_sync(&team, &phase);
             rope_and_cache(qkv, pos, cos, sin, T, W, nq, nkv, D, S, F(e[K_CACHE]), F(e[V_CACHE]));
             team_sync(&team, &phase);
             attend(qkv, pos, T, W, nq, nkv, D, S, CH, scale, F(e[K_CACHE]), F(e[V_CACHE]), att, part, scores, &team,

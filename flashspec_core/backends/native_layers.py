@@ -99,8 +99,8 @@ def eligible(static: StaticLlama) -> bool:
 
 
 def _extras_row(layer: Any) -> list[int]:
-    """A layer's q, k and v bias and q and k norm weight addresses (0 where absent): the last five
-    slots of its row of decode_layers.c's table."""
+    """A layer's q, k and v bias and q and k norm weight addresses (0 where absent): the five slots
+    of its row of decode_layers.c's table after the caches'."""
     q, k, v = _projections(layer)[:3]
     norms = _qk_norms(layer)
     biases = [0 if p.bias is None else p.bias.data_ptr() for p in (q, k, v)]
@@ -161,10 +161,9 @@ class NativeLayers:
         rows = []
         for i, layer in enumerate(static.layers):
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                   static.keys[i].data_ptr(), static.values[i].data_ptr()]
+                   static.keys[i].data_ptr(), static.values[i].data_ptr(), *_extras_row(layer)]
             for w in weights[7 * i:7 * i + 7]:
                 row += [w.qs.data_ptr(), w.scales.data_ptr(), LAYOUTS.index(w.layout)]
-            row += _extras_row(layer)
             rows.append(row)
         table = torch.tensor(rows, dtype=torch.int64)
         assert self.lib is not None  # eligible() checked that the kernel library loads
