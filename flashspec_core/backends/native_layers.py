@@ -17,6 +17,7 @@ MLP is SiLU-gated; the others keep the torch forward.
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ from flashspec_core.backends import blockq
 from flashspec_core.backends.blockq import LAYOUTS, BlockWeight
 from flashspec_core.backends.cpu_linear import PackedLinear
 from flashspec_core.backends.static_llama import _RMS_NORMS, StaticLlama, _eps
+
+logger = logging.getLogger(__name__)
 
 NATIVE = "gguf-native"
 NATIVE_4ROW = "gguf-native-4row"  # the same with the block kernel's tiles of 4 rows (blockq.set_tile_rows)
@@ -57,45 +60,60 @@ def _fp32_vector(t: Any, size: int) -> bool:
             and t.is_contiguous() and t.numel() == size and t.dim() == 1)
 
 
-def _attention_extras_fit(static: StaticLlama, layer: Any, qk_eps: float) -> bool:
-    """Whether a layer's q/k/v biases (if any) and q/k norms (if any) are what decode_layers.c
-    computes: fp32 vectors of the projections' widths, transformers' RMSNorms over head_dim with
-    the model's one q/k eps; o, gate, up and down without biases."""
+def _attention_extras_refusal(static: StaticLlama, layer: Any, qk_eps: float) -> str | None:
+    """Why a layer's q/k/v biases or q/k norms are not what decode_layers.c computes (None: they
+    are): it takes fp32 vectors of the projections' widths, transformers' RMSNorms over head_dim
+    with the model's one q/k eps, and no bias on o, gate, up or down."""
     (q, k, v, *rest) = _projections(layer)
     if any(p.bias is not None for p in rest):
-        return False
+        return "a bias on o, gate, up or down"
     if not all(p.bias is None or _fp32_vector(p.bias, p.out_features) for p in (q, k, v)):
-        return False
+        return "a q/k/v bias that is not an fp32 vector"
     norms = _qk_norms(layer)
-    if norms is None:
-        return True
-    return all(type(n).__name__ in _RMS_NORMS and _fp32_vector(n.weight, static.head_dim) and _eps(n) == qk_eps
-               for n in norms)
+    if norms is not None and not all(type(n).__name__ in _RMS_NORMS and _fp32_vector(n.weight, static.head_dim)
+                                     and _eps(n) == qk_eps for n in norms):
+        return "q/k norms other than RMSNorms over head_dim with one eps"
+    return None
 
 
-def eligible(static: StaticLlama) -> bool:
-    """Whether `static`'s (a StaticLlama) model can run in `decode_layers.c` now: fp32 on the CPU,
-    SiLU-gated MLP, transformers' RMSNorms, q/k/v biases and per-head q/k norms only as
-    `_attention_extras_fit` allows, and every projection of every layer a PackedLinear with blocks
-    (each of any kind the kernel reads)."""
+def refusal(static: StaticLlama) -> str | None:
+    """Why `static`'s (a StaticLlama) model cannot run in `decode_layers.c` now, or None where it
+    can: fp32 on the CPU, SiLU-gated MLP, transformers' RMSNorms, q/k/v biases and per-head q/k
+    norms only as `_attention_extras_refusal` allows, and every projection of every layer a
+    PackedLinear with blocks (each of any kind the kernel reads)."""
     model = static.model
-    if static.fuse or static.dtype != torch.float32 or static.device.type != "cpu" or blockq.library() is None:
-        return False
+    if static.fuse or static.dtype != torch.float32 or static.device.type != "cpu":
+        return "not an fp32 CPU forward"
+    if blockq.library() is None:
+        return "no C compiler for the kernels"
     if getattr(model.config, "hidden_act", None) not in ("silu", "swish"):
-        return False
+        return f"activation {getattr(model.config, 'hidden_act', None)!r}, not SiLU"
     norms = [model.model.norm] + [n for layer in static.layers for n in (layer.input_layernorm,
                                                                         layer.post_attention_layernorm)]
     if any(type(n).__name__ not in _RMS_NORMS for n in norms):
-        return False
+        return "a norm other than transformers' RMSNorm"
     if len({_qk_norms(layer) is None for layer in static.layers}) > 1:
-        return False  # q/k norms in some layers only
+        return "q/k norms in some layers only"
     qk_eps = _qk_eps(static)
-    for layer in static.layers:
-        if not hasattr(layer.mlp, "gate_proj") or not _attention_extras_fit(static, layer, qk_eps):
-            return False
+    for i, layer in enumerate(static.layers):
+        if not hasattr(layer.mlp, "gate_proj"):
+            return "an MLP without gate_proj"
+        reason = _attention_extras_refusal(static, layer, qk_eps)
+        if reason is not None:
+            return f"layer {i}: {reason}"
         if not all(isinstance(p, PackedLinear) and p.blocks() is not None for p in _projections(layer)):
-            return False
-    return True
+            return f"layer {i}: a projection without GGUF blocks (a type the kernel does not read, or edited)"
+    return None
+
+
+def eligible(static: StaticLlama) -> bool:
+    """Whether `static`'s (a StaticLlama) model can run in `decode_layers.c` now (`refusal`); logs
+    the reason where it cannot, so a model left on the torch layers says why."""
+    reason = refusal(static)
+    if reason is not None:
+        logger.info("native layer stack: not for %s (%s); its layers run in torch",
+                    type(static.model).__name__, reason)
+    return reason is None
 
 
 def _extras_row(layer: Any) -> list[int]:

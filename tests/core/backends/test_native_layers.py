@@ -18,7 +18,7 @@ from helpers import random_blocks, tiny_family, tiny_llama
 from flashspec_core.backends import blockq, native_layers
 from flashspec_core.backends.cpu_linear import BLOCKS, PackedLinear, use_packed_linear
 from flashspec_core.backends.cpu_static import StaticCachedModel
-from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible
+from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible, refusal
 
 pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler for the block kernel")
 
@@ -224,7 +224,8 @@ def test_only_models_the_native_stack_computes_are_eligible():
     o_bias = blocked_llama()
     o_proj = o_bias.model.layers[1].self_attn.o_proj
     o_proj.bias = torch.nn.Parameter(torch.ones(o_proj.out_features))  # not in decode_layers.c
-    assert not eligible(StaticCachedModel(o_bias, pad_token_id=0).static)
+    assert refusal(StaticCachedModel(o_bias, pad_token_id=0).static) == "layer 1: a bias on o, gate, up or down"
+    assert "without GGUF blocks" in str(refusal(StaticCachedModel(partly, pad_token_id=0).static))
 
 
 @pytest.mark.parametrize("flags", [("-mavx2", "-mfma"), ("-mno-avx2",)])
