@@ -232,8 +232,15 @@ def test_only_models_the_native_stack_computes_are_eligible():
 def test_every_instruction_set_build_runs_the_same_layers(tmp_path, flags):
     path = tmp_path / "blockq.so"
     blockq.build(path, flags)
-    model = blocked_llama(hidden=128, kinds=q4_k_m)  # every layout of blockq.c but Q4_1's
+    lib = blockq.load(path)
+    model = blocked_llama(hidden=128, kinds=q4_k_m)  # every quantized layout of blockq.c but Q4_1's
     runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
-    runner._native = NativeLayers(runner.static, lib=blockq.load(path), chunk=8)
+    runner._native = NativeLayers(runner.static, lib=lib, chunk=8)
     runner.use_kernel(NATIVE)
     _walk(runner, model, rows=2, seed=11, steps=8)
+    for family, kinds in (("qwen2", ("f16", "q4_1")), ("qwen3", ("bf16", "f32"))):  # biases, q/k norms, floats
+        model = blocked_family(family, kinds=kinds)
+        runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
+        runner._native = NativeLayers(runner.static, lib=lib, chunk=8)
+        runner.use_kernel(NATIVE)
+        _walk(runner, model, rows=1, seed=12, steps=4)
