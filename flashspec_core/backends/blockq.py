@@ -35,8 +35,9 @@ import torch
 
 from flashspec_core.models import cache_root
 
-# compiled into one library: the block products and the layer stack built on them (decode_layers.c)
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("blockq.c", "decode_layers.c"))
+# compiled into one library: the block products and the layer stack built on them (decode_layers.c,
+# with its per-architecture head steps, decode_heads.c)
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("blockq.c", "decode_layers.c", "decode_heads.c"))
 HEADER = Path(__file__).with_name("blockq.h")
 BLOCK = 32  # weights per block of the kernel's layouts along the input dimension
 # The layouts blockq.c reads, in blockq.h's order, and the GGUF types each holds (repacked by

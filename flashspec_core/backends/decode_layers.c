@@ -7,7 +7,8 @@
  * an OpenMP fork and join per product (2-core Xeon, torch profiler). Here each layer is nine
  * steps separated by barriers of the one parallel region: norm, q|k|v (three products, one
  * barrier), rotation and cache write, attention, o, residual and norm, gate|up, SiLU(gate) * up,
- * down; and a tenth after q|k|v where the model has q/k/v biases (Qwen2) or q/k norms (Qwen3).
+ * down; and a tenth after q|k|v where the model has q/k/v biases (Qwen2) or q/k norms (Qwen3)
+ * (decode_heads.c).
  *
  * The arithmetic is the model's, in fp32, step for step as transformers writes it: RMSNorm as
  * weight * (x * (1 / sqrt(mean(x^2) + eps))); the rotation as q * cos + rotate_half(q) * sin from
@@ -107,40 +108,12 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* v [D] += b [D]: one head's share of its projection's bias, added after the product as
- * transformers' F.linear(x, W, b) adds it (Qwen2's q, k and v). */
-static void add_bias(float *v, const float *b, int D) {
-    for (int i = 0; i < D; i++) v[i] += b[i];
-}
-
-/* RMSNorm in place over one head's D values with weight w [D] and the norm's own eps, as
- * transformers' Qwen3RMSNorm computes it (and add_norm: w * (v * (1 / sqrt(mean(v^2) + eps)))). */
-static void head_norm(float *v, const float *w, float eps, int D) {
-    const float r = 1.0f / sqrtf(dot(v, v, D) / (float)D + eps);
-    for (int i = 0; i < D; i++) v[i] = w[i] * (v[i] * r);
-}
-
-/* Whether table row e has q/k/v biases or q/k norms (`bias_and_norm` then runs, between the q|k|v
- * products and the rotation). */
+/* Whether table row e has q/k/v biases or q/k norms: decode_heads.c's `bias_and_norm` then runs
+ * between the q|k|v products and the rotation, over the table's slots Q_BIAS .. K_NORM. */
 static int has_bias_or_norm(const int64_t *e) {
     return e[Q_BIAS] || e[K_BIAS] || e[V_BIAS] || e[Q_NORM] || e[K_NORM];
 }
-
-/* Each head of each token's q|k|v [T, (H + 2 H_kv) * D]: its projection's bias added (where the
- * table has one), then the q and k heads normed (where it has q/k norms, eps their eps): Qwen2's
- * biases and Qwen3's norms, in transformers' order (q_norm(q_proj(x)) before the rotation). */
-static void bias_and_norm(float *qkv, const int64_t *e, float eps, int T, int nq, int nkv, int D) {
-    const int heads = nq + 2 * nkv;
-    const float *bias[3] = {F(e[Q_BIAS]), F(e[K_BIAS]), F(e[V_BIAS])}, *norm[2] = {F(e[Q_NORM]), F(e[K_NORM])};
-    #pragma omp for schedule(static) nowait
-    for (int it = 0; it < T * heads; it++) {
-        const int t = it / heads, h = it % heads;
-        const int part = h < nq ? 0 : h < nq + nkv ? 1 : 2, first = part == 0 ? 0 : part == 1 ? nq : nq + nkv;
-        float *v = qkv + ((size_t)t * heads + h) * D;
-        if (bias[part]) add_bias(v, bias[part] + (size_t)(h - first) * D, D);
-        if (part < 2 && norm[part]) head_norm(v, norm[part], eps, D);
-    }
-}
+void bias_and_norm(float *qkv, const int64_t *extras, float eps, int T, int nq, int nkv, int D);
 
 /* x += delta (when given), then y = RMSNorm(x) with weight w; one token per iteration. */
 static void add_norm(float *x, const float *delta, const float *w, float eps, float *y, int T, int H) {
@@ -412,7 +385,7 @@ void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, 
             product(e, P_V, h, T, H, qkv + (nq + nkv) * D, nkv * D, QKV);
             if (has_bias_or_norm(e)) {  /* the same for every thread: all of them sync or none */
                 team_sync(&team, &phase);
-                bias_and_norm(qkv, e, qk_eps, T, nq, nkv, D);
+                bias_and_norm(qkv, e + Q_BIAS, qk_eps, T, nq, nkv, D);
             }
             team_sync(&team, &phase);
             rope_and_cache(qkv, pos, cos, sin, T, W, nq, nkv, D, S, F(e[K_CACHE]), F(e[V_CACHE]));
