@@ -44,7 +44,9 @@ from flashspec_core.constrained import Constraint, tool_tags
 from flashspec_core.constrained.tool_suite import TOOL_SUITE
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
-from flashspec_core.pool import load_target
+from flashspec_core.handle import RequestHandle
+from flashspec_core.loading import load_target
+from flashspec_core.results import GenerationResult
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_integrations.langchain import ChatFlashSpec
@@ -66,28 +68,29 @@ OPENED = CALL_OPEN + "\n"
 
 
 class Recording:
-    """The engine, with every result the adapter gets from it kept (the reply's raw text)."""
+    """The engine as the adapter calls it (`flashspec_integrations.engine.Engine`), with every
+    request's handle kept, so the reply's raw text can be read after the call."""
 
     def __init__(self, engine: SpecEngine) -> None:
         self._engine = engine
-        self.results: list = []
+        self.handles: list[RequestHandle] = []
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def _keep(self, result):
-        self.results.extend(result if isinstance(result, list) else [result])
-        return result
+    def submit(self, prompts, options, /, *, stream=False) -> RequestHandle:
+        self.handles.append(self._engine.submit(prompts, options, stream=stream))
+        return self.handles[-1]
 
-    def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, json_schema=None):
-        return self._keep(self._engine.generate(prompt, max_new_tokens, sampling, stop, domain, hint, json_schema))
+    @property
+    def last(self) -> GenerationResult:
+        return self.handles[-1].wait()[0]
 
 
 class WithoutGrammar(Recording):
     """The engine as the adapters see one that cannot decode under a grammar: free output."""
 
-    def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None):
-        return self._keep(self._engine.generate(prompt, max_new_tokens, sampling, stop, domain, hint))
+    constrains = False
 
 
 def schemas_of(tools: list[dict]) -> dict[str, dict]:
@@ -133,11 +136,11 @@ def part_auto(engine: SpecEngine, max_tokens: int, limit: int, rows: list) -> di
     counts: dict[str, Counter] = {}
     for grammar in (True, False):
         recorder = Recording(engine) if grammar else WithoutGrammar(engine)
-        model = ChatFlashSpec(engine=recorder, max_tokens=max_tokens, no_repeat_ngram_size=3, batch_window=0.0)
+        model = ChatFlashSpec(engine=recorder, max_tokens=max_tokens, no_repeat_ngram_size=3)
         every = cases(random.Random(0))
         for kind, wanted, request, bound in every[:limit] + every[len(TOOL_SUITE):]:
             reply = model.bind_tools(bound).invoke([HumanMessage(request)])
-            raw = recorder.results[-1]
+            raw = recorder.last
             calls = [(c["name"], c["args"]) for c in reply.tool_calls] + \
                     [(c["name"], None) for c in reply.invalid_tool_calls]
             result = outcome(calls, wanted, schemas_of(bound), raw.text, raw.finish_reason)

@@ -79,7 +79,8 @@ def run_one(engine: SpecEngine, job: Job, out: Timed) -> None:
     out.start = time.perf_counter()
     if job.stream:
         last = out.start
-        for chunk in engine.stream(job.messages, job.max_new_tokens, sampling, job.stop, hint=hint):
+        for chunk in engine.stream(job.messages, max_new_tokens=job.max_new_tokens, sampling=sampling, stop=job.stop,
+                                   hint=hint):
             now = time.perf_counter()
             if chunk.token_ids:
                 if out.first is None:
@@ -89,7 +90,8 @@ def run_one(engine: SpecEngine, job: Job, out: Timed) -> None:
                 last = now
             out.tokens.extend(chunk.token_ids)
     else:
-        res = engine.generate(job.messages, job.max_new_tokens, sampling, job.stop, hint=hint)
+        res = engine.generate(job.messages, max_new_tokens=job.max_new_tokens, sampling=sampling, stop=job.stop,
+                              hint=hint)
         out.tokens = res.token_ids
     out.end = time.perf_counter()
 

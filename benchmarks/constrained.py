@@ -25,7 +25,7 @@ from flashspec_core.constrained import GrammarForcedDraft, tool_call_schema
 from flashspec_core.constrained.tool_suite import TOOL_SUITE, forced_call_messages
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
-from flashspec_core.pool import load_target
+from flashspec_core.loading import load_target
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
 

@@ -24,7 +24,7 @@ from flashspec_core.backends.cpu_linear import STOCK
 from flashspec_core.backends.cpu_static import StaticCachedModel
 from flashspec_core.backends.hf import CachedModel
 from flashspec_core.engine import SpecEngine
-from flashspec_core.pool import load_target
+from flashspec_core.loading import load_target
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_workloads.agent import agent_workload

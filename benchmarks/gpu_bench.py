@@ -30,8 +30,8 @@ import torch
 
 from flashspec_core.drafts.trained import shipped_drafts
 from flashspec_core.engine import SpecEngine
+from flashspec_core.loading import GPU_GAMMAS, build_drafts, default_drafts
 from flashspec_core.models import load_model
-from flashspec_core.pool import GPU_GAMMAS, build_drafts, default_drafts
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm

@@ -20,7 +20,7 @@ import torch
 
 from flashspec_core.backends import make_runner
 from flashspec_core.backends.calibration import machine_line
-from flashspec_core.pool import load_target
+from flashspec_core.loading import load_target
 
 
 def main() -> None:

@@ -31,8 +31,8 @@ from tqdm import tqdm
 from flashspec_core.backends import llama_cpp
 from flashspec_core.backends.calibration import machine_line
 from flashspec_core.engine import SpecEngine
+from flashspec_core.loading import default_drafts, load_target
 from flashspec_core.models import load_model
-from flashspec_core.pool import default_drafts, load_target
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_integrations.demo import ADAPTER_HINTS

@@ -4,8 +4,7 @@
     engine = SpecEngine.from_default()
     print(engine.generate("Hello", max_new_tokens=32).text)
 
-Names are imported lazily, so light submodules (the router store, the CLI) load without
-torch and transformers.
+Names are imported lazily, so `import flashspec_core` loads neither torch nor transformers.
 """
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "SpecEngine": "flashspec_core.engine",
     "SamplingParams": "flashspec_core.processors.sampling",
+    "RequestOptions": "flashspec_core.options",
     "GenerationResult": "flashspec_core.results",
     "GenerationStats": "flashspec_core.results",
     "StreamChunk": "flashspec_core.results",
@@ -22,6 +22,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from flashspec_core.engine import SpecEngine as SpecEngine
+    from flashspec_core.options import RequestOptions as RequestOptions
     from flashspec_core.processors.sampling import SamplingParams as SamplingParams
     from flashspec_core.results import GenerationResult as GenerationResult
     from flashspec_core.results import GenerationStats as GenerationStats

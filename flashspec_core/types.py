@@ -50,7 +50,7 @@ class Proposal:
 class StepRecord:
     """What one decode step did, for stats and for the router's reward.
 
-    `sequence` is row 0's full token list after the step (prompt + output so far, not a copy);
+    `sequence` is the row's full token list after the step (prompt + output so far, not a copy);
     `sequence[:context_len]` is what the draft saw, so a router can score other drafts after the
     fact against `sequence[context_len:]`, the verified tokens of this step.
     """

@@ -64,7 +64,7 @@ def _submit(engine: Engine, calls: Sequence[CallPlan], timeout: float | None) ->
     handles: list[RequestHandle] = []
     try:
         for call in calls:
-            handles.append(engine.submit([call.prompt_ids], timeout=timeout, **call.engine_kwargs()))
+            handles.append(engine.submit([call.prompt_ids], call.options(timeout)))
     except BaseException:
         for handle in handles:
             handle.cancel()
@@ -88,7 +88,7 @@ def run_calls(engine: Engine, calls: Sequence[CallPlan], timeout: float | None =
                     for other in handles:
                         other.cancel()
                     raise
-                handle = engine.submit([call.prompt_ids], timeout=timeout, **call.engine_kwargs())
+                handle = engine.submit([call.prompt_ids], call.options(timeout))
     return outcomes
 
 
@@ -102,7 +102,7 @@ async def arun_calls(engine: Engine, calls: Sequence[CallPlan], timeout: float |
             except TimeoutError:
                 if attempt == max_retries:
                     raise
-                handle = engine.submit([call.prompt_ids], timeout=timeout, **call.engine_kwargs())
+                handle = engine.submit([call.prompt_ids], call.options(timeout))
         raise AssertionError("unreachable")
 
     handles = _submit(engine, calls, timeout)
@@ -117,7 +117,7 @@ async def arun_calls(engine: Engine, calls: Sequence[CallPlan], timeout: float |
 def stream_call(engine: Engine, call: CallPlan, timeout: float | None = None) -> Iterator[StreamChunk]:
     """The engine's chunks for one call; TimeoutError once `timeout` seconds have passed (the
     engine ends the request at its next step boundary, also during a long prefill)."""
-    chunks = engine.stream(call.prompt_ids, timeout=timeout, **call.engine_kwargs())
+    chunks = engine.stream(call.prompt_ids, call.options(timeout))
     try:
         yield from chunks
     finally:

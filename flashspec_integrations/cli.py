@@ -62,8 +62,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Time the target's forward per width and kernel on this machine again, cache and print it."""
     from flashspec_core.backends.calibration import calibrate, machine_line, model_id
     from flashspec_core.engine import SpecEngine
+    from flashspec_core.loading import CPU_GAMMAS, load_target
     from flashspec_core.models import vocab_size
-    from flashspec_core.pool import CPU_GAMMAS, load_target
 
     target = load_target(args.model)
     engine = SpecEngine(target, [], router="fixed", backend=args.backend, calibrate=False)

@@ -1,36 +1,14 @@
 """The framework run context of one model call -> the domain the router should file it under.
 
-Shared by the LangChain and LlamaIndex adapters, so it knows neither framework: each adapter reads
-its own objects (bound tools, messages, run metadata, instrument tags) into a plain `StepContext`,
-and `decide_domain` turns that into what `SpecEngine.generate(..., domain=, hint=)` takes.
-
-Why the adapter and not the engine's prompt classifier: the framework knows things the rendered
-prompt hides or only implies (tools are bound, the caller forced a tool call, the chain is a
-retrieval synthesis), and it knows them for free before the first token.
-
-Precedence (first match wins):
-
-1. An explicit domain: `explicit_domain` (a `domain=` keyword on the call, which is also how agent
-   model settings such as LangChain's `ModelRequest.model_settings` arrive), then the run metadata
-   key `flashspec_domain`, then a `flashspec_domain:<label>` tag. Returned as `domain`, so the
-   engine uses it as is.
-2. `json`: a forced tool call (tool choice "any", "required" or a tool name) or structured output.
-   The model must emit one JSON object matching a schema, whatever the conversation was about.
-3. `tool`: tools are bound, or a tool result is in the history. When the last message *is* a tool
-   result the label is `tool/result`: that step reads a tool's output and mostly answers in prose
-   copied from it, while a `tool` step picks an action and copies names and keys from the tool
-   schemas. The two steps want different drafts, so they get separate router statistics (the
-   router's domains are an open set; a new label starts from the router's shared prior).
-4. `react`: a ReAct prompt (Thought / Action / Action Input / Observation format) without bound tools.
-5. `rag`: a retrieval-synthesis prompt (LangChain's and LlamaIndex's stock QA / refine templates, or
-   a prompt that holds a context section and asks a question about it).
-6. Otherwise no hint: the engine's classifier decides (chat, code, math, ...).
-
-The agent node (`langgraph_node`, or `lc_agent_name` when the agent is named; a LlamaIndex agent's
-name) is always recorded in `DomainDecision.node` and in the response metadata. It becomes a
-further sub-key of the hint (`tool/<node>`, `tool/result/<node>`) only when the adapter is built
-with `domain_per_node=True`: LangChain's prebuilt agent calls every model node "model", so by
-default a per-node split would only fragment statistics that the kind already separates.
+Shared by the LangChain and LlamaIndex adapters, so it knows neither framework: each reads its own
+objects (bound tools, messages, run metadata, tags) into a plain `StepContext`, and
+`decide_domain` turns it into the `domain` or `hint` of the engine's `RequestOptions`. First match
+wins: an explicit domain (`explicit_domain`, run metadata key `flashspec_domain`, a
+`flashspec_domain:<label>` tag); `json` for a forced tool call or structured output; `tool/result`
+right after a tool result, `tool` with tools bound or a tool result in the history; `react`;
+`rag`; else no hint (the engine's classifier). The agent node is recorded in
+`DomainDecision.node`, and is a sub-key of the hint only with `domain_per_node=True`. Why these
+rules: docs/adapters.md, "Domains".
 """
 from __future__ import annotations
 

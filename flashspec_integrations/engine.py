@@ -1,11 +1,11 @@
 """What the front ends use of an engine: `SpecEngine` has it, and so may a custom engine passed
 as `engine=` (a test double, a remote client).
 
-The adapters and the server plan a call (`plan.plan_chat`), then submit, stream or generate it;
-they read the tokenizer, the context window, the model's name and whether the engine decodes
-under `json_schema=` (`constrains`; where it does not, a forced call's opening is written for the
-model and its free output parsed); the server's planner also reads the model and end tokens it
-compiles grammars for. Nothing else of the engine is touched, its internals never.
+The adapters and the server plan a call (`plan.plan_chat`), then submit or stream it with the
+plan's `RequestOptions`; they read the tokenizer, the context window, the model's name and whether
+the engine decodes under the options' `json_schema` (`constrains`; where it does not, a forced
+call's opening is written for the model and its free output parsed); the server's planner also
+reads the model and end tokens it compiles grammars for. Nothing else of the engine is touched, its internals never.
 """
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from flashspec_core.constrained.grammar import Grammar
     from flashspec_core.handle import RequestHandle
-    from flashspec_core.processors.sampling import SamplingParams
+    from flashspec_core.options import RequestOptions
     from flashspec_core.prompts import PromptLike
     from flashspec_core.results import StreamChunk
 
@@ -38,19 +37,15 @@ class Engine(Protocol):
 
     @property
     def constrains(self) -> bool:
-        """Whether `submit` decodes under `json_schema=`."""
+        """Whether `submit` decodes under the options' `json_schema`."""
         ...
 
-    def submit(self, prompts: Sequence[PromptLike], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-               stop: str | Sequence[str] | None = None, domain: str | None = None, hint: str | None = None,
-               json_schema: dict | str | Grammar | None = None, stream: bool = False, timeout: float | None = None) -> RequestHandle:
+    def submit(self, prompts: Sequence[PromptLike], options: RequestOptions, /, *,
+               stream: bool = False) -> RequestHandle:
         """Queue a request of one row per prompt; its handle is waited on, iterated or cancelled."""
         ...
 
-    def stream(self, prompt: PromptLike, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-               stop: str | Sequence[str] | None = None, domain: str | None = None, hint: str | None = None,
-               json_schema: dict | str | Grammar | None = None, timeout: float | None = None
-               ) -> Generator[StreamChunk, None, None]: ...
+    def stream(self, prompt: PromptLike, options: RequestOptions, /) -> Generator[StreamChunk, None, None]: ...
 
 
 class ServedEngine(Engine, Protocol):

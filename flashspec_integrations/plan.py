@@ -2,7 +2,7 @@
 
 `plan_chat` turns a framework-neutral `ChatRequest` (OpenAI-form messages and tools, the tool
 choice, a response format, sampling, stop strings, the token budget) into a `CallPlan`: the
-prompt's token ids and every argument the engine's `submit` takes, plus what reading the reply
+prompt's token ids and the engine's `RequestOptions` for it (`CallPlan.options`), plus what reading the reply
 needs (`CallPlan.read`). Each front end only translates its framework's types to a `ChatRequest`
 and the plan's output back; a setting added here reaches all three. Bad input raises `PlanError`,
 a ValueError naming the argument it came from.
@@ -17,6 +17,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from flashspec_core.constrained import Grammar
+from flashspec_core.options import RequestOptions
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.domains import classify_prompt, resolve_domain
 from flashspec_integrations.context import REACT, TOOL, TOOL_RESULT, DomainDecision, StepContext
@@ -108,15 +109,11 @@ class CallPlan:
         """The router domain the engine files this call under."""
         return resolve_domain(self.decision.domain, self.decision.hint, self.prompt_text)
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of the engine's `submit` (and `generate`, `stream` ...)."""
-        kwargs: dict[str, Any] = {
-            "max_new_tokens": self.max_new_tokens, "sampling": self.sampling, "stop": list(self.stop) or None,
-            "domain": self.decision.domain, "hint": self.hint,
-        }
-        if self.json_schema is not None:
-            kwargs["json_schema"] = self.json_schema if self.grammar is None else self.grammar
-        return kwargs
+    def options(self, timeout: float | None = None) -> RequestOptions:
+        """The engine's request options for this call, ending it after `timeout` seconds (None: never)."""
+        schema = self.json_schema if self.grammar is None or self.json_schema is None else self.grammar
+        return RequestOptions(self.max_new_tokens, self.sampling, self.stop, self.decision.domain, self.hint, schema,
+                              timeout)
 
     def read(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
         """(content, tool calls) of a reply's text (prefix included); `finished`: not cut by the budget."""

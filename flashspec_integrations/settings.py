@@ -35,7 +35,7 @@ class FlashSpecFields(BaseModel):
         "SmolLM2-135M-Instruct (`model=` is accepted as a name for it)",
     )
     drafts: list[str] | None = Field(None, description="draft names or paths; None is the default pool")
-    router: str = Field("thompson", description="router name (flashspec_core.pool.ROUTER_NAMES)")
+    router: str = Field("thompson", description="router name (flashspec_core.routing.ROUTER_NAMES)")
     device: str | None = Field(None, description="'cpu', 'cuda', ...; None picks one")
     # Typed loosely for pydantic (a Protocol cannot be validated); `get_engine` returns it as an Engine.
     engine: Any = Field(None, exclude=True, description="a ready SpecEngine (or any `Engine`), instead of the four "

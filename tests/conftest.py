@@ -82,7 +82,7 @@ def tiny_draft_model():
 @pytest.fixture(scope="session")
 def default_target(flashspec_cache_dir):
     """The embedded default model (SmolLM2-135M-Instruct, fp32 CPU), loaded once per session."""
-    from flashspec_core.pool import load_target
+    from flashspec_core.loading import load_target
 
     return load_target(None)  # the same cached object `from_default` uses
 

@@ -7,11 +7,12 @@
   milliseconds. Its text is noise, so tests compare paths with each other and with the engine.
 - `ScriptedEngine`: replies from a script, for tests that need a model to say something specific
   (a tool call, a JSON object); it has the engine's surface (`submit`, `generate` for one prompt or
-  a batch, `stream`, `tokenizer`, `context_window`, `model_name`, `json_schema=`, `timeout=`),
+  a batch, `stream`, each with a `RequestOptions` or its keywords; `tokenizer`, `context_window`,
+  `model_name`),
   records every call (prompt text, domain, hint, the label the router would get from the engine's
   own `resolve_domain`, stops, sampling, schema, rows of its request), and replies regardless of
   the schema.
-- `UnconstrainedEngine`: a ScriptedEngine without `json_schema=`, as a custom engine may be.
+- `UnconstrainedEngine`: a ScriptedEngine that refuses a `json_schema`, as a custom engine may.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from flashspec_core import SpecEngine
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.handle import RequestHandle
 from flashspec_core.models import LoadedModel
+from flashspec_core.options import RequestOptions, request_options
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import resolve_domain
 from flashspec_core.types import Arm, StepRecord
@@ -95,13 +97,13 @@ class ScriptedEngine:
             return self.script(text)
         return self.script[min(len(self.calls) - 1, len(self.script) - 1)]
 
-    def _answer(self, prompt, max_new_tokens, sampling, stop, domain, hint, json_schema, batch):
+    def _answer(self, prompt, options: RequestOptions, batch):
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
-        label = resolve_domain(domain, hint, text)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        self.calls.append({"prompt": text, "domain": domain, "hint": hint, "label": label, "stop": stops,
-                           "sampling": sampling, "max_new_tokens": max_new_tokens, "json_schema": json_schema,
-                           "batch": batch})
+        label = resolve_domain(options.domain, options.hint, text)
+        stops, max_new_tokens = list(options.stops), options.max_new_tokens
+        self.calls.append({"prompt": text, "domain": options.domain, "hint": options.hint, "label": label,
+                           "stop": stops, "sampling": options.sampling, "max_new_tokens": max_new_tokens,
+                           "json_schema": options.json_schema, "batch": batch})
         reply, finish = self._reply(text), "stop"
         cuts = [reply.find(s) for s in stops if s in reply]
         if cuts:
@@ -115,27 +117,26 @@ class ScriptedEngine:
         stats.records.append(StepRecord(label, Arm("prompt_lookup", 4), 4, 3, len(ids), 0.0, 0.0))
         return reply, ids, finish, stats
 
-    def submit(self, prompts, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None,
-               json_schema=None, stream=False, timeout=None) -> RequestHandle:
+    def submit(self, prompts, options=None, *, stream=False, **args) -> RequestHandle:
         """A request answered at once (after `delay`): its handle is finished when returned."""
+        options = request_options(options, args)
         self.batches.append(len(prompts))
         handle = RequestHandle(len(prompts), stream)
+        timeout = options.timeout
         if self.delay:
             time.sleep(self.delay if timeout is None else min(self.delay, timeout))
         if timeout is not None and self.delay > timeout:
             for p in prompts:
-                self._answer(p, max_new_tokens, sampling, stop, domain, hint, json_schema, len(prompts))
+                self._answer(p, options, len(prompts))
             handle.fail(TimeoutError("the request ran past its timeout; raise timeout or lower max_new_tokens"))
             return handle
         for i, p in enumerate(prompts):
-            reply, ids, finish, stats = self._answer(p, max_new_tokens, sampling, stop, domain, hint, json_schema,
-                                                     len(prompts))
+            reply, ids, finish, stats = self._answer(p, options, len(prompts))
             handle.finish(i, GenerationResult(reply, ids, finish, stats, stats.prompt_tokens))
         return handle
 
-    def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None,
-               json_schema=None, timeout=None) -> Iterator[StreamChunk]:
-        reply, ids, finish, stats = self._answer(prompt, max_new_tokens, sampling, stop, domain, hint, json_schema, 0)
+    def stream(self, prompt, options=None, **args) -> Iterator[StreamChunk]:
+        reply, ids, finish, stats = self._answer(prompt, request_options(options, args), 0)
         pieces = [reply[i: i + 3] for i in range(0, len(reply), 3)] or [""]
         for i, piece in enumerate(pieces):
             piece_ids = self.tokenizer(piece, add_special_tokens=False).input_ids
@@ -144,26 +145,29 @@ class ScriptedEngine:
             else:
                 yield StreamChunk(piece, piece_ids)
 
-    def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None,
-                 json_schema=None, timeout=None):
+    def generate(self, prompt, options=None, **args):
         batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
-        outs = self.submit(list(prompt) if batch else [prompt], max_new_tokens, sampling, stop, domain, hint,
-                           json_schema, timeout=timeout).wait()
+        outs = self.submit(list(prompt) if batch else [prompt], options, **args).wait()
         return outs if batch else outs[0]
 
 
 class UnconstrainedEngine(ScriptedEngine):
-    """A scripted engine without schema-constrained decoding (no `json_schema=`), as a custom engine
-    passed as `engine=` may be: forced calls then get their opening written for them."""
+    """A scripted engine without schema-constrained decoding, as a custom engine passed as `engine=`
+    may be: forced calls then get their opening written for them, and no schema may reach it."""
 
     constrains = False
 
-    def submit(self, prompts, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, stream=False,
-               timeout=None) -> RequestHandle:
-        return super().submit(prompts, max_new_tokens, sampling, stop, domain, hint, None, stream, timeout)
+    def submit(self, prompts, options=None, *, stream=False, **args) -> RequestHandle:
+        options = request_options(options, args)
+        if options.json_schema is not None:
+            raise TypeError("this engine decodes under no json_schema")
+        return super().submit(prompts, options, stream=stream)
 
-    def stream(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None, timeout=None):
-        return super().stream(prompt, max_new_tokens, sampling, stop, domain, hint)
+    def stream(self, prompt, options=None, **args):
+        options = request_options(options, args)
+        if options.json_schema is not None:
+            raise TypeError("this engine decodes under no json_schema")
+        return super().stream(prompt, options)
 
-    def generate(self, prompt, max_new_tokens=128, sampling=None, stop=None, domain=None, hint=None):
-        return super().generate(prompt, max_new_tokens, sampling, stop, domain, hint)
+    def generate(self, prompt, options=None, **args):
+        return super().generate(prompt, options, **args)

@@ -360,6 +360,12 @@ def random_gguf_bytes(kind: str, out: int, inp: int, seed: int = 0) -> torch.Ten
     from flashspec_core.backends.blockq import BLOCK_BYTES
 
     gen = torch.Generator().manual_seed(seed)
+    if kind in ("f16", "bf16", "f32"):  # values over many binades, subnormals and signed zeros among them
+        dtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[kind]
+        scale = torch.exp2(-torch.randint(0, 30, (out, inp), generator=gen).float())
+        values = (torch.randn(out, inp, generator=gen) * scale).to(dtype)
+        values[torch.rand(out, inp, generator=gen) < 0.02] = -0.0
+        return values.view(torch.uint8).reshape(out, -1)
     size, nbytes = BLOCK_BYTES[kind]
     nb = inp // size
     raw = torch.randint(0, 256, (out, nb, nbytes), generator=gen, dtype=torch.uint8)
@@ -374,22 +380,28 @@ def random_gguf_bytes(kind: str, out: int, inp: int, seed: int = 0) -> torch.Ten
 
 
 def q4_k_m_default() -> Path:
-    """The default model re-quantized by llama.cpp's quantizer to Q4_K_M (as a user makes one), in
-    the cache's models/ folder (shared by xdist workers; made once, written to a temporary file and
-    renamed). Skips the test where llama-cpp-python is missing."""
+    """The default model re-quantized by llama.cpp's quantizer to Q4_K_M (`requantized_default`)."""
+    return requantized_default("Q4_K_M")
+
+
+def requantized_default(ftype: str) -> Path:
+    """The default model re-quantized by llama.cpp's quantizer to `ftype` (a llama.cpp file type:
+    "Q4_K_M", "F16", "BF16", ...; as a user makes one), in the cache's models/ folder (shared by
+    xdist workers; made once, written to a temporary file and renamed). Skips the test where
+    llama-cpp-python is missing."""
     import ctypes
 
     from flashspec_core.models import cache_root, default_gguf_path
 
     lc = pytest.importorskip("llama_cpp")
     source = default_gguf_path()
-    target = cache_root() / "models" / f"{source.stem}-{source.stat().st_size}.Q4_K_M.gguf"
+    target = cache_root() / "models" / f"{source.stem}-{source.stat().st_size}.{ftype}.gguf"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
     params = lc.llama_model_quantize_default_params()
-    params.ftype = lc.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.ftype = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.allow_requantize = True  # from the shipped Q4_1 file: the only weights here
     if lc.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {source}")

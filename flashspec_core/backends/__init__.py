@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.models import LoadedModel
 
-BACKENDS = ("auto", "hf", "cuda-graph", "llama.cpp")
+TARGET_BACKENDS = ("auto", "hf", "cuda-graph", "llama.cpp")  # where the target's forward runs
 
 
 def _device_type(model: PreTrainedModel) -> str:
@@ -51,8 +51,8 @@ def resolve_backend(backend: str, target: LoadedModel) -> str:
     repeated greedy request that reuses the cached prefix can come out differently from the first
     (llama.cpp's own prompt cache does the same).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend not in TARGET_BACKENDS:
+        raise ValueError(f"backend must be one of {TARGET_BACKENDS}; got {backend!r}")
     if backend == "llama.cpp" and target.gguf is None:
         raise ValueError("backend='llama.cpp' needs a GGUF target (the default model, or a .gguf path)")
     if backend == "cuda-graph" and not _graphable(target.model):

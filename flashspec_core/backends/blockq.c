@@ -5,7 +5,8 @@
  * Q4_1: w = d*q + m, q in 0..15 (low nibbles: weights 0..15 of the block, high: 16..31);
  * Q4_0: w = d*(q - 8); Q5_1 and Q5_0: the same with a fifth bit per weight (a 32-bit word before
  * the nibbles, bit i for weight i) and q - 16; Q8_0: w = d*q, q in -128..127, one d per 32
- * weights; Q8_S16: the same with one d per 16 weights (Q6_K). Every d*q is exact in fp32 (d is an
+ * weights; Q8_S16: the same with one d per 16 weights (Q6_K); F16, BF16, F32: the weights themselves
+ * (2 or 4 bytes each, no scales; an fp16 or bf16 value widened to fp32 is exact). Every d*q is exact in fp32 (d is an
  * fp16 value, or a fp16 value times a 6- or 8-bit integer scale, and q has at most 8 bits), so
  * fma(q, d, m) rounds once, as ggml's d*q + m does, and an offset kind adds -0.0 (the identity,
  * keeping ggml's sign of a zero weight): the kernel multiplies by the dequantised weights bit for
@@ -28,6 +29,22 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* One fp16 or bf16 value (its bits) as fp32, exactly: bf16 is fp32's high half; an fp16 normal
+ * number rebiases its exponent, a subnormal one is man * 2^-24 (exact), inf and NaN keep theirs. */
+static inline float bf16_float(uint16_t h) {
+    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
+    return v.f;
+}
+static inline float f16_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+    if (exp == 0) {
+        const float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    union { uint32_t u; float f; } v = { .u = sign | (exp == 31 ? 0x7f800000u : (exp + 112) << 23) | man << 13 };
+    return v.f;
+}
 
 #if defined(__AVX512F__)
 typedef __m512 vf;
@@ -68,6 +85,11 @@ INLINE void dequant_q4(const int FIVE, const int OFF, const uint8_t *p, uint32_t
 static inline vf bytes_s8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+/* 16 fp16 or bf16 weights as fp32 (exact) */
+static inline vf halves_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf halves_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 vf;
 #define VW 8
@@ -102,6 +124,19 @@ INLINE void dequant_q4(const int FIVE, const int OFF, const uint8_t *p, uint32_t
 }
 static inline vf bytes_s8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+/* 8 fp16 or bf16 weights as fp32 (exact); without F16C, one value at a time */
+static inline vf halves_f16(const uint16_t *p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float w[8];
+    for (int i = 0; i < 8; i++) w[i] = f16_float(p[i]);
+    return _mm256_loadu_ps(w);
+#endif
+}
+static inline vf halves_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 #else
 #define SCALAR 1
@@ -182,6 +217,36 @@ INLINE void q8_tile(const int R, const int C, const int A, const int G, const in
         for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
 }
 
+/* VW weights from index i of a row of float layout FMT (F16, BF16, F32) as fp32 */
+INLINE vf load_floats(const int FMT, const uint8_t *row, size_t i) {
+    if (FMT == F32) return VLOAD((const float *)row + i);
+    return FMT == F16 ? halves_f16((const uint16_t *)row + i) : halves_bf16((const uint16_t *)row + i);
+}
+
+/* The float layouts' tile: as q8_tile, the weights read as they are (SZ bytes each, no scales). */
+INLINE void float_tile(const int R, const int C, const int A, const int FMT, const uint8_t *q, const float *s,
+                       int nb, const float *x, int K, float *y, int ldy) {
+    (void)s;
+    const size_t row = (size_t)K * (FMT == F32 ? 4 : 2);
+    vf acc[4][8][2];  /* [R][C][A]: only the tile's own are used */
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            for (int a = 0; a < A; a++) acc[r][c][a] = VZERO;
+    for (int b = 0; b < nb; b++) {
+        for (int h = 0; h < 32; h += VW) {
+            const int a = h / VW % A;
+            vf w[4];
+            for (int r = 0; r < R; r++) w[r] = load_floats(FMT, q + r * row, (size_t)b * 32 + h);
+            for (int c = 0; c < C; c++) {
+                const vf xv = VLOAD(x + (size_t)c * K + b * 32 + h);
+                for (int r = 0; r < R; r++) acc[r][c][a] = VFMA(w[r], xv, acc[r][c][a]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
+}
+
 /* one tile function per layout (the dispatch macros below take a tile by name) */
 #define Q4_1_TILE(R, C, A, ...) q4_tile(R, C, A, 0, 0, __VA_ARGS__)
 #define Q4_0_TILE(R, C, A, ...) q4_tile(R, C, A, 0, 8, __VA_ARGS__)
@@ -189,6 +254,9 @@ INLINE void q8_tile(const int R, const int C, const int A, const int G, const in
 #define Q5_0_TILE(R, C, A, ...) q4_tile(R, C, A, 1, 16, __VA_ARGS__)
 #define Q8_0_TILE(R, C, A, q, ...) q8_tile(R, C, A, 32, (const int8_t *)(q), __VA_ARGS__)
 #define Q8_S16_TILE(R, C, A, q, ...) q8_tile(R, C, A, 16, (const int8_t *)(q), __VA_ARGS__)
+#define F16_TILE(R, C, A, ...) float_tile(R, C, A, F16, __VA_ARGS__)
+#define BF16_TILE(R, C, A, ...) float_tile(R, C, A, BF16, __VA_ARGS__)
+#define F32_TILE(R, C, A, ...) float_tile(R, C, A, F32, __VA_ARGS__)
 
 /* columns per tile: of 4 rows (4 x C accumulators and 4 dequantised pairs in registers), of 1 row */
 #if VW == 16
@@ -221,6 +289,9 @@ LAYOUT_ROWS(q5_1_rows, Q5_1_TILE)
 LAYOUT_ROWS(q5_0_rows, Q5_0_TILE)
 LAYOUT_ROWS(q8_0_rows, Q8_0_TILE)
 LAYOUT_ROWS(q8_s16_rows, Q8_S16_TILE)
+LAYOUT_ROWS(f16_rows, F16_TILE)
+LAYOUT_ROWS(bf16_rows, BF16_TILE)
+LAYOUT_ROWS(f32_rows, F32_TILE)
 #endif
 
 #ifndef SCALAR
@@ -232,6 +303,9 @@ static rows_fn rows_of(int kind) {
         case Q5_1: return q5_1_rows;
         case Q5_0: return q5_0_rows;
         case Q8_S16: return q8_s16_rows;
+        case F16: return f16_rows;
+        case BF16: return bf16_rows;
+        case F32: return f32_rows;
         default: return q8_0_rows;
     }
 }
@@ -240,6 +314,7 @@ static rows_fn rows_of(int kind) {
 static int nibble_kind(int kind) { return kind == Q4_1 || kind == Q4_0 || kind == Q5_1 || kind == Q5_0; }
 static int five_kind(int kind) { return kind == Q5_1 || kind == Q5_0; }
 static int offset_of(int kind) { return kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : 0; }
+static int float_bytes(int kind) { return kind == F32 ? 4 : kind == F16 || kind == BF16 ? 2 : 0; }
 
 #ifdef SCALAR
 /* One row's blocks against one column of x, weight by weight (builds without AVX2). */
@@ -257,6 +332,13 @@ static float row_dot(int kind, const uint8_t *q, const float *s, int nb, const f
                 const int lo = (nib[i] & 15) | (int)((qh >> i) & 1) << 4, hi = (nib[i] >> 4) | (int)((qh >> (16 + i)) & 1) << 4;
                 acc += (d * (float)(lo - off) + m) * x[b * 32 + i];
                 acc += (d * (float)(hi - off) + m) * x[b * 32 + 16 + i];
+            }
+        } else if (float_bytes(kind)) {
+            for (int i = 0; i < 32; i++) {
+                const size_t at = (size_t)b * 32 + i;
+                const float w = kind == F32 ? ((const float *)q)[at]
+                              : kind == F16 ? f16_float(((const uint16_t *)q)[at]) : bf16_float(((const uint16_t *)q)[at]);
+                acc += w * x[at];
             }
         } else {
             const int G = kind == Q8_S16 ? 16 : 32;
@@ -283,8 +365,9 @@ void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const
                 int ldy) {
     const int nb = K / 32, tile = tile_rows;
     const int nib = nibble_kind(kind), five = five_kind(kind), off = offset_of(kind);
-    const size_t row_bytes = nib ? (size_t)nb * NIB_BYTES(five) : (size_t)K;
-    const size_t row_scales = (size_t)nb * (nib ? NIB_SCALES(off) : kind == Q8_S16 ? 2 : 1);
+    const int wide = float_bytes(kind);  /* float layouts: their bytes a weight, and no scales */
+    const size_t row_bytes = nib ? (size_t)nb * NIB_BYTES(five) : wide ? (size_t)K * wide : (size_t)K;
+    const size_t row_scales = wide ? 0 : (size_t)nb * (nib ? NIB_SCALES(off) : kind == Q8_S16 ? 2 : 1);
     #pragma omp for schedule(static) nowait
     for (int n = 0; n < N; n += tile) {
         const int rows = N - n < tile ? N - n : tile;

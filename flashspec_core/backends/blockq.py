@@ -1,4 +1,5 @@
-"""Linear layers read from a GGUF file's 4- to 8-bit blocks, computed in fp32: the target's own weights.
+"""Linear layers read from a GGUF file's blocks (4- to 8-bit, or F16/BF16/F32 values), computed in fp32:
+the target's own weights.
 
 Why: on a CPU a decode step is bound by the bytes of weights it reads. The default model ships as
 a GGUF file whose layers are Q4_1 blocks (and its tied embedding Q8_0), and llama.cpp's Q4_K_M
@@ -7,7 +8,8 @@ larger, which every step then streams from memory (about half of a step of the d
 The fp32 weights are exactly the blocks' values (d*q + m or d*(q - offset) in fp32; a K-quant's
 scales multiplied out exactly), so a kernel that multiplies by those values straight from the blocks computes
 the same fp32 function of the same weights; only the order of its sums differs, as it does
-between MKL's one-row and many-row kernels. `gguf_weights.attach` checks, per layer, that the
+between MKL's one-row and many-row kernels. F16 and BF16 tensors (an F16 file, or those a
+quantized file keeps) widen to fp32 exactly, so the kernel reads them as they are, 2 bytes a weight. `gguf_weights.attach` checks, per layer, that the
 blocks de-quantise to the model's weights bit for bit before any layer may use them.
 
 The kernel (`blockq.c`) is compiled on first use on the machine that runs it (`-march=native`,
@@ -33,21 +35,25 @@ import torch
 
 from flashspec_core.models import cache_root
 
-# compiled into one library: the block products and the layer stack built on them (decode_layers.c)
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("blockq.c", "decode_layers.c"))
+# compiled into one library: the block products and the layer stack built on them (decode_layers.c,
+# with its per-architecture head steps, decode_heads.c)
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("blockq.c", "decode_layers.c", "decode_heads.c"))
 HEADER = Path(__file__).with_name("blockq.h")
 BLOCK = 32  # weights per block of the kernel's layouts along the input dimension
 # The layouts blockq.c reads, in blockq.h's order, and the GGUF types each holds (repacked by
 # `from_gguf_rows`): 4-bit nibbles with (d, m) or with an offset, the same with a fifth bit, int8
-# with one d per 32 or per 16 weights.
-LAYOUTS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q8_s16")
+# with one d per 32 or per 16 weights; fp16, bf16 and fp32 weights as the file stores them.
+LAYOUTS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q8_s16", "f16", "bf16", "f32")
 LAYOUT_OF = {"q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1", "q8_0": "q8_0",
-             "q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q8_s16"}
+             "q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q8_s16", "f16": "f16", "bf16": "bf16", "f32": "f32"}
 KINDS = tuple(LAYOUT_OF)  # the GGUF block types the kernel reads
 SUPER = 256  # weights per K-quant super-block
-# per GGUF type: (weights, bytes) of one of its blocks
+# per GGUF type: (weights, bytes) of one of its blocks; the float types store single values, which
+# the kernel reads 32 at a time (so their rows, too, must be whole blocks of 32)
 BLOCK_BYTES = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
-               "q4_k": (SUPER, 144), "q5_k": (SUPER, 176), "q6_k": (SUPER, 210)}
+               "q4_k": (SUPER, 144), "q5_k": (SUPER, 176), "q6_k": (SUPER, 210),
+               "f16": (BLOCK, 64), "bf16": (BLOCK, 64), "f32": (BLOCK, 128)}
+_FLOATS = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}  # the float types' dtypes
 _OFFSET = {"q4_0": 8, "q5_0": 16}  # layouts whose weights are d * (q - offset): one d a block
 
 
@@ -59,7 +65,8 @@ class BlockWeight:
     qs [out, in / 32 * 16] uint8 (byte i of a block: weight i in the low nibble, i + 16 in the
     high one), q5_*: [out, in / 32 * 20] (a little-endian 32-bit word of fifth bits first, bit i
     for weight i), scales [out, in / 32, 2] fp32 (d, m) or [out, in / 32] (d) for q4_0 and q5_0;
-    int8 layouts: qs [out, in] int8, scales [out, in / 32] (q8_0) or [out, in / 16] (q8_s16) fp32.
+    int8 layouts: qs [out, in] int8, scales [out, in / 32] (q8_0) or [out, in / 16] (q8_s16) fp32;
+    float layouts: qs [out, in * 2 or 4] uint8 (the little-endian values), scales [out, 0].
     """
 
     kind: str
@@ -74,8 +81,10 @@ class BlockWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [out, in] these blocks hold, as gguf-py and transformers compute it:
-        d * q + m (one rounding), d * (q - offset), or d * q (exact)."""
+        d * q + m (one rounding), d * (q - offset), d * q, or a float value (exact)."""
         n, k, layout = self.out_features, self.in_features, self.layout
+        if layout in _FLOATS:  # widened to fp32: exact
+            return self.qs.contiguous().view(_FLOATS[layout]).reshape(n, k).float()
         if layout in ("q8_0", "q8_s16"):
             group = 32 if layout == "q8_0" else 16
             q = self.qs.view(n, k // group, group).float()
@@ -130,13 +139,17 @@ def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
 def from_gguf_rows(kind: str, raw: torch.Tensor, out_features: int, in_features: int) -> BlockWeight:
     """A BlockWeight from GGUF's raw block bytes [out, bytes per row] (uint8), repacked into the
     layout blockq.c reads (`LAYOUT_OF`); the values are GGUF's own, scales multiplied out in fp32
-    as ggml does (exact: an fp16 d times a 6- or 8-bit integer scale)."""
+    as ggml does (exact: an fp16 d times a 6- or 8-bit integer scale). F16, BF16 and F32 rows are
+    kept as they are."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
     size, nbytes = BLOCK_BYTES[kind]
     if in_features % size:
         raise ValueError(f"in_features must be a multiple of {size} for {kind}; got {in_features}")
     n, nb = out_features, in_features // size
+    if kind in _FLOATS:  # the values as they are
+        qs = raw.reshape(n, nb * nbytes).contiguous()
+        return BlockWeight(kind, qs, torch.zeros(n, 0), out_features, in_features)
     blocks = raw.reshape(n, nb, nbytes)
     if kind == "q8_0":
         scales = _fp16(blocks[..., :2])

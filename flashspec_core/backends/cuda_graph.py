@@ -1,22 +1,13 @@
 """A target on CUDA: static KV cache, one CUDA graph per (batch, width), greedy verify in the graph.
 
-Why: eagerly, a forward of a small model is hundreds of kernel launches from Python, so the GPU
-idles and a step costs the launches whatever the model's arithmetic; replayed from a CUDA graph
-the same forward costs a fraction of that. The forward runs over
-`StaticLlama`'s fixed buffers; a step copies ids and positions into the graph's input buffers,
-replays, and, in greedy mode, the same graph takes the argmax at every position and counts the
-accepted prefix, so the host reads back one small tensor: [n_accepted, tokens...] per row.
-The rows' host records (prefix reuse, rollback, growth) are `StaticRows`' (static_rows.py).
-
-A prompt (or a draft's catch-up, or rows feeding different widths) that no decode graph holds
-replays one more graph, of PREFILL_WIDTH, once per piece of that many tokens (a few rows among
-many: a one-row twin of it per row, reading and writing its cache row by index); the rest (a row
-whose last piece is shorter than the logits asked for) runs the same forward eagerly. A step of
-rows with different draft lengths and settings is one replay too (`score_step`). Rolling back is
-moving a row's length: positions past it are never read.
-The last SCRATCH slots of each row are where graphs are warmed up and captured (that runs the
-forward for real), so no row ever holds a token there. On the CPU the same class runs eagerly:
-the tests exercise its cache logic against transformers without a GPU.
+The forward runs over `StaticLlama`'s fixed buffers, replayed from a graph (an eager forward of a
+small model is its kernel launches). A step copies ids and positions into the graph's inputs,
+replays, and in greedy mode the same graph takes the argmax at every position and counts the
+accepted prefix, so the host reads back [n_accepted, tokens...] per row. A chunk no decode graph
+holds (a prompt, a catch-up) replays the graph of PREFILL_WIDTH piece by piece; rows' host
+records (prefix reuse, rollback by length, growth) are `StaticRows'`. The last SCRATCH slots of
+each row are where graphs are warmed and captured, so no row holds a token there. On the CPU the
+same class runs eagerly (the tests). Why and how: docs/backends.md.
 """
 from __future__ import annotations
 
@@ -137,11 +128,10 @@ class GraphedModel(StaticRows, TargetRunner):
         `prefill_width` (0: none), which then runs every wider chunk piece by piece (with, once
         there are ROW_SHARE rows or more, its one-row indexed twin).
 
-        Why pad: a copy draft proposes anywhere from 1 to γ tokens, so unpadded steps would need a
-        graph per width, each captured (a hundred steps' time) in the middle of some request. On a
-        GPU a pass over 9 tokens costs about what one over 3 does, and padded columns cannot change the result: they sit after the row's real tokens, which
-        causal attention never lets them influence, and their draft slots hold -1, which no
-        target token equals, so they are never accepted.
+        Why pad: a copy draft proposes anywhere from 1 to γ tokens, so unpadded steps would each
+        capture a graph of their width in the middle of some request. Padded columns cannot change
+        the result: they sit after the row's real tokens, which causal attention never lets them
+        influence, and their draft slots hold -1, which no target token equals.
         """
         if not self.use_graphs:
             return
@@ -172,8 +162,8 @@ class GraphedModel(StaticRows, TargetRunner):
 
         Every active row must feed the same number of tokens c. After `warm`, c pads up to the
         smallest warmed width that holds it, and any other c runs eagerly: a prompt or catch-up
-        chunk of an odd size would otherwise capture a graph (0.1-0.3 s) to replay once, where an
-        eager forward costs ~20 ms. Before any warm-up, each c up to SCRATCH is captured as met.
+        chunk of an odd size would otherwise capture a graph to replay once, which costs more than
+        the eager forward. Before any warm-up, each c up to SCRATCH is captured as met.
         """
         if not self.use_graphs:
             return None

@@ -1,22 +1,14 @@
 """Attention of a few new tokens per row over a static KV cache, split along the keys (Triton).
 
-Why: a graphed step attends over every slot of a fixed-size cache (a graph cannot change shape),
-and a fused attention kernel gives each (row, key/value head) one program that walks all of it:
-batch 1 of a three-head model ran three programs over 2,048 slots in each of 30 layers, half of
-the step on an H200 whatever the row's real length. Here the slots are cut into splits, one
-program per (split, row, head, block of queries), and a program reads only slots its queries can
-see (a query at position p sees slots 0..p of its row), so a split past the row's length exits at
-once: the work follows each row's length inside one fixed graph. A second kernel merges the
-splits' partial softmax sums (the online-softmax rule of flash decoding) and writes the output in
-the layout the output projection reads, so no copy follows. A query's result is the same bits
-whatever else the step feeds (other rows, other widths, a cache grown for another row): every
-shape runs one compiled kernel, splits have one size, and slots a query cannot see add exact zeros.
-
-Rows are read through an index (`rows`), so a step may feed any cache rows in any order without
-gathering them, and no mask tensor is built. Numerics: scores and sums in fp32 (fp32 products when
-the model is fp32: no TF32); the probabilities are rounded to the cache's dtype before the product
-with V, as fused attention kernels do. The kernels run on CUDA, or on the CPU under
-TRITON_INTERPRET=1 (the tests).
+A graphed step attends over every slot of a fixed-size cache. Here the slots are cut into splits
+of one size, one program per (split, row, head, block of queries), and a program reads only the
+slots its queries can see (a query at position p sees slots 0..p of its row), so the work follows
+each row's length inside one fixed graph. A second kernel merges the splits' partial softmax sums
+(flash decoding) in the layout the output projection reads. A query's result is the same bits
+whatever else the step feeds: one compiled kernel for every shape, splits of one size, unseen
+slots add exact zeros. Rows are read through an index (`rows`): no gather, no mask. Scores and
+sums in fp32; probabilities rounded to the cache's dtype before the product with V. Runs on
+CUDA, or on the CPU under TRITON_INTERPRET=1 (the tests). Why: docs/backends.md.
 """
 from __future__ import annotations
 
@@ -49,9 +41,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: 
     cache row of each batch row; positions: [B, W] int, query w of row b sees slots
     0..positions[b, w] of its cache row (positions must lie in 0..S-1: a graph cannot check).
     Returns [B, W, H_kv*G*D] in q's dtype (head h's D values at columns h*D..), the input of the
-    output projection. Scratch: the splits' partial outputs, B*H_kv*(S/128)*G*W*D fp32, an eighth
-    of the K/V cache's size for 64 rows 17 wide of the default model (a captured graph keeps it in
-    its memory pool; 20 MB at 2,048 slots).
+    output projection. Scratch: the splits' partial outputs, B*H_kv*(S/SPLIT)*G*W*D fp32 (a
+    captured graph keeps it in its memory pool).
     """
     _check(q, k_cache, v_cache, rows, positions)
     bsz, n_kv, gw, d = q.shape

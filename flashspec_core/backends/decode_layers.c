@@ -6,8 +6,9 @@
  * cache writes, SDPA, SiLU, residual adds) at 3-90 us each, plus the Python that calls them and
  * an OpenMP fork and join per product (2-core Xeon, torch profiler). Here each layer is nine
  * steps separated by barriers of the one parallel region: norm, q|k|v (three products, one
- * barrier), rotation and cache write,
- * attention, o, residual and norm, gate|up, SiLU(gate) * up, down.
+ * barrier), rotation and cache write, attention, o, residual and norm, gate|up, SiLU(gate) * up,
+ * down; and a tenth after q|k|v where the model has q/k/v biases (Qwen2) or q/k norms (Qwen3)
+ * (decode_heads.c).
  *
  * The arithmetic is the model's, in fp32, step for step as transformers writes it: RMSNorm as
  * weight * (x * (1 / sqrt(mean(x^2) + eps))); the rotation as q * cos + rotate_half(q) * sin from
@@ -37,10 +38,12 @@
 #endif
 #include "blockq.h"
 
-/* per-layer slots of the table (int64: addresses, and block kinds): the norms, the caches, then per
- * projection (q, k, v, o, gate, up, down) its blocks, scales and layout (blockq.h), each its own
- * kind (a Q4_K_M file mixes them within a layer) */
-enum { ATTN_NORM, MLP_NORM, K_CACHE, V_CACHE, PROJ };
+/* per-layer slots of the table (int64: addresses, and block kinds): the norms, the caches, the q, k
+ * and v biases (Qwen2's [H * D], [H_kv * D], [H_kv * D]) and the per-head q and k norm weights
+ * (Qwen3's [D] each), 0 where the model has none, then per projection (q, k, v, o, gate, up, down)
+ * its blocks, scales and layout (blockq.h), each its own kind (a Q4_K_M file mixes them within a
+ * layer) */
+enum { ATTN_NORM, MLP_NORM, K_CACHE, V_CACHE, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM, PROJ };
 enum { P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, N_PROJ };
 enum { SLOTS = PROJ + 3 * N_PROJ };
 /* dims: layers, hidden, heads, kv heads, head dim, intermediate, slots per row (S), the most tokens
@@ -109,6 +112,13 @@ static inline float dot(const float *a, const float *b, int n) {
     for (int i = 0; i < n; i++) s += a[i] * b[i];
     return s;
 }
+
+/* Whether table row e has q/k/v biases or q/k norms: decode_heads.c's `bias_and_norm` then runs
+ * between the q|k|v products and the rotation, over the table's slots Q_BIAS .. K_NORM. */
+static int has_bias_or_norm(const int64_t *e) {
+    return e[Q_BIAS] || e[K_BIAS] || e[V_BIAS] || e[Q_NORM] || e[K_NORM];
+}
+void bias_and_norm(float *qkv, const int64_t *extras, float eps, int T, int nq, int nkv, int D);
 
 /* x += delta (when given), then y = RMSNorm(x) with weight w; one token per iteration. */
 static void add_norm(float *x, const float *delta, const float *w, float eps, float *y, int T, int H) {
@@ -374,7 +384,7 @@ void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, 
     const int H = (int)dims[HIDDEN], nq = (int)dims[HEADS], nkv = (int)dims[KV_HEADS], D = (int)dims[HEAD_DIM];
     const int I = (int)dims[INTER], S = (int)dims[MAX_LEN], W = (int)dims[WIDTH], CH = (int)dims[CHUNK];
     const int QKV = (nq + 2 * nkv) * D, CHUNKS = (S + CH - 1) / CH;
-    const float eps = fdims[0], scale = fdims[1];
+    const float eps = fdims[0], scale = fdims[1], qk_eps = fdims[2];  /* fdims[2]: the q/k norms' eps */
     float *h = work, *qkv = h + (size_t)T * H, *att = qkv + (size_t)T * QKV, *gu = att + (size_t)T * nq * D;
     float *act = gu + (size_t)T * 2 * I, *delta = act + (size_t)T * I, *part = delta + (size_t)T * H;
     float *scores = part + (size_t)T * nq * CHUNKS * (D + 2);
@@ -402,6 +412,10 @@ void decode_layers(const int64_t *tab, const int64_t *dims, const float *fdims, 
             product(e, P_Q, h, T, H, qkv, nq * D, QKV);  /* q | k | v: one barrier after the three */
             product(e, P_K, h, T, H, qkv + nq * D, nkv * D, QKV);
             product(e, P_V, h, T, H, qkv + (nq + nkv) * D, nkv * D, QKV);
+            if (has_bias_or_norm(e)) {  /* the same for every thread: all of them sync or none */
+                team_sync(&team, &phase);
+                bias_and_norm(qkv, e + Q_BIAS, qk_eps, T, nq, nkv, D);
+            }
             team_sync(&team, &phase);
             rope_and_cache(qkv, pos, trow, cos, sin, T, nq, nkv, D, S, F(e[K_CACHE]), F(e[V_CACHE]));
             team_sync(&team, &phase);

@@ -92,7 +92,7 @@ def attach(model: nn.Module, gguf_path: str | Path) -> int:
     fp32_by_kind: Counter[str] = Counter()  # GGUF type -> layers left on the fp32 kernels
     with torch.no_grad():
         for name, module in model.named_modules():
-            if not isinstance(module, PackedLinear) or module.bias is not None:
+            if not isinstance(module, PackedLinear):  # a bias (Qwen2's q, k, v) stays fp32, added after
                 continue
             tensor = _tensor_for(name, model, names, tensors)
             if tensor is None:

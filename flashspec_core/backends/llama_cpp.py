@@ -1,20 +1,15 @@
 """A target whose forward runs in llama.cpp (through `llama-cpp-python`) on the GGUF file as is.
 
-Why: on a CPU, decoding is bound by the bytes of weights read per token. The default model ships
-as a 4-bit GGUF file; llama.cpp reads it at 4 bits where transformers reads the de-quantised fp32
-copy, eight times the bytes, so llama.cpp decodes several times faster on the same cores.
-It is also what CPU users run already (Ollama, LM Studio).
+Why: on a CPU, decoding is bound by the bytes of weights read per token, and llama.cpp reads a
+quantised GGUF file at its own width where transformers reads a de-quantised copy; it is also what
+CPU users run already (Ollama, LM Studio). Figures: BENCHMARKS.md.
 
-The runner keeps the `TargetRunner` contract (base.py): `forward_to(sequences, ...)` makes each row
-of the llama.cpp context hold exactly `sequences[b]` and returns the logits after its last
-`keep_logits` tokens. One `llama_decode` call evaluates every row's new tokens (the draft path
-included) with logits for each of the last positions, and rollback is `llama_memory_seq_rm` by
-sequence position, as llama.cpp's own speculative example does. Rows of a batch are llama.cpp
-sequence ids; tokens go in by id, so the engine's HF tokenizer and chat template apply unchanged.
-
-The target law is then llama.cpp's: its quantised matrix products round differently from the
-fp32 copy, so greedy output equals llama.cpp's own greedy decoding of the same file (tested),
-which can differ from transformers' at near-ties.
+The runner keeps the `TargetRunner` contract (base.py). Rows are llama.cpp sequence ids; one
+`llama_decode` call evaluates every row's new tokens (the draft path included) with logits at each
+position asked for, and rollback is `llama_memory_seq_rm` by sequence position, as llama.cpp's own
+speculative example does. Tokens go in by id, so the engine's tokenizer and chat template apply
+unchanged. The target law is llama.cpp's: greedy output equals llama.cpp's own greedy decoding of
+the same file (tested), which can differ from transformers' at near-ties.
 """
 from __future__ import annotations
 

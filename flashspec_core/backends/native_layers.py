@@ -10,13 +10,14 @@ rotary cos and sin (transformers' own, whatever the rope scaling) and the LM hea
 
 Which widths it runs is the calibration's measurement (`StaticCachedModel` offers it as the kernels
 NATIVE and NATIVE_4ROW, its products in tiles of 1 and of 4 rows), like any other kernel. It takes
-Llama-family models whose seven projections per layer are all blocks without biases and whose MLP
-is SiLU-gated, with no per-head q/k norms (Qwen3) or attention biases (Qwen2); the others keep the
-torch forward.
+Llama-family models (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its per-head q/k
+norms) whose seven projections per layer are all blocks, with no bias on o or the MLP, and whose
+MLP is SiLU-gated; the others keep the torch forward.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ from flashspec_core.backends import blockq
 from flashspec_core.backends.blockq import LAYOUTS, BlockWeight
 from flashspec_core.backends.cpu_linear import PackedLinear
 from flashspec_core.backends.static_llama import _RMS_NORMS, StaticLlama, _eps
+
+logger = logging.getLogger(__name__)
 
 NATIVE = "gguf-native"
 NATIVE_4ROW = "gguf-native-4row"  # the same with the block kernel's tiles of 4 rows (blockq.set_tile_rows)
@@ -37,26 +40,89 @@ def _projections(layer: Any) -> tuple[Any, ...]:
     return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
 
-def eligible(static: StaticLlama) -> bool:
-    """Whether `static`'s (a StaticLlama) model can run in `decode_layers.c` now: fp32 on the CPU,
-    SiLU-gated MLP, transformers' RMSNorms, no q/k norms, and every projection of every layer a
+def _qk_norms(layer: Any) -> tuple[Any, Any] | None:
+    """A decoder layer's per-head q and k norms (Qwen3's q_norm, k_norm), or None without them."""
+    attn = layer.self_attn
+    if not hasattr(attn, "q_norm"):
+        return None
+    return attn.q_norm, attn.k_norm
+
+
+def _qk_eps(static: StaticLlama) -> float:
+    """The q/k norms' eps (one for every layer: `eligible` checks), or the layer norms' without them."""
+    norms = _qk_norms(static.layers[0])
+    return _eps(static.layers[0].input_layernorm if norms is None else norms[0])
+
+
+def _fp32_vector(t: Any, size: int) -> bool:
+    """Whether t is a contiguous fp32 CPU tensor of `size` values (what decode_layers.c reads)."""
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+            and t.is_contiguous() and t.numel() == size and t.dim() == 1)
+
+
+def _attention_extras_refusal(static: StaticLlama, layer: Any, qk_eps: float) -> str | None:
+    """Why a layer's q/k/v biases or q/k norms are not what decode_layers.c computes (None: they
+    are): it takes fp32 vectors of the projections' widths, transformers' RMSNorms over head_dim
+    with the model's one q/k eps, and no bias on o, gate, up or down."""
+    (q, k, v, *rest) = _projections(layer)
+    if any(p.bias is not None for p in rest):
+        return "a bias on o, gate, up or down"
+    if not all(p.bias is None or _fp32_vector(p.bias, p.out_features) for p in (q, k, v)):
+        return "a q/k/v bias that is not an fp32 vector"
+    norms = _qk_norms(layer)
+    if norms is not None and not all(type(n).__name__ in _RMS_NORMS and _fp32_vector(n.weight, static.head_dim)
+                                     and _eps(n) == qk_eps for n in norms):
+        return "q/k norms other than RMSNorms over head_dim with one eps"
+    return None
+
+
+def refusal(static: StaticLlama) -> str | None:
+    """Why `static`'s (a StaticLlama) model cannot run in `decode_layers.c` now, or None where it
+    can: fp32 on the CPU, SiLU-gated MLP, transformers' RMSNorms, q/k/v biases and per-head q/k
+    norms only as `_attention_extras_refusal` allows, and every projection of every layer a
     PackedLinear with blocks (each of any kind the kernel reads)."""
     model = static.model
-    if static.fuse or static.dtype != torch.float32 or static.device.type != "cpu" or blockq.library() is None:
-        return False
+    if static.fuse or static.dtype != torch.float32 or static.device.type != "cpu":
+        return "not an fp32 CPU forward"
+    if blockq.library() is None:
+        return "no C compiler for the kernels"
     if getattr(model.config, "hidden_act", None) not in ("silu", "swish"):
-        return False
+        return f"activation {getattr(model.config, 'hidden_act', None)!r}, not SiLU"
     norms = [model.model.norm] + [n for layer in static.layers for n in (layer.input_layernorm,
                                                                         layer.post_attention_layernorm)]
     if any(type(n).__name__ not in _RMS_NORMS for n in norms):
-        return False
-    for layer in static.layers:
-        if hasattr(layer.self_attn, "q_norm") or not hasattr(layer.mlp, "gate_proj"):
-            return False
-        if not all(isinstance(p, PackedLinear) and p.bias is None and p.blocks() is not None
-                   for p in _projections(layer)):
-            return False
-    return True
+        return "a norm other than transformers' RMSNorm"
+    if len({_qk_norms(layer) is None for layer in static.layers}) > 1:
+        return "q/k norms in some layers only"
+    qk_eps = _qk_eps(static)
+    for i, layer in enumerate(static.layers):
+        if not hasattr(layer.mlp, "gate_proj"):
+            return "an MLP without gate_proj"
+        reason = _attention_extras_refusal(static, layer, qk_eps)
+        if reason is not None:
+            return f"layer {i}: {reason}"
+        if not all(isinstance(p, PackedLinear) and p.blocks() is not None for p in _projections(layer)):
+            return f"layer {i}: a projection without GGUF blocks (a type the kernel does not read, or edited)"
+    return None
+
+
+def eligible(static: StaticLlama) -> bool:
+    """Whether `static`'s (a StaticLlama) model can run in `decode_layers.c` now (`refusal`); logs
+    the reason where it cannot, so a model left on the torch layers says why."""
+    reason = refusal(static)
+    if reason is not None:
+        logger.info("native layer stack: not for %s (%s); its layers run in torch",
+                    type(static.model).__name__, reason)
+    return reason is None
+
+
+def _extras_row(layer: Any) -> list[int]:
+    """A layer's q, k and v bias and q and k norm weight addresses (0 where absent): the five slots
+    of its row of decode_layers.c's table after the caches'."""
+    q, k, v = _projections(layer)[:3]
+    norms = _qk_norms(layer)
+    biases = [0 if p.bias is None else p.bias.data_ptr() for p in (q, k, v)]
+    return biases + ([0, 0] if norms is None else [n.weight.data_ptr() for n in norms])
 
 
 class NativeLayers:
@@ -74,7 +140,9 @@ class NativeLayers:
         # tokens per row, and the chunk (decode_layers.c's dims)
         self.dims = torch.tensor([len(static.layers), cfg.hidden_size, static.n_heads, static.n_kv, static.head_dim,
                                   cfg.intermediate_size, 0, 0, chunk], dtype=torch.int64)
-        self.fdims = torch.tensor([_eps(static.layers[0].input_layernorm), static.scaling], dtype=torch.float32)
+        # eps of the layer norms, the attention scale, eps of the q/k norms (decode_layers.c's fdims)
+        self.fdims = torch.tensor([_eps(static.layers[0].input_layernorm), static.scaling, _qk_eps(static)],
+                                  dtype=torch.float32)
         self._table: torch.Tensor | None = None  # [layers, SLOTS] int64
         self._held: tuple = ()  # what the table points into, kept alive
         self._projections = [p for layer in static.layers for p in _projections(layer)]
@@ -93,6 +161,7 @@ class NativeLayers:
         ps = self._projections
         objects = [p._parameters["weight"] for p in ps] + [p._blocks for p in ps] + [self.static.keys,
                                                                                     self.static.values]
+        objects += [p.bias for p in ps]  # by identity: a replaced bias moves its address
         return objects, [PackedLinear._version(w) for w in objects[:len(ps)]]
 
     def _current_table(self) -> torch.Tensor | None:
@@ -106,11 +175,11 @@ class NativeLayers:
         weights = self._weights()
         if weights is None:
             return None
-        held = (*weights, *static.keys, *static.values)
+        held = (*weights, *static.keys, *static.values, *[p.bias for p in self._projections])
         rows = []
         for i, layer in enumerate(static.layers):
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                   static.keys[i].data_ptr(), static.values[i].data_ptr()]
+                   static.keys[i].data_ptr(), static.values[i].data_ptr(), *_extras_row(layer)]
             for w in weights[7 * i:7 * i + 7]:
                 row += [w.qs.data_ptr(), w.scales.data_ptr(), LAYOUTS.index(w.layout)]
             rows.append(row)

@@ -2,15 +2,10 @@
 
 Order of precedence: an explicit `domain=` from the caller; then a hint from the framework
 adapter (tools bound -> "tool", retrieval synthesis -> "rag", structured output -> "json", an open
-set); then a cheap classifier over the prompt text. The classifier runs once per request, before
-the first token, so it must cost far less than a decode step: it only looks at the head and the
-tail of the prompt (where instructions, schemas, tool results and the question sit) plus the
-prompt's length, and it uses a handful of precompiled regular expressions.
-
-The classifier's labels: "tool" (tool/function-call JSON, ReAct action traces), "json"
-(structured output requested), "code", "rag" (long context with retrieved documents), "math",
-and "chat" (everything else). Misclassification only costs speed, never correctness: the
-router's per-domain bandits learn whatever works for the prompts that land in each label.
+set); then a cheap classifier over the head and tail of the prompt text, run once per request
+before the first token: "tool" (tool-call JSON, ReAct traces), "json" (structured output asked
+for), "code", "rag" (long context with retrieved documents), "math" or "chat". A wrong label only
+costs speed, never correctness: each label's bandit learns what works for the prompts it gets.
 """
 from __future__ import annotations
 
@@ -21,15 +16,14 @@ from collections.abc import Callable
 CHAT, CODE, TOOL, JSON, RAG, MATH = "chat", "code", "tool", "json", "rag", "math"
 
 # Characters inspected at each end of the prompt; the middle of a long prompt is usually the
-# bulk of retrieved documents or a file, which the head and tail already characterise. 1,000 a
-# side classify the labelled set as well as 2,500 did and keep the slowest path (long prose that
-# goes through every feature) near 0.3 ms.
+# bulk of retrieved documents or a file, which the head and tail already characterise (1,000 a
+# side classify the labelled set of benchmarks/domain_accuracy.py as well as 2,500 did).
 _HEAD = 1000
 _TAIL = 1000
 # A prompt longer than this with a document marker is treated as retrieval-augmented.
 _LONG_CONTEXT_CHARS = 4000
 
-# Speed: case-insensitive regex alternations cost ~50 ns per character each in `re`, so the
+# Speed: each case-insensitive regex alternation costs a pass over the text in `re`, so the
 # classifier lower-cases once, splits into a word set once (C-speed `translate` + `split`), and
 # then uses set intersections, substring tests (`in`, C-speed) and a few regexes that begin
 # with a literal (which `re` can skip to). Each feature is one *kind* of evidence, weighted by how

@@ -1,34 +1,13 @@
 """Routers: pick the arm (draft source, γ) for each decode step from the domain and past steps.
 
-`BanditRouter` keeps one bandit per domain, because the draft that pays for a tool call (copying
-a schema) is rarely the one that pays for chat. The reward is goodput, tokens emitted per second
-of step time (draft + verify), because acceptance alone ignores what drafting costs: a long γ
-with a slow draft can accept more and still be slower than plain decoding, which is why
-`Arm(NO_DRAFT, 0)` is always an arm. A step's goodput is its tokens emitted over the arm's mean
-step time in the domain, so that the rewards average to the arm's throughput (Σ emitted /
-Σ seconds, what the user waits on); emitted / own seconds would also carry the timer's jitter.
-Goodput is normalised per domain into [0, 1] in units of plain decoding's goodput there (one
-token per measured one-token verify pass): a fixed yardstick, so an arm's rewards do not drift
-with what the other arms happened to do while it ran. Reward 1 is the most any arm's step can
-emit (its γ + 1 tokens) in one plain step's time, so no step is clipped: on a GPU, where a pass
-over 9 tokens costs what one over 1 does, a cap at 4 tokens scored γ = 4 and γ = 8 alike on every
-long copy and the router split its steps between them.
-
-Copy drafts and plain decoding are scored on every step (plain decoding: one token per row at
-the measured one-token pass), so the bandit is told not to explore them (`observed`): they
-compete on their mean reward, and only model drafts are explored.
-
-Deterministic drafts (prompt lookup, suffix cache) are scored after the fact whichever arm ran,
-along the path their own steps would have taken (full-information updates, copy_scoring.py).
-Such a step is charged what proposing took plus the domain's price of a verify pass over as many
-tokens at its own context (domain_state.py, forward_costs.py), so a copy draft that found nothing
-costs what plain decoding does. A model draft's step also scores the
-same draft at every smaller γ: its first γ' proposals and their
-accept decisions are exactly what a γ' step would have drafted and decided, so the smaller arm
-would have emitted min(accepted, γ') + 1 tokens, in a γ'/γ share of the drafting time plus the
-measured time of verifying γ' + 1 tokens. Only finished steps are used, never the current one
-(exactness invariant): `update` runs after the step's tokens are final.
-
+`BanditRouter` keeps one bandit per domain over the arms, plain decoding (`Arm(NO_DRAFT, 0)`)
+always among them. The reward is goodput, tokens emitted per second of step time (draft and
+verify), normalised per domain in units of plain decoding's goodput there and uncapped up to the
+γ + 1 tokens a step can emit. Deterministic drafts and plain decoding are scored after the fact on
+every step, along the path their own steps would have taken (copy_scoring.py), so they are never
+explored; a model draft's step also scores the same draft at every smaller γ. Only finished steps
+are used, never the current one (exactness invariant): `update` runs after the step's tokens are
+final. Why each choice: docs/design.md, "The router and its reward".
 """
 from __future__ import annotations
 
@@ -223,19 +202,11 @@ class BanditRouter(Router):
 
     def set_expected_goodput(self, goodput: Mapping[Arm, float]) -> None:
         """Tokens/s each arm is expected to reach before it has run: the prior mean of its reward
-        in every domain (Thompson sampling only; arms not given keep the optimistic default).
-
-        Why: an untried model draft is presumed twice as productive as plain decoding, so every γ
-        of every model draft is run a few times in every domain to disprove it; where the target's
-        forward is cheap next to drafting, those pulls cost more than the draft ever wins.
-        `routing/priors.py` prices a draft's measured acceptance at this machine's measured costs.
-        Needs the calibrated one-token cost (set_forward_costs) first.
-
-        An arm expected below plain decoding's goodput is not offered at all. Its draft's accepted
-        lengths were measured on prompts like those it was trained on, its best case, so where
-        even they do not pay on this machine the arm is not expected to win anywhere, and each try
-        costs a prefill of the request: a posterior over several such arms lets one of them beat
-        the best arm on many steps of a new domain before each has had a few bad steps.
+        in every domain (Thompson sampling only; arms not given keep the optimistic default, twice
+        plain decoding's goodput). An arm expected below plain decoding's goodput is not offered
+        at all: its draft's expectation is its best case (`routing/priors.py` prices the accepted
+        lengths measured on prompts like its training data at this machine's costs), so it would
+        not win anywhere and each try costs a prefill. Needs `set_forward_costs` first.
         """
         with self._lock:
             plain = self._costs.at_width(1)
@@ -303,10 +274,8 @@ class BanditRouter(Router):
         drafts scored after the fact.
 
         A request's first step (`prefilled`) rewards no arm: its first token came from the
-        prefill's forward, so it cost a fraction of a millisecond with plain decoding. Counted,
-        it started each arm's mean step time near zero and earned that arm the largest reward
-        there is: plain decoding's and prompt lookup's own estimates on loop steps came out 5-27%
-        above their real speed. Its proposal still starts the copy drafts' paths."""
+        prefill's forward, nearly free, and counted it would pull the arm's mean step time toward
+        zero and overrate it. Its proposal still starts the copy drafts' paths."""
         check_record(record, self._index)
         with self._lock:
             state = self._domain(record.domain)

@@ -13,7 +13,7 @@ from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.verify.reference import BAD_INPUT, PAD, verify_torch
 
 Backend = Literal["auto", "torch", "triton"]
-BACKENDS = ("auto", "torch", "triton")
+VERIFY_BACKENDS = ("auto", "torch", "triton")  # the values of Backend
 
 
 def _check_inputs(
@@ -94,8 +94,8 @@ def verify(
     logits' device for the Triton backend (one per row: each row draws as it would alone); the
     torch backend takes `uniforms` instead.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend not in VERIFY_BACKENDS:
+        raise ValueError(f"backend must be one of {VERIFY_BACKENDS}; got {backend!r}")
     _check_inputs(target_logits, draft_tokens, draft_probs, uniforms)
     backend = pick_backend(backend, target_logits)
     if seed is not None and backend != "triton":
@@ -109,4 +109,4 @@ def verify(
     return verify_torch(target_logits, draft_tokens, draft_probs, sampling, uniforms, generator)
 
 
-__all__ = ["BAD_INPUT", "PAD", "draw_seed", "kernel_samples", "pick_backend", "triton_usable", "verify", "verify_torch", "BACKENDS"]
+__all__ = ["BAD_INPUT", "PAD", "draw_seed", "kernel_samples", "pick_backend", "triton_usable", "verify", "verify_torch", "VERIFY_BACKENDS"]

@@ -77,7 +77,7 @@ class FlashSpecLLM(LangChainParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        # Built in a worker (the first call loads the weights); then waits on the batcher.
+        # Built in a worker (the first call loads the weights); then waits on the engine's requests.
         calls = await asyncio.to_thread(lambda: [self._call(p, stop, run_manager, kwargs) for p in prompts])
         return self._result(await self._arun(calls))
 

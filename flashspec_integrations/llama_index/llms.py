@@ -9,11 +9,12 @@ One class serves both LlamaIndex contracts: it is a `CustomLLM` (completion mode
 `get_tool_calls_from_response`, `tool_required`), so query engines, `ReActAgent` and
 `FunctionAgent` all take it. Its fields are the ones LangChain's `ChatFlashSpec` takes
 (`flashspec_integrations.settings`), `timeout` included, and so are its call keywords: one it
-does not take is a ValueError naming it, never silently ignored. Every call tells the engine what kind of step it is (see
-`_hints`), so the router picks drafts per step kind, and every response carries token usage and
-the engine's per-step statistics (see `_responses`). Non-streaming calls, async ones included,
-go through the engine's batcher, so concurrent calls are decoded as engine batches; async
-streams run the engine in a worker thread. Decoding never blocks the event loop.
+does not take is a ValueError naming it, never silently ignored. Every call tells the engine what
+kind of step it is (see `_hints`), so the router picks drafts per step kind, and every response
+carries token usage and the engine's per-step statistics (see `_responses`). Every call is its own
+engine request, which joins the engine's running batch between decode steps (the scheduler,
+flashspec_core/scheduler.py), so concurrent calls decode side by side; async streams read the
+engine's chunks in a worker thread. Decoding never blocks the event loop.
 """
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ from ray import serve
 from flashspec_core.constrained.grammar import compile_workers, set_cache_limit
 from flashspec_core.memory_plan import MEMORY_FRACTION
 from flashspec_core.models import vocab_size
+from flashspec_core.options import RequestOptions
 from flashspec_core.results import GenerationResult
 from flashspec_integrations.plan import CallPlan
 from flashspec_integrations.serve import errors, protocol
@@ -149,9 +150,9 @@ class FlashSpecServer:
         return {**call_info(plan, stats, self.engine.running), "replica": self.replica, "pid": os.getpid(),
                 **self.shared.info()}
 
-    def _settings(self, plan: CallPlan, timeout: float) -> dict[str, Any]:
-        """The engine arguments of a planned request that has `timeout` seconds left."""
-        return {**plan.engine_kwargs(), "timeout": max(timeout, 1e-3)}  # the schema compiled when planned
+    def _options(self, plan: CallPlan, timeout: float) -> RequestOptions:
+        """The engine options of a planned request that has `timeout` seconds left."""
+        return plan.options(max(timeout, 1e-3))  # the schema compiled when planned
 
     def _plan(self, req: protocol.ChatCompletionRequest, retry_after: int) -> CallPlan:
         if req.model != self.model_name:
@@ -212,7 +213,7 @@ class FlashSpecServer:
             try:
                 with self.activity:  # the engine ends the row at its deadline, at the next step
                     await asyncio.to_thread(self.shared.sync)
-                    res = await self.engine.agenerate(plan.prompt_ids, **self._settings(plan, ticket.remaining()))
+                    res = await self.engine.agenerate(plan.prompt_ids, self._options(plan, ticket.remaining()))
                     assert isinstance(res, GenerationResult)  # one prompt: one result
             except TimeoutError:
                 return errors.respond(self.admission.deadline_error())
@@ -235,7 +236,7 @@ class FlashSpecServer:
         """The engine's chunks of a stream (no thread held between them)."""
         with self.activity:
             await asyncio.to_thread(self.shared.sync)
-            async for piece in self.engine.astream(plan.prompt_ids, **self._settings(plan, timeout)):
+            async for piece in self.engine.astream(plan.prompt_ids, self._options(plan, timeout)):
                 yield piece
 
     async def _events(self, plan: CallPlan, cid: str, include_usage: bool, ticket: Ticket, rid: str) -> AsyncIterator[str]:

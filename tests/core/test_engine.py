@@ -6,12 +6,15 @@ and end in the middle of tokens and span several of them.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import greedy_ids, one_thread, tiny_llama, tiny_loaded
 
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
+from flashspec_core.options import RequestArgs, RequestOptions
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing import classify_prompt
 from flashspec_core.routing.fixed import FixedRouter
@@ -134,7 +137,8 @@ def test_streaming_releases_held_back_text_when_the_stop_string_does_not_complet
 @pytest.mark.parametrize("arm", [Arm(NO_DRAFT, 0), Arm("model", 3), Arm("prompt_lookup", 3)], ids=str)
 def test_same_seed_same_output_and_different_seeds_differ(tiny_target, tiny_draft_model, arm):
     engine = make_engine(tiny_target, arm, tiny_draft_model)
-    runs = {seed: [engine.generate(PROMPTS[0], 30, SamplingParams(temperature=1.5, seed=seed)).token_ids
+    runs = {seed: [engine.generate(PROMPTS[0], max_new_tokens=30,
+                                   sampling=SamplingParams(temperature=1.5, seed=seed)).token_ids
                    for _ in range(2)] for seed in (7, 8)}
     assert runs[7][0] == runs[7][1] and runs[8][0] == runs[8][1]
     assert runs[7][0] != runs[8][0]
@@ -185,7 +189,35 @@ def test_bad_generate_input_is_a_value_error_naming_the_argument(tiny_target, kw
         engine.generate(**args)
     with pytest.raises(ValueError, match=name):
         list(engine.stream(**args))
+    prompt = args.pop("prompt")
+    with pytest.raises(ValueError, match=name):  # the same checks where the settings come as options
+        engine.generate(prompt, RequestOptions(**args))
     assert engine.generate(PROMPTS[0], max_new_tokens=2).token_ids  # still usable
+
+
+def test_options_and_keywords_make_the_same_request(tiny_target):
+    """One `RequestOptions` or its fields as keywords: the same output; keywords override options."""
+    engine = make_engine(tiny_target, Arm("prompt_lookup", 2))
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    by_keywords = engine.generate(PROMPTS[0], max_new_tokens=12, sampling=sampling, stop="t9").token_ids
+    options = RequestOptions(max_new_tokens=12, sampling=sampling, stop="t9")
+    assert engine.generate(PROMPTS[0], options).token_ids == by_keywords
+    assert [t for c in engine.stream(PROMPTS[0], options) for t in c.token_ids] == by_keywords
+    assert engine.submit([PROMPTS[0]], options).wait()[0].token_ids == by_keywords
+    longer = RequestOptions(max_new_tokens=30, sampling=sampling, stop="t9")
+    assert engine.generate(PROMPTS[0], longer, max_new_tokens=12).token_ids == by_keywords
+    with pytest.raises(TypeError, match="keyword"):
+        engine.generate(PROMPTS[0], 12)  # the settings after the prompt are keywords
+
+
+def test_request_options_check_their_fields_and_keep_the_keywords_names():
+    assert set(RequestArgs.__annotations__) == {f.name for f in dataclasses.fields(RequestOptions)}
+    options = RequestOptions(sampling={"temperature": 0.5}, stop="x")
+    assert options.sampling == SamplingParams(temperature=0.5) and options.stop == ("x",)
+    with pytest.raises(ValueError, match="timeout"):
+        RequestOptions(timeout=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        RequestOptions().replace(max_new_tokens=0)
 
 
 def test_stream_takes_one_prompt(tiny_target):
@@ -201,8 +233,8 @@ def test_unknown_router_name_and_backend_are_value_errors(tiny_target):
 
 
 def test_vocabulary_mismatch_names_both_sizes(tiny_target, tmp_path):
+    from flashspec_core.loading import build_drafts
     from flashspec_core.models import check_vocab
-    from flashspec_core.pool import build_drafts
 
     with pytest.raises(ValueError, match=r"32.*16|16.*32"):
         check_vocab(tiny_target.model, tiny_llama(32, seed=2), "other")
@@ -214,7 +246,7 @@ def test_vocabulary_mismatch_names_both_sizes(tiny_target, tmp_path):
 
 
 def test_unknown_draft_name_lists_the_valid_ones(tiny_target):
-    from flashspec_core.pool import DRAFT_NAMES, build_drafts
+    from flashspec_core.loading import DRAFT_NAMES, build_drafts
 
     with pytest.raises(ValueError, match="drafts") as err:
         build_drafts(["no_such_draft"], tiny_target, None)

@@ -88,7 +88,8 @@ def _generate(engine: SpecEngine, prompts: list[list[int]], sampling: SamplingPa
             for i, result in zip(batch, results):
                 outputs[i].append(result.token_ids)
             continue
-        handles = [engine.submit([p] * batch.count(i), MAX_NEW, settings.model_copy(update={"seed": seed + call + i}))
+        handles = [engine.submit([p] * batch.count(i), max_new_tokens=MAX_NEW,
+                                 sampling=settings.model_copy(update={"seed": seed + call + i}))
                    for i, (p, settings) in enumerate(zip(prompts, sampling))]
         for i, handle in enumerate(handles):
             outputs[i].extend(r.token_ids for r in handle.wait())

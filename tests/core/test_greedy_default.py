@@ -19,8 +19,8 @@ from flashspec_core.backends.cpu_linear import BLOCKS
 from flashspec_core.backends.native_layers import NATIVE
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
+from flashspec_core.loading import build_drafts
 from flashspec_core.models import vocab_size
-from flashspec_core.pool import build_drafts
 from flashspec_core.prompts import encode_prompt
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm

@@ -1,8 +1,9 @@
-"""Greedy on the default model re-quantized to Q4_K_M by llama.cpp: token-identical to HF
-`generate(do_sample=False)` on the weights transformers de-quantises from the same file.
+"""Greedy on the default model re-quantized by llama.cpp to Q4_K_M and to F16: token-identical to
+HF `generate(do_sample=False)` on the weights transformers de-quantises from the same file.
 
-The file mixes Q5_0, Q8_0, Q4_K and Q6_K (the default model's widths are not multiples of 256,
-so most rows cannot be K-quants), within a layer's q, k and v too. Every linear layer must run from
+The Q4_K_M file mixes Q5_0, Q8_0, Q4_K and Q6_K (the default model's widths are not multiples of
+256, so most rows cannot be K-quants), within a layer's q, k and v too; the F16 file holds every
+projection (and the tied embedding) as F16 values. Every linear layer must run from
 its blocks (each attached only where they de-quantise to transformers' weight bit for bit), and the
 native layer stack and the block kernel, forced on every forward, must give HF's tokens. As in
 test_greedy_default.py, a divergence is accepted only at an fp tie of the reference.
@@ -13,15 +14,15 @@ import logging
 
 import pytest
 import torch
-from helpers import idle_core_threads, q4_k_m_default
+from helpers import idle_core_threads, requantized_default
 
 from flashspec_core.backends import blockq
 from flashspec_core.backends.cpu_linear import BLOCKS, PackedLinear
 from flashspec_core.backends.native_layers import NATIVE
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
+from flashspec_core.loading import load_target
 from flashspec_core.models import load_model, vocab_size
-from flashspec_core.pool import load_target
 from flashspec_core.prompts import encode_prompt
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.types import NO_DRAFT, Arm
@@ -30,6 +31,8 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not blockq.available(), reason="no C compiler for the block kernel")]
 
 MAX_NEW = 32
+# llama.cpp file type -> GGUF types its projections must hold (at least)
+FILES = {"Q4_K_M": {"q5_0", "q8_0", "q4_k", "q6_k"}, "F16": {"f16"}}
 TIE_GAP = 1e-4
 PROMPTS = [
     [{"role": "user", "content": "List the planets of the solar system in order from the sun, one per line."}],
@@ -43,9 +46,14 @@ def _threads():
         yield threads
 
 
+@pytest.fixture(scope="module", params=list(FILES))
+def ftype(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def target():
-    loaded = load_target(str(q4_k_m_default()))
+def target(ftype):
+    loaded = load_target(str(requantized_default(ftype)))
     if loaded.model.get_output_embeddings().weight.device.type != "cpu":
         pytest.skip("the target is on a GPU here; the block kernel is a CPU kernel")
     return loaded
@@ -57,10 +65,10 @@ def prompt_ids(target) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def references(prompt_ids) -> list[tuple[list[int], list[float]]]:
+def references(ftype, prompt_ids) -> list[tuple[list[int], list[float]]]:
     """Per prompt: HF greedy tokens and the top-2 logit gap at each position, from a fresh copy of
     the model as transformers builds it from the file (the engine swaps its own copy's layers)."""
-    stock = load_model(str(q4_k_m_default())).model
+    stock = load_model(str(requantized_default(ftype))).model
     refs = []
     with torch.inference_mode():
         for ids in prompt_ids:
@@ -72,12 +80,12 @@ def references(prompt_ids) -> list[tuple[list[int], list[float]]]:
     return refs
 
 
-def test_every_layer_runs_from_the_file_s_blocks(target, caplog):
+def test_every_layer_runs_from_the_file_s_blocks(ftype, target, caplog):
     import gguf
 
     kinds = {t.tensor_type.name.lower() for t in gguf.GGUFReader(str(target.gguf)).tensors
              if t.name.startswith("blk.")} - {"f32"}
-    assert {"q5_0", "q8_0", "q4_k", "q6_k"} <= kinds, f"llama.cpp's Q4_K_M mix changed: {kinds}"
+    assert FILES[ftype] <= kinds, f"llama.cpp's {ftype} mix changed: {kinds}"
     with caplog.at_level(logging.INFO, logger="flashspec_core.backends.gguf_weights"):
         engine = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), backend="hf", calibrate=False)
     layers = [m for m in target.model.modules() if isinstance(m, PackedLinear)]

@@ -66,7 +66,8 @@ def test_rows_joining_mid_flight_with_their_own_settings_and_arms_equal_hf_gener
 
     stream = engine.stream(PROMPTS[0], max_new_tokens=30)
     first = [t for _ in range(3) for t in next(stream).token_ids]
-    handles = [engine.submit([p], s["max_new_tokens"], sampling(s)) for p, s in zip(PROMPTS[1:], settings[1:])]
+    handles = [engine.submit([p], max_new_tokens=s["max_new_tokens"], sampling=sampling(s))
+               for p, s in zip(PROMPTS[1:], settings[1:])]
     rest = [t for chunk in stream for t in chunk.token_ids]
     outputs = [first + rest] + [h.wait()[0].token_ids for h in handles]
     assert outputs == expected
@@ -80,9 +81,10 @@ def test_a_seeded_sampled_row_draws_the_same_tokens_whatever_runs_beside_it(tiny
     alone = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 4)))
     expected = alone.generate(PROMPTS[2], max_new_tokens=24, sampling=sampling).token_ids
     crowded = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 4)))
-    others = [crowded.submit([p], 24, SamplingParams(temperature=0.7, seed=i)) for i, p in enumerate(PROMPTS)]
-    mine = crowded.submit([PROMPTS[2]], 24, sampling)
-    greedy = crowded.submit(PROMPTS[:3], 16)
+    others = [crowded.submit([p], max_new_tokens=24, sampling=SamplingParams(temperature=0.7, seed=i))
+              for i, p in enumerate(PROMPTS)]
+    mine = crowded.submit([PROMPTS[2]], max_new_tokens=24, sampling=sampling)
+    greedy = crowded.submit(PROMPTS[:3], max_new_tokens=16)
     assert mine.wait()[0].token_ids == expected
     assert all(len(h.wait()[0].token_ids) for h in others) and len(greedy.wait()) == 3
     # Row 0 of a seeded batch draws as a request of one prompt with that seed; row 1 its own stream.
@@ -101,14 +103,15 @@ def test_rows_of_one_penalty_are_penalized_together_each_as_alone(tiny_target, d
     monkeypatch.setattr(row_verify, "penalize_rows", lambda logits, *a: (batches.append(len(logits)), real(logits, *a))[1])
     greedy, sampled = SamplingParams(repetition_penalty=2.0), SamplingParams(temperature=1.0, repetition_penalty=2.0, seed=5)
     arm = FixedRouter(Arm("model", 4))
-    alone = engine_over(tiny_target, arm, draft_model).generate(PROMPTS[3], 20, sampled).token_ids
+    alone = engine_over(tiny_target, arm, draft_model).generate(PROMPTS[3], max_new_tokens=20,
+                                                                sampling=sampled).token_ids
     engine = engine_over(tiny_target, arm, draft_model)
     plain = []  # rows without a penalty between them: the penalized rows are not the batch's first
     handles = []
     for p in PROMPTS:
-        plain.append(engine.submit([p], 20))
-        handles.append(engine.submit([p], 20, greedy))
-    handles.append(engine.submit([PROMPTS[3]], 20, sampled))
+        plain.append(engine.submit([p], max_new_tokens=20))
+        handles.append(engine.submit([p], max_new_tokens=20, sampling=greedy))
+    handles.append(engine.submit([PROMPTS[3]], max_new_tokens=20, sampling=sampled))
     results = [h.wait()[0].token_ids for h in handles]
     assert results[:-1] == [hf(tiny_target, p, 20, 2.0) for p in PROMPTS]
     assert results[-1] == alone
@@ -128,8 +131,11 @@ def test_concurrent_threads_and_coroutines_share_the_engine(tiny_target):
     engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 2)))
     expected = [hf(tiny_target, p, 16) for p in PROMPTS]
     out: dict[int, list[int]] = {}
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, engine.generate(PROMPTS[i], 16).token_ids))
-               for i in range(len(PROMPTS))]
+
+    def run(i: int) -> None:
+        out[i] = engine.generate(PROMPTS[i], max_new_tokens=16).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
     for t in threads:
@@ -139,7 +145,8 @@ def test_concurrent_threads_and_coroutines_share_the_engine(tiny_target):
     async def main():
         async def streamed(p):
             return [t async for c in engine.astream(p, max_new_tokens=16) for t in c.token_ids]
-        return await asyncio.gather(*(engine.agenerate(p, 16) for p in PROMPTS), *(streamed(p) for p in PROMPTS))
+        return await asyncio.gather(*(engine.agenerate(p, max_new_tokens=16) for p in PROMPTS),
+                                    *(streamed(p) for p in PROMPTS))
 
     results = asyncio.run(main())
     assert [r.token_ids for r in results[:len(PROMPTS)]] == expected and results[len(PROMPTS):] == expected
@@ -147,8 +154,8 @@ def test_concurrent_threads_and_coroutines_share_the_engine(tiny_target):
 
 def test_cancelling_a_request_ends_its_rows_at_the_next_step_and_the_rest_go_on(tiny_target):
     engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)))
-    long = engine.submit([PROMPTS[0]], 200, stream=True)
-    other = engine.submit([PROMPTS[1]], 40)
+    long = engine.submit([PROMPTS[0]], max_new_tokens=200, stream=True)
+    other = engine.submit([PROMPTS[1]], max_new_tokens=40)
     next(iter(long))
     long.cancel()
     with pytest.raises(RequestCancelled):
@@ -193,7 +200,7 @@ def test_without_graphs_the_earliest_requests_are_fed_first_within_the_turns_bud
 
     engine._stepper.prefill = spy
     long = [PROMPTS[4] + PROMPTS[0], PROMPTS[0] + PROMPTS[4]]  # 27 tokens each: four pieces of 8
-    handles = [engine.submit([p], 6) for p in long]
+    handles = [engine.submit([p], max_new_tokens=6) for p in long]
     assert [h.wait()[0].token_ids for h in handles] == [hf(tiny_target, p, 6) for p in long]
     order = [request for call in fed for request, _ in call]
     assert all(len(call) == 1 for call in fed) and len(order) == 8
@@ -205,18 +212,18 @@ def test_without_graphs_the_earliest_requests_are_fed_first_within_the_turns_bud
     assert len(fed[0]) == 2 and len(fed) <= 4, "each turn feeds a piece of both"
     fed.clear()
     short = [PROMPTS[1], PROMPTS[3], PROMPTS[1][::-1], PROMPTS[3][::-1]]  # 2 and 5 tokens
-    handles = [engine.submit([p], 4) for p in short]
+    handles = [engine.submit([p], max_new_tokens=4) for p in short]
     assert [h.wait()[0].token_ids for h in handles] == [hf(tiny_target, p, 4) for p in short]
     assert all(sum(left for _, left in call) <= 8 or len(call) == 1 for call in fed)
 
 
 def test_a_full_queue_refuses_at_once_and_a_closed_engine_refuses_everything(tiny_target):
     engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), max_batch=1, max_queue=2)
-    running = engine.submit([PROMPTS[0]], 200, stream=True)
+    running = engine.submit([PROMPTS[0]], max_new_tokens=200, stream=True)
     next(iter(running))  # admitted and decoding
-    waiting = [engine.submit([p], 4) for p in PROMPTS[1:3]]
+    waiting = [engine.submit([p], max_new_tokens=4) for p in PROMPTS[1:3]]
     with pytest.raises(EngineBusy, match="max_queue"):
-        engine.submit([PROMPTS[3]], 4)
+        engine.submit([PROMPTS[3]], max_new_tokens=4)
     engine.close()
     for handle in [running, *waiting]:
         with pytest.raises(EngineClosed):
@@ -230,7 +237,7 @@ def test_a_full_queue_refuses_at_once_and_a_closed_engine_refuses_everything(tin
 def test_bad_settings_are_refused_naming_them(tiny_target, kwargs, name):
     with pytest.raises(ValueError, match=name):
         if "timeout" in kwargs:
-            engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0))).generate(PROMPTS[0], 4, **kwargs)
+            engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0))).generate(PROMPTS[0], max_new_tokens=4, **kwargs)
         else:
             engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), **kwargs)
 
@@ -246,7 +253,7 @@ def test_a_failing_row_ends_its_own_request_only(tiny_target):
 
     engine = SpecEngine(tiny_target, [Poisoned(name="poisoned")], router=FixedRouter(Arm("poisoned", 2)),
                         verify_backend="torch")
-    handles = [engine.submit([p], 12) for p in PROMPTS]
+    handles = [engine.submit([p], max_new_tokens=12) for p in PROMPTS]
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         handles[1].wait()
     for i in (0, 2, 3, 4):
@@ -262,11 +269,13 @@ def test_many_requests_of_random_settings_each_equal_their_solo_run(tiny_target)
     solo = []
     for prompt, n, penalty, stop in requests:
         fresh = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 3)))
-        solo.append(fresh.generate(prompt, n, SamplingParams(repetition_penalty=penalty), stop=stop).text)
+        solo.append(fresh.generate(prompt, max_new_tokens=n, sampling=SamplingParams(repetition_penalty=penalty),
+                                   stop=stop).text)
     engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 3)), max_batch=4)
     handles = []
     for prompt, n, penalty, stop in requests:
-        handles.append(engine.submit([prompt], n, SamplingParams(repetition_penalty=penalty), stop))
+        handles.append(engine.submit([prompt], max_new_tokens=n, sampling=SamplingParams(repetition_penalty=penalty),
+                                     stop=stop))
         time.sleep(rng.random() * 0.01)
     assert [h.wait()[0].text for h in handles] == solo
 
@@ -294,15 +303,15 @@ def test_a_queued_request_cancelled_ends_at_once_and_frees_its_place(tiny_target
     slot frees, and a new request takes its place in the queue."""
     engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), max_batch=1, max_queue=1)
     gate = Gate(engine)
-    running = engine.submit([PROMPTS[0]], 8)
+    running = engine.submit([PROMPTS[0]], max_new_tokens=8)
     assert gate.entered.wait(10)
-    queued = engine.submit([PROMPTS[1]], 8)
+    queued = engine.submit([PROMPTS[1]], max_new_tokens=8)
     with pytest.raises(EngineBusy):
-        engine.submit([PROMPTS[2]], 8)
+        engine.submit([PROMPTS[2]], max_new_tokens=8)
     queued.cancel()
     with pytest.raises(RequestCancelled):
         queued.wait(timeout=2)
-    later = engine.submit([PROMPTS[2]], 8)  # the cancelled request's place
+    later = engine.submit([PROMPTS[2]], max_new_tokens=8)  # the cancelled request's place
     gate.open.set()
     assert running.wait(timeout=20)[0].token_ids == hf(tiny_target, PROMPTS[0], 8)
     assert later.wait(timeout=20)[0].token_ids == hf(tiny_target, PROMPTS[2], 8)
@@ -319,14 +328,14 @@ def test_a_queued_request_past_its_deadline_ends_without_a_slot_and_frees_its_pl
 
     engine._stepper.step = slow
     # 150 steps of 20 ms (no EOS on the way): the only slot stays taken for 3 s
-    running = engine.submit([PROMPTS[2]], 150, stream=True)
+    running = engine.submit([PROMPTS[2]], max_new_tokens=150, stream=True)
     next(iter(running))  # admitted and decoding
     deadline = time.monotonic() + 0.2
-    queued = engine.submit([PROMPTS[1]], 8, timeout=0.2)
+    queued = engine.submit([PROMPTS[1]], max_new_tokens=8, timeout=0.2)
     with pytest.raises(TimeoutError, match="ran past its timeout"):
         queued.wait(timeout=1.5)
     assert time.monotonic() < deadline + 1.0
-    later = engine.submit([PROMPTS[3]], 8)  # the expired request's place
+    later = engine.submit([PROMPTS[3]], max_new_tokens=8)  # the expired request's place
     assert not running.done
     running.cancel()
     assert later.wait(timeout=20)[0].token_ids == hf(tiny_target, PROMPTS[3], 8)
@@ -336,11 +345,11 @@ def test_a_queued_request_past_its_deadline_ends_without_a_slot_and_frees_its_pl
 def test_expired_entries_hold_no_place_in_a_full_queue(tiny_target):
     engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), max_batch=1, max_queue=2)
     gate = Gate(engine)
-    running = engine.submit([PROMPTS[0]], 8)
+    running = engine.submit([PROMPTS[0]], max_new_tokens=8)
     assert gate.entered.wait(10)
-    dead = [engine.submit([p], 8, timeout=0.05) for p in PROMPTS[1:3]]  # the loop is held: nobody purges
+    dead = [engine.submit([p], max_new_tokens=8, timeout=0.05) for p in PROMPTS[1:3]]  # the loop is held: nobody purges
     time.sleep(0.1)
-    alive = [engine.submit([p], 8) for p in PROMPTS[3:5]]  # the dead entries gave their places
+    alive = [engine.submit([p], max_new_tokens=8) for p in PROMPTS[3:5]]  # the dead entries gave their places
     gate.open.set()
     for handle in dead:
         with pytest.raises(TimeoutError, match="ran past its timeout"):
@@ -354,7 +363,7 @@ def test_expired_entries_hold_no_place_in_a_full_queue(tiny_target):
 @pytest.mark.timeout(60)
 def test_slots_shrink_when_the_batch_drains_so_a_lone_request_after_a_burst_steps_alone(tiny_target):
     engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 2)), max_batch=8)
-    burst = [engine.submit([p[::-1] + [i]], 10) for i, p in enumerate(PROMPTS * 2)]
+    burst = [engine.submit([p[::-1] + [i]], max_new_tokens=10) for i, p in enumerate(PROMPTS * 2)]
     assert all(h.wait(timeout=20) for h in burst)
     assert len(engine._scheduler._slots) == 8, "the burst grew the batch"
     sizes: list[int] = []

@@ -60,7 +60,7 @@ def store_engine(tiny_target, tmp_path) -> tuple[SpecEngine, BanditRouter, Route
 def expected(tiny_target) -> list[list[int]]:
     """Each prompt's greedy output, from an engine without faults (equal to HF's: test_scheduler)."""
     engine = SpecEngine(tiny_target, [PromptLookupDraft()], router=BanditRouter(ARMS, seed=0), verify_backend="torch")
-    return [engine.generate(p, NEW).token_ids for p in PROMPTS]
+    return [engine.generate(p, max_new_tokens=NEW).token_ids for p in PROMPTS]
 
 
 def outcomes(handles) -> list[object]:
@@ -79,14 +79,14 @@ def outcomes(handles) -> list[object]:
 
 
 def three_together(engine: SpecEngine) -> list[object]:
-    return outcomes([engine.submit([p], NEW) for p in PROMPTS])
+    return outcomes([engine.submit([p], max_new_tokens=NEW) for p in PROMPTS])
 
 
 def assert_served_and_consistent(engine: SpecEngine, router: BanditRouter, store: RouterStore, expected,
                                  update: Faults | None = None) -> None:
     """A new request is served exactly; then (its answer waited for the write of every statistic
     queued before it) the store holds what the router learned, each step once."""
-    assert engine.generate(PROMPTS[0], NEW).token_ids == expected[0]
+    assert engine.generate(PROMPTS[0], max_new_tokens=NEW).token_ids == expected[0]
     disk = store.read()
     memory = router.summary()
     assert set(disk) == set(memory)
@@ -124,7 +124,7 @@ def test_a_store_made_read_only_mid_run_keeps_the_statistics_for_a_later_write(t
     is on disk once."""
     engine, router, store = store_engine(tiny_target, tmp_path)
     update = Faults(monkeypatch, router, "update", ())
-    assert engine.generate(PROMPTS[1], NEW).token_ids == expected[1]
+    assert engine.generate(PROMPTS[1], max_new_tokens=NEW).token_ids == expected[1]
     with store._lock:
         store._conn.execute("PRAGMA query_only = 1")
     with warnings.catch_warnings():
@@ -251,7 +251,7 @@ def test_a_row_that_finished_inside_a_failed_step_is_never_stepped_again(tiny_ta
                     stepper.step([row], slots)
         monkeypatch.setattr(scheduler, "_isolate", isolate)
     budgets = [NEW // 4, NEW, NEW]  # the first row finishes while the others decode
-    handles = [engine.submit([p], n) for p, n in zip(PROMPTS, budgets)]
+    handles = [engine.submit([p], max_new_tokens=n) for p, n in zip(PROMPTS, budgets)]
     results = outcomes(handles)
     assert failed, "no step failed with a finished row in it"
     assert not stepped_after_finish

@@ -268,7 +268,7 @@ def test_rows_of_other_arms_and_settings_step_in_one_replay_and_stay_exact():
     settings = [(30, 1.0), (12, 1.0), (20, 1.3), (25, 1.0), (18, 1.1), (22, 1.0)]
     handles = []
     for prompt, (n, penalty) in zip(prompts, settings):
-        handles.append(engine.submit([prompt], n, SamplingParams(repetition_penalty=penalty)))
+        handles.append(engine.submit([prompt], max_new_tokens=n, sampling=SamplingParams(repetition_penalty=penalty)))
         time.sleep(0.005)
     for h, prompt, (n, penalty) in zip(handles, prompts, settings):
         ids = torch.tensor([prompt], device="cuda")

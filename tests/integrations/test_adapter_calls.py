@@ -49,7 +49,7 @@ def test_the_timeout_reaches_the_engine_as_langchain_passes_it():
         engine = ScriptedEngine(["ok"])
         seen: list[float | None] = []
         submit = engine.submit
-        engine.submit = lambda *a, timeout=None, **kw: seen.append(timeout) or submit(*a, timeout=timeout, **kw)
+        engine.submit = lambda prompts, options, **kw: seen.append(options.timeout) or submit(prompts, options, **kw)
         model = make(engine)
         model.complete("hi") if isinstance(model, FlashSpecLLM) else model.invoke("hi")
         assert seen == [7.5]

@@ -79,7 +79,7 @@ def test_the_front_ends_make_the_servers_engine_call(server_engine, front_end, c
     engine = ScriptedEngine(["ok"])
     front_end(engine, tools, choice, fmt)
     plan = _server_plan(server_engine, tools, choice, fmt)
-    served = {"prompt": server_engine.tokenizer.decode(plan.prompt_ids), **plan.engine_kwargs()}
+    served = {"prompt": server_engine.tokenizer.decode(plan.prompt_ids), **vars(plan.options())}
     served["stop"] = list(plan.stop)
     served["json_schema"] = plan.json_schema  # the server hands the engine this schema compiled
     assert _request(engine.calls[0]) == _request(served)

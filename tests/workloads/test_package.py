@@ -8,7 +8,7 @@ from flashspec_workloads import dev
 
 
 def test_engine_does_not_import_the_workloads() -> None:
-    code = ("import sys, flashspec_core.engine, flashspec_core.pool, flashspec_core.routing; "
+    code = ("import sys, flashspec_core.engine, flashspec_core.loading, flashspec_core.routing; "
             "print(sorted(m for m in sys.modules if m.startswith('flashspec_workloads')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

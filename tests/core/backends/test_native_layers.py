@@ -1,10 +1,11 @@
 """The native layer stack (backends/decode_layers.c through native_layers.py) against transformers.
 
-Models here are tiny Llamas whose seven projections per layer are random GGUF blocks (their fp32
-weights set to the blocks' values, as loading a GGUF file does), with random norm weights and
-grouped query heads. After any walk of prompts, rollbacks, growth and batch rows, the logits of
-the NATIVE kernel equal a fresh transformers forward of each row's sequence within fp32 rounding,
-on one thread and two (the OpenMP partition), and on every instruction-set build.
+Models here are tiny Llamas, Qwen2s and Qwen3s whose seven projections per layer are random GGUF
+blocks (their fp32 weights set to the blocks' values, as loading a GGUF file does), with random
+norm weights (Qwen3's per-head q/k norms too), random q/k/v biases (Qwen2) and grouped query heads.
+After any walk of prompts, rollbacks, growth and batch rows, the logits of the NATIVE kernel equal
+a fresh transformers forward of each row's sequence within fp32 rounding, on one thread and two
+(the OpenMP partition), and on every instruction-set build.
 """
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import pytest
 import torch
 from helpers import random_blocks, tiny_family, tiny_llama
 
-from flashspec_core.backends import blockq
+from flashspec_core.backends import blockq, native_layers
 from flashspec_core.backends.cpu_linear import BLOCKS, PackedLinear, use_packed_linear
 from flashspec_core.backends.cpu_static import StaticCachedModel
-from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible
+from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible, refusal
 
 pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler for the block kernel")
 
@@ -64,6 +65,18 @@ def blocked_llama(kinds=("q4_1", "q8_0"), family: str = "llama", hidden: int = 3
     return model
 
 
+def blocked_family(family: str, kinds=("q4_1", "q8_0")):
+    """blocked_llama(family=...) with random q/k/v biases (transformers starts them at zero, where
+    a skipped bias would go unnoticed); Qwen3's q/k norm weights are random already (tiny_family)."""
+    model = blocked_llama(kinds, family=family)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, PackedLinear) and module.bias is not None:
+                module.bias.copy_(0.5 * torch.randn(module.bias.shape, generator=gen))
+    return model
+
+
 @torch.no_grad()
 def _fresh(model, seq, keep):
     return model(input_ids=torch.tensor([seq])).logits[0, -keep:]
@@ -88,13 +101,14 @@ def _walk(runner, model, rows: int, seed: int, steps: int = 20) -> None:
 
 @pytest.mark.parametrize(("rows", "threads", "chunk", "hidden", "kinds"),
                          [(1, 1, 128, 32, None), (1, 2, 5, 32, None), (3, 2, 8, 32, None), (1, 2, 7, 64, None),
-                          (2, 1, 128, 64, None), (1, 2, 8, 128, q4_k_m), (2, 1, 128, 128, q4_k_m)],
+                          (2, 1, 128, 64, None), (1, 2, 8, 128, q4_k_m), (2, 1, 128, 128, q4_k_m),
+                          (1, 2, 8, 64, ("f16", "bf16")), (2, 1, 128, 32, ("bf16", "f32"))],
                          ids=lambda v: getattr(v, "__name__", None))
 def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk, hidden, kinds):
     """chunk: cache slots per attention work item; small ones split every context into chunks
     whose partial softmaxes are merged (decode_layers.c's `attend`). hidden 64: head dim 16, so
     passes of 4+ tokens take the 16-queries-at-a-time attention. q4_k_m: the mix of types (within a
-    layer's q, k and v too) of a Q4_K_M file."""
+    layer's q, k and v too) of a Q4_K_M file; f16, bf16, f32: tensors a file stores unquantized."""
     model = blocked_llama(hidden=hidden, **({"kinds": kinds} if kinds else {}))
     runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
     assert NATIVE in runner.kernels()
@@ -111,6 +125,46 @@ def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk, 
         torch.set_num_threads(before)
     assert calls, "the native stack never ran"
     assert runner.static.max_len > 48, "the walk should have grown the cache past its first size"
+
+
+@pytest.mark.parametrize(("family", "rows", "threads", "chunk"),
+                         [("qwen2", 1, 1, 128), ("qwen2", 2, 2, 5), ("qwen3", 1, 2, 7), ("qwen3", 2, 1, 128)])
+def test_qwen_biases_and_q_k_norms_match_a_fresh_transformers_forward(family, rows, threads, chunk):
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms (decode_layers.c's `bias_and_norm`)."""
+    model = blocked_family(family)
+    runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
+    assert NATIVE in runner.kernels()
+    runner._native = NativeLayers(runner.static, chunk=chunk)
+    runner.use_kernel(NATIVE)
+    calls = []
+    native = runner.static.native
+    runner.static.native = lambda *args: calls.append(1) or native(*args)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _walk(runner, model, rows, seed=rows + threads, steps=10)
+    finally:
+        torch.set_num_threads(before)
+    assert calls, "the native stack never ran"
+
+
+@pytest.mark.parametrize(("family", "slot"), [("qwen2", 0), ("qwen2", 1), ("qwen2", 2), ("qwen3", 3), ("qwen3", 4)])
+def test_a_skipped_bias_or_q_k_norm_is_caught(monkeypatch, family, slot):
+    """The check above has power: with one of a layer's bias or norm addresses left out of the
+    table (decode_layers.c then skips it), the native logits are not transformers'."""
+    real = native_layers._extras_row
+
+    def without(layer):
+        row = real(layer)
+        row[slot] = 0
+        return row
+
+    monkeypatch.setattr(native_layers, "_extras_row", without)
+    model = blocked_family(family)
+    runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
+    runner.use_kernel(NATIVE)
+    with pytest.raises(AssertionError):
+        _walk(runner, model, rows=1, seed=3, steps=2)
 
 
 def test_native_and_torch_forwards_agree_on_the_cache_they_leave():
@@ -165,16 +219,28 @@ def test_only_models_the_native_stack_computes_are_eligible():
         k_proj.weight.copy_(blocks.dequantize())
     k_proj.use_blocks(blocks)  # q, k and v of two kinds: each projection is its own product
     assert eligible(StaticCachedModel(mixed, pad_token_id=0).static)
-    qwen3 = tiny_family("qwen3", VOCAB)  # per-head q/k norms: not in decode_layers.c
-    assert not eligible(StaticCachedModel(qwen3, pad_token_id=0).static)
+    for family in ("qwen2", "qwen3"):  # q/k/v biases, per-head q/k norms: in decode_layers.c
+        assert eligible(StaticCachedModel(blocked_family(family), pad_token_id=0).static)
+    o_bias = blocked_llama()
+    o_proj = o_bias.model.layers[1].self_attn.o_proj
+    o_proj.bias = torch.nn.Parameter(torch.ones(o_proj.out_features))  # not in decode_layers.c
+    assert refusal(StaticCachedModel(o_bias, pad_token_id=0).static) == "layer 1: a bias on o, gate, up or down"
+    assert "without GGUF blocks" in str(refusal(StaticCachedModel(partly, pad_token_id=0).static))
 
 
 @pytest.mark.parametrize("flags", [("-mavx2", "-mfma"), ("-mno-avx2",)])
 def test_every_instruction_set_build_runs_the_same_layers(tmp_path, flags):
     path = tmp_path / "blockq.so"
     blockq.build(path, flags)
-    model = blocked_llama(hidden=128, kinds=q4_k_m)  # every layout of blockq.c but Q4_1's
+    lib = blockq.load(path)
+    model = blocked_llama(hidden=128, kinds=q4_k_m)  # every quantized layout of blockq.c but Q4_1's
     runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
-    runner._native = NativeLayers(runner.static, lib=blockq.load(path), chunk=8)
+    runner._native = NativeLayers(runner.static, lib=lib, chunk=8)
     runner.use_kernel(NATIVE)
     _walk(runner, model, rows=2, seed=11, steps=8)
+    for family, kinds in (("qwen2", ("f16", "q4_1")), ("qwen3", ("bf16", "f32"))):  # biases, q/k norms, floats
+        model = blocked_family(family, kinds=kinds)
+        runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
+        runner._native = NativeLayers(runner.static, lib=lib, chunk=8)
+        runner.use_kernel(NATIVE)
+        _walk(runner, model, rows=1, seed=12, steps=4)

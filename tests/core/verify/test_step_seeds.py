@@ -47,10 +47,10 @@ def test_a_seeded_row_samples_alike_alone_and_at_any_index_of_a_shared_launch(mo
     monkeypatch.setattr(row_verify, "verify", counting)
     # Same setting, other seeds, submitted first (lower slots: ahead of the row in the launch), and
     # a setting of its own beside them.
-    handles = [crowded.submit([p], 16, SamplingParams(temperature=1.0, seed=40 + i))
+    handles = [crowded.submit([p], max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=40 + i))
                for i, p in enumerate([PROMPTS[0], PROMPTS[2]])]
-    handles.append(crowded.submit([PROMPTS[0]], 16, SamplingParams(temperature=0.6, seed=3)))
-    got = crowded.submit([PROMPTS[1]], 16, mine).wait()[0].token_ids
+    handles.append(crowded.submit([PROMPTS[0]], max_new_tokens=16, sampling=SamplingParams(temperature=0.6, seed=3)))
+    got = crowded.submit([PROMPTS[1]], max_new_tokens=16, sampling=mine).wait()[0].token_ids
     others = [h.wait()[0].token_ids for h in handles]
     assert got == expected
     assert max(launches) >= 3, "the rows of one setting shared a launch"

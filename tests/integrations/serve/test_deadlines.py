@@ -32,8 +32,8 @@ class SlowEngine:
     def __init__(self, step_s: float):
         self.step_s, self.steps, self.closed, self.running = step_s, 0, threading.Event(), 0
 
-    async def astream(self, prompt_ids, timeout=None, **kwargs):
-        start = time.monotonic()
+    async def astream(self, prompt_ids, options):
+        start, timeout = time.monotonic(), options.timeout
         try:
             for _ in range(50):
                 await asyncio.sleep(self.step_s)

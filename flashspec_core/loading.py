@@ -1,4 +1,4 @@
-"""Assemble an engine's parts from names: the target, the draft pool and the router.
+"""Load an engine's models by name: the target, the draft pool (model drafts included), and the γ offered.
 
 Kept apart from the decode loop so that the loop never needs to know how a draft was built.
 The embedded default target is loaded once per process and shared by every default engine.
