@@ -312,25 +312,14 @@ class Stepper:
 
     def _score(self, rows: Sequence[Row], drafted: list[Drafted], slots: int) -> dict[int, torch.Tensor]:
         """Slot -> the target's logits [need, V] after each of the row's last `need` path tokens
-        (need: the draft's length, plus one unless the prefill scored the first position), all
-        rows in one forward. A forward returns the same number of positions for every row and each
-        row must feed that many, so rows whose whole path is shorter (a short prompt beside a long
-        draft) get a forward of their own; and without graphs (a CPU, where a forward costs the
-        tokens it computes) each need is its own forward, so no row re-feeds context tokens to
-        match a longer draft beside it."""
-        paths = {row.slot: row.seq + d.tokens for row, d in zip(rows, drafted)}
-        needs = {row.slot: len(d.tokens) + (row.first is None) for row, d in zip(rows, drafted)}
-        pending = [slot for slot, need in needs.items() if need]
-        scored: dict[int, torch.Tensor] = {}
-        while pending:
-            keep = max(needs[s] for s in pending)  # the row needing most has a path at least that long
-            fits = [s for s in pending if len(paths[s]) >= keep and (self.runner.use_graphs or needs[s] == keep)]
-            logits = self.runner.forward_to([paths.get(s, []) if s in fits else [] for s in range(slots)],
-                                            [s in fits for s in range(slots)], keep_logits=keep)  # [slots, keep, V]
-            for s in fits:
-                scored[s] = logits[s, keep - needs[s]:]
-            pending = [s for s in pending if s not in scored]
-        return scored
+        (need: the draft's length, plus one unless the prefill scored the first position), in as
+        few forwards as the runner can (`TargetRunner.score_rows`)."""
+        paths: list[list[int] | None] = [None] * slots
+        needs = [0] * slots
+        for row, d in zip(rows, drafted):
+            paths[row.slot], needs[row.slot] = row.seq + d.tokens, len(d.tokens) + (row.first is None)
+        scored = self.runner.score_rows(paths, needs)
+        return {slot: logits for slot, logits in enumerate(scored) if logits is not None}
 
     def _forward_and_verify(self, rows: Sequence[Row], drafted: list[Drafted],
                             slots: int) -> tuple[list[int], list[list[int]]]:

@@ -79,6 +79,24 @@ class TargetRunner(Protocol):
         re-feeds its tail."""
         ...
 
+    def score_rows(self, sequences: Sequence[Sequence[int] | None], needs: Sequence[int]) -> list[torch.Tensor | None]:
+        """Make each row b with a sequence (and needs[b] > 0) hold sequences[b] and return the logits
+        after its last needs[b] tokens, [needs[b], V] (None for the other rows), in as few forwards
+        as this runner can. By default: rows of one need share a `forward_to` (with graphs, a row
+        whose path is long enough joins a larger need's forward and keeps its tail); a runner that
+        feeds rows of any lengths in one forward overrides it."""
+        pending = [b for b, (s, n) in enumerate(zip(sequences, needs)) if s is not None and n > 0]
+        out: list[torch.Tensor | None] = [None] * len(sequences)
+        while pending:
+            keep = max(needs[b] for b in pending)  # the row needing most has a path at least that long
+            fits = {b for b in pending if len(sequences[b] or ()) >= keep and (self.use_graphs or needs[b] == keep)}
+            logits = self.forward_to([(sequences[b] or []) if b in fits else [] for b in range(len(sequences))],
+                                     [b in fits for b in range(len(sequences))], keep_logits=keep)  # [B, keep, V]
+            for b in fits:
+                out[b] = logits[b, keep - needs[b]:]
+            pending = [b for b in pending if b not in fits]
+        return out
+
     def warm(self, widths: Sequence[int]) -> None:
         """Do now the one-time work of forwards `widths` wide (capture their graphs), so that no
         request pays it. Nothing to do by default."""

@@ -2,16 +2,17 @@
 
 Why: transformers' `DynamicCache` appends each step's keys and values with `torch.cat`, so every
 decode step copies the whole cache of every layer, a large part of a step after a long prompt.
-Here the cache is `StaticLlama`'s preallocated
-[B, H_kv, S, D] per layer: a step writes its keys and values in place, and attention reads the
-live slice [:, :, :L] (L = 1 + the largest position fed) as a view, with no mask at all for one
-token per row and SDPA's own causal mask for a prompt fed from empty. Rolling back is moving a row's length; the cache doubles when a request needs more.
+Here the cache is `StaticLlama`'s preallocated [B, H_kv, S, D] per layer: a step writes its keys
+and values in place, and attention reads each row's live slice [:, :, :L] (L = 1 + the largest
+position fed) as a view. Rolling back is moving a row's length; the cache doubles when a request
+needs more.
 
-The bookkeeping (rows, prefix reuse across requests, rollback, growth) is `GraphedModel`'s, run
-without graphs; the forward is `StaticLlama`'s on the model's own submodules (`fuse=False`), so
-the linear layers it calls are the model's, swapped for `PackedLinear` as in `hf.CachedModel`,
-and the calibration picks the kernel per width the same way. Models `StaticLlama` does not
-support keep `hf.CachedModel`.
+Every forward is one ragged pass (`ragged.py`): the active rows' new tokens (a draft, a single
+token, a prompt piece) side by side with no padding, so a step of many rows reads the weights once
+and costs the tokens it computes. The bookkeeping (rows, prefix reuse across requests, rollback,
+growth) is `GraphedModel`'s, run without graphs; the layers are the model's own submodules, its
+nn.Linear layers swapped for `PackedLinear` as in `hf.CachedModel`, and the calibration picks the
+kernel by the tokens a forward feeds. Models `StaticLlama` does not support keep `hf.CachedModel`.
 """
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from flashspec_core.backends import blockq
+from flashspec_core.backends import blockq, ragged
 from flashspec_core.backends.cpu_linear import BLOCKS
 from flashspec_core.backends.cuda_graph import GraphedModel
 from flashspec_core.backends.hf import LinearKernels
 from flashspec_core.backends.native_layers import NATIVE, NATIVE_4ROW, NativeLayers, eligible
+from flashspec_core.backends.ragged import Feed
 
 INITIAL_LEN = 512  # slots per row at first; doubled as needed (the GPU runner starts at 2048)
-CHUNK = 512  # columns per pass of a long feed after a reused prefix (see forward_to)
 
 
 class StaticCachedModel(LinearKernels, GraphedModel):
@@ -50,6 +51,7 @@ class StaticCachedModel(LinearKernels, GraphedModel):
         super().__init__(model, pad_token_id, max_len=max_len, graphs=False, fuse=False)
         # every projection runs from blocks: the native layer stack may too
         self._native = NativeLayers(self.static) if self.block_layers and eligible(self.static) else None
+        self.native: NativeLayers | None = None  # the layer stack runs natively (the kernel NATIVE)
 
     def kernels(self) -> tuple[str, ...]:
         """The linear kernels (`LinearKernels.kernels`), and NATIVE and NATIVE_4ROW where the whole
@@ -62,10 +64,10 @@ class StaticCachedModel(LinearKernels, GraphedModel):
         if name in (NATIVE, NATIVE_4ROW) and self._native is not None:
             super().use_kernel(BLOCKS)
             blockq.set_tile_rows(4 if name == NATIVE_4ROW else 1)
-            self.static.native = self._native
+            self.native = self._native
             return
         super().use_kernel(name)
-        self.static.native = None
+        self.native = None
 
     def reset(self, batch_size: int) -> None:
         """Empty rows; a new row count also starts the cache small again (nothing is kept across
@@ -78,65 +80,45 @@ class StaticCachedModel(LinearKernels, GraphedModel):
     def forward_to(self, sequences: Sequence[Sequence[int]], active: Sequence[bool] | None = None,
                    keep_logits: int = 1) -> torch.Tensor:
         """Make each active row hold `sequences[b]`; return [B, keep_logits, V] logits after its last
-        tokens (inactive rows: meaningless). Same contract as `CachedModel.forward_to`.
-
-        Only the kept positions go through the LM head (over every position of a prompt, the
-        default model's head would add about a quarter to its prefill).
-        """
+        tokens (inactive rows: zeros). Same contract as `CachedModel.forward_to`."""
         active = [True] * len(sequences) if active is None else list(active)
+        kept = self._ragged(sequences, active, [keep_logits] * len(sequences))
+        first = next(t for t in kept if t is not None)
+        out = first.new_zeros((len(sequences), keep_logits, first.shape[-1]))
+        for b, logits in enumerate(kept):
+            if logits is not None:
+                out[b] = logits
+        return out
+
+    def score_rows(self, sequences: Sequence[Sequence[int] | None], needs: Sequence[int]) -> list[torch.Tensor | None]:
+        """Every row with a sequence in one forward, each feeding only its own new tokens (see
+        `TargetRunner.score_rows`)."""
+        active = [s is not None and n > 0 for s, n in zip(sequences, needs)]
+        if not any(active):
+            return [None] * len(sequences)
+        return self._ragged([s or [] for s in sequences], active, needs)
+
+    @torch.inference_mode()
+    def _ragged(self, sequences: Sequence[Sequence[int]], active: Sequence[bool],
+                keep: Sequence[int]) -> list[torch.Tensor | None]:
+        """One ragged forward (`ragged.hidden`) of every active row's new tokens; per row its logits
+        [keep[b], V] after its last keep[b] tokens (None for inactive rows). Only the kept positions
+        go through the LM head (over every position of a prompt, the head would add about a quarter
+        to a small model's prefill)."""
+        if not any(active):
+            raise ValueError("active: at least one row")
         with self._lock:
-            chunks = self._plan(sequences, active, keep_logits)
-            out: torch.Tensor | None = None
-            for lo, hi in runs(chunks, active):
-                logits = self._forward_run(chunks, lo, hi, keep_logits)  # [hi - lo, keep_logits, V]
-                if (lo, hi) == (0, len(chunks)):
-                    out = logits
-                    break
-                if out is None:  # rows outside every run: meaningless
-                    out = logits.new_zeros((len(chunks), keep_logits, logits.shape[-1]))
-                out[lo:hi] = logits
-            for b, chunk in enumerate(chunks):
-                self.held[b].extend(chunk)
-            assert out is not None  # runs() yields at least one run
+            chunks = self._plan(sequences, active, keep)
+            live = [b for b, on in enumerate(active) if on]
+            feed = Feed.of([chunks[b] for b in live], [len(self.held[b]) for b in live], live)
+            self._use_planned_kernel(len(feed.ids))
+            hidden = ragged.hidden(self.static, feed, self.native)  # [T, hidden]
+            ends = feed.starts[1:].tolist()
+            index = torch.cat([torch.arange(end - keep[b], end) for b, end in zip(live, ends)])
+            logits = self.model.lm_head(hidden[index])  # [sum of keep, V]
+            for b in live:
+                self.held[b].extend(chunks[b])
+            out: list[torch.Tensor | None] = [None] * len(sequences)
+            for b, part in zip(live, logits.split([keep[b] for b in live])):
+                out[b] = part
             return out
-
-    def _forward_run(self, chunks: Sequence[Sequence[int]], lo: int, hi: int, keep_logits: int) -> torch.Tensor:
-        """Feed rows lo..hi-1 (each row's chunk, all of one length) in one forward; return their
-        logits [hi - lo, keep_logits, V] after each row's last `keep_logits` tokens."""
-        width = max(len(c) for c in chunks[lo:hi])
-        host = self._host_inputs(chunks[lo:hi], width, first_row=lo)  # [3, hi - lo, width]: ids, positions, drafts
-        start = max(len(h) for h in self.held[lo:hi])
-        # From empty, one pass (SDPA's causal mask skips the blocks above the diagonal); after
-        # a reused prefix, slices of CHUNK columns, so the explicit mask wastes only the
-        # blocks above each slice's diagonal instead of above the whole feed's (one masked pass
-        # over a long feed costs far more than slices of CHUNK columns).
-        step = width if start == 0 else CHUNK
-        self._use_planned_kernel(min(width, step) * (hi - lo))
-        hidden = torch.cat([self.static.hidden(host[0, :, c:c + step], host[1, :, c:c + step],
-                                               start + min(c + step, width),  # 1 + the largest position fed
-                                               first_row=lo)
-                            for c in range(0, width, step)], dim=1)  # [hi - lo, width, hidden]
-        ends = torch.tensor([max(len(c), keep_logits) for c in chunks[lo:hi]])
-        cols = ends[:, None] - keep_logits + torch.arange(keep_logits)  # [hi - lo, keep_logits]
-        kept = hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1]))
-        return self.model.lm_head(kept)
-
-
-def runs(chunks: Sequence[Sequence[int]], active: Sequence[bool]) -> list[tuple[int, int]]:
-    """The forwards that feed these chunks: maximal runs lo..hi-1 of adjacent active rows whose
-    chunks are equally long ([(0, 1)] when no row is active).
-
-    On a CPU a forward's cost grows with the tokens it computes, so no row is padded to a
-    neighbour's width: a scheduler's rows, each at its own point of its prompt or with its own
-    draft length, cost what they would alone, and adjacent rows of one width share a pass over
-    the weights.
-    """
-    out: list[tuple[int, int]] = []
-    for b, chunk in enumerate(chunks):
-        if not active[b]:
-            continue
-        if out and out[-1][1] == b and len(chunks[out[-1][0]]) == len(chunk):
-            out[-1] = (out[-1][0], b + 1)
-        else:
-            out.append((b, b + 1))
-    return out or [(0, 1)]

@@ -1,11 +1,10 @@
-/* The layer stack of a Llama-family model whose linear layers are GGUF blocks, for a few tokens, in
- * one call and one OpenMP parallel region.
+/* The layer stack of a Llama-family model whose linear layers are GGUF blocks, in one call and one
+ * OpenMP parallel region.
  *
- * Why: with the products read from blocks (blockq.c) a one-token forward of the default model spent
- * ~10 ms in its 210 products and ~25 ms around them: per layer ~30 torch ops (norms, rotation,
- * cache writes, SDPA, SiLU, residual adds) at 3-90 us each, plus the Python that calls them and
- * an OpenMP fork and join per product (2-core Xeon, torch profiler). Here each layer is nine
- * steps separated by barriers of the one parallel region: norm, q|k|v (three products, one
+ * Why: with the products read from blocks (blockq.c) a forward of a small model spends most of its
+ * time around them: ~30 torch ops per layer (norms, rotation, cache writes, SDPA, SiLU, residual
+ * adds), the Python that calls them, and an OpenMP fork and join per product. Here each layer is
+ * nine steps separated by barriers of the one parallel region: norm, q|k|v (three products, one
  * barrier), rotation and cache write, attention, o, residual and norm, gate|up, SiLU(gate) * up,
  * down; and a tenth after q|k|v where the model has q/k/v biases (Qwen2) or q/k norms (Qwen3)
  * (decode_heads.c).
@@ -17,12 +16,12 @@
  * the max subtracted; SiLU as g / (1 + e^-g). Sums run in another order than torch's (as the
  * block kernel's do), exp is Cephes' polynomial (within 1 ulp, as torch's own vectorized exp is an
  * approximation too), and nothing is contracted into an FMA that transformers rounds twice (built
- * with -ffp-contract=off). tests/backends/test_decode_layers.py compares it with the torch forward;
- * the greedy tests of the default model with transformers' generate.
+ * with -ffp-contract=off). tests/core/backends/test_native_layers.py compares it with transformers'
+ * forward; the greedy tests of the default model with transformers' generate.
  *
  * The tokens are ragged: B segments of any lengths (a row's draft, another's single token, a new
  * request's prompt piece), segment b being tokens starts[b] .. starts[b + 1] - 1 of cache row
- * row[t] (one row per segment), so every product reads the weights once for all of them.
+ * row[b], so every product reads the weights once for all of them.
  *
  * Layout: x, h, out [T, hidden] (T = tokens of every segment, in order); the stacked q|k|v product
  * [T, (H + 2 H_kv) * D] (q heads, then k, then v); the caches [rows, H_kv, S, D] per layer. */
@@ -56,8 +55,8 @@ int decode_layers_slots(void) { return SLOTS; }
  * arrived (yielding the core after a while). Why not OpenMP's own: once a process holds more
  * OpenMP threads than cores (the engine decodes on its own thread, whose team adds to the one
  * the loading thread left behind, idle), libgomp stops spinning at its barriers after ~1,000
- * rounds and sleeps in the kernel, and a forward's ~300 barriers then cost about as much as its
- * arithmetic (a one-token forward of the default model: 10 ms against 18-27 on 2 cores). */
+ * rounds and sleeps in the kernel, and a forward's hundreds of barriers then cost about as much as
+ * its arithmetic. */
 typedef struct {
     atomic_int arrived;
     atomic_int phase;

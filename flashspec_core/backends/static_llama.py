@@ -31,7 +31,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +39,7 @@ from torch import nn
 
 from flashspec_core.backends.cpu_linear import project
 
-if TYPE_CHECKING:
-    from flashspec_core.backends.native_layers import NativeLayers
-
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-CAUSAL = "causal"  # `_live_mask`: every row starts empty, SDPA's own causal mask
 # Widths up to this attend with `decode_attention` on the fused path (a step: few queries, every
 # slot); wider ones (prompt pieces) with SDPA, whose one program per block of queries is then busy.
 SPLIT_WIDTH = 32
@@ -131,8 +127,6 @@ class StaticLlama(nn.Module):
         self._fused: list[_FusedWeights] = [self._fuse(layer) for layer in self.layers] if fuse else []
         self.ops = _fused_ops(self.device) if fuse else None
         self._silu: bool = cfg.hidden_act in ("silu", "swish")  # what fused_ops.silu_mul computes
-        # a NativeLayers the CPU runner sets: hidden() then runs the layers natively
-        self.native: NativeLayers | None = None
         self.max_len = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -273,11 +267,10 @@ class StaticLlama(nn.Module):
         return h
 
     def _attend(self, i: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | str | None,
-                length: int | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
         """One attention block. h: [B, W, hidden]; cos, sin: [B, W, D]; positions, rows: [B, W];
-        mask: [B, 1, W, S], or with `length` what `_live_mask` returns (over the first `length` slots);
-        slots: `hidden`'s.
+        mask: [B, 1, W, S] boolean; slots: `hidden`'s.
 
         q, k and v come from one stacked product where the layers run from GGUF blocks (else three,
         concatenated), and q and k are rotated together (`_rope_and_cache`): element for element
@@ -288,100 +281,38 @@ class StaticLlama(nn.Module):
         qkv = project(h, (attn.q_proj, attn.k_proj, attn.v_proj), stacked=True)  # [B, W, (H + 2 H_kv) * D]
         q = self._rope_and_cache(i, attn, qkv, cos, sin, rows, positions)  # [B, H_kv, G*W, D]
         q = q.reshape(bsz, self.n_heads, width, self.head_dim)  # [B, H, W, D] (the packing is a reshape)
-        if length is None:  # mask: the boolean [B, 1, W, S] tensor
-            keys, values = self._cached(i, bsz, slots)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cast(torch.Tensor, mask),
-                                                 scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
-        else:
-            first = int(rows[0, 0])  # the cache row of this batch's row 0 (hidden's first_row)
-            live = slice(first, first + bsz)
-            out = self._attend_live(q, self.keys[i][live, :, :length], self.values[i][live, :, :length], mask)
+        keys, values = self._cached(i, bsz, slots)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=self.n_heads != self.n_kv)
         return attn.o_proj(out.transpose(1, 2).reshape(bsz, width, -1))
 
-    def _live_mask(self, positions: torch.Tensor, length: int) -> torch.Tensor | str | None:
-        """The mask over the live slots [0, length) for `_attend_live`. positions: [B, W] on the host.
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output [B, W, hidden] for ids, positions: [B, W] long (positions < max_len),
+        attending over all max_len slots of each row in fixed shapes (what a graph replays; the CPU
+        runner's forward over the live slots only is `ragged.hidden`).
 
-        CAUSAL when every row starts empty (a prompt's prefill: SDPA's own causal mask, no mask
-        tensor, as transformers runs a prompt); None when every query sees every live slot (one
-        token per row at the end: plain decoding); else additive [B, 1, G*W, length] (0 or -inf; SDPA
-        would convert booleans in every layer), row g*W + w for query w of the g-th query head of
-        each key/value head (`_attend_live` packs them so).
-        """
-        bsz, width = positions.shape
-        if width == length and torch.equal(positions, torch.arange(width).expand(bsz, width)):
-            return CAUSAL
-        seen = torch.arange(length)[None, None, :] <= positions[:, :, None]  # [B, W, L]
-        if width == 1 and bool(seen.all()):
-            return None
-        mask = torch.zeros(seen.shape, dtype=self.dtype).masked_fill_(~seen, float("-inf"))
-        return mask.unsqueeze(1).repeat(1, 1, self.n_heads // self.n_kv, 1)
-
-    def _attend_live(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     mask: torch.Tensor | str | None) -> torch.Tensor:
-        """Attention over the live slices keys, values: [B, H_kv, L, D] (views of the cache, not copied).
-
-        q: [B, H, W, D]; mask: what `_live_mask` returns; returns [B, H, W, D]. The query heads of
-        each key/value head are packed as extra query rows (as transformers does for one query token
-        with a mask), so grouped heads need no copy of the keys; on the CPU this beat SDPA's
-        `enable_gqa` by ~30% per layer.
-        """
-        if mask is CAUSAL:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling,
-                                                  enable_gqa=self.n_heads != self.n_kv)
-        bsz, heads, width, d = q.shape
-        packed = q.reshape(bsz, self.n_kv, heads // self.n_kv * width, d)  # row g*W + w of kv head
-        # mask: None or the additive tensor here (CAUSAL returned above)
-        out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=cast("torch.Tensor | None", mask),
-                                             scale=self.scaling)
-        return out.reshape(bsz, heads, width, d)
-
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, length: int | None = None,
-               first_row: int = 0, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """The final norm's output [B, W, hidden] for ids, positions: [B, W] long (positions < max_len).
-
-        length: attend only over the first `length` slots of every row (at least 1 + the largest
-        position fed; positions then on the host), the CPU runner's setting, where reading all
-        max_len slots per step costs bandwidth. None: all max_len slots, fixed shapes (graphs).
-        first_row: the cache row of ids' row 0 (rows first_row .. first_row + B - 1 are fed, the
-        others left alone: a scheduler prefills one row without computing the rest); with `length`.
         slots: [B] long on the device, the cache rows ids' rows feed (any rows, in any order, read
-        and written through an index, so one captured graph serves every choice); without `length`.
+        and written through an index, so one captured graph serves every choice); None: the first B.
         """
         inner = self.model.model
         bsz, width = ids.shape
-        if first_row and (length is None or first_row + bsz > self.batch):
-            raise ValueError(f"first_row: rows {first_row}..{first_row + bsz - 1} need `length` and at most "
-                             f"{self.batch} rows")
-        if slots is not None and (length is not None or tuple(slots.shape) != (bsz,)):
-            raise ValueError(f"slots: one cache row per row of ids ([{bsz}]), without `length`; "
-                             f"got {tuple(slots.shape)}")
+        if slots is not None and tuple(slots.shape) != (bsz,):
+            raise ValueError(f"slots: one cache row per row of ids ([{bsz}]); got {tuple(slots.shape)}")
         x: torch.Tensor = inner.embed_tokens(ids)  # [B, W, hidden]
         cos, sin = inner.rotary_emb(x, positions)  # [B, W, D] each
-        if self.native is not None and length is not None:
-            out = self.native(x, cos, sin, positions, first_row)  # the mask's rule (slots 0..position) is in C
-            if out is not None:
-                return out
-        rows = (torch.arange(first_row, first_row + bsz, device=ids.device) if slots is None else slots)[:, None]
-        rows = rows.expand(bsz, width)
+        rows = (torch.arange(bsz, device=ids.device) if slots is None else slots)[:, None].expand(bsz, width)
         if self.fuse and self.ops is not None and width <= SPLIT_WIDTH:
             return self._layers_fused(x, cos, sin, rows, positions, None, slots)
-        mask: torch.Tensor | str | None
-        if length is not None:
-            if self.fuse:
-                raise ValueError("length: the fused path attends over all max_len slots; use fuse=False")
-            mask = self._live_mask(positions, length)
-        else:
-            cols = torch.arange(self.max_len, device=ids.device)
-            mask = (cols[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, W, S]
+        cols = torch.arange(self.max_len, device=ids.device)
+        mask = (cols[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, W, S]
         if self.fuse:
             # Additive, once per forward: given booleans, SDPA converts them in every layer (2 kernels).
-            seen = cast(torch.Tensor, mask)  # length is None here: the boolean [B, 1, W, S] above
-            additive = torch.zeros(seen.shape, dtype=x.dtype, device=x.device).masked_fill_(~seen, float("-inf"))
+            additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
             additive = additive.repeat(1, 1, self.n_heads // self.n_kv, 1)  # [B, 1, G*W, S], row g*W + w
             return self._layers_fused(x, cos, sin, rows, positions, additive, slots)
         for i, layer in enumerate(self.layers):
             h = rms_norm(layer.input_layernorm, x)
-            x = x + self._attend(i, layer, h, cos, sin, rows, positions, mask, length, slots)
+            x = x + self._attend(i, layer, h, cos, sin, rows, positions, mask, slots)
             x = x + self._mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
         return rms_norm(inner.norm, x)
 

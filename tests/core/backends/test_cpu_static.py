@@ -13,10 +13,12 @@ import pytest
 import torch
 from helpers import tiny_family, tiny_loaded, tiny_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel
+from walks import ragged_walk
 
-from flashspec_core.backends import make_runner, model_runner
-from flashspec_core.backends.cpu_static import CHUNK, INITIAL_LEN, StaticCachedModel
+from flashspec_core.backends import make_runner, model_runner, ragged
+from flashspec_core.backends.cpu_static import INITIAL_LEN, StaticCachedModel
 from flashspec_core.backends.hf import CachedModel
+from flashspec_core.backends.ragged import CHUNK
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import LoadedModel
@@ -127,3 +129,11 @@ def test_engine_greedy_equals_hf_generate_on_long_prompts(torch_one_thread):
             ref = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
                                  pad_token_id=VOCAB - 1)[0, len(prompt):].tolist()
         assert tokens == ref
+
+
+@pytest.mark.parametrize(("family", "rows", "chunk"), [("llama", 3, 512), ("llama", 4, 5), ("qwen3", 3, 7)])
+def test_rows_of_different_widths_share_one_forward(family, rows, chunk, monkeypatch, torch_one_thread):
+    """The torch layers; chunk: queries per attention pass after a reused prefix (small: slices)."""
+    monkeypatch.setattr(ragged, "CHUNK", chunk)
+    model = tiny_family(family, VOCAB)
+    ragged_walk(model, StaticCachedModel(model, pad_token_id=0, max_len=48), rows, seed=rows + chunk)

@@ -110,8 +110,8 @@ def test_greedy_from_a_random_gguf_is_transformers_generate(tmp_path, arch, type
     assert NATIVE in runner.kernels()
     runner.use_kernel(NATIVE)
     calls = []
-    native = runner.static.native
-    runner.static.native = lambda *args: calls.append(1) or native(*args)
+    native = runner.native
+    runner.native = lambda *args: calls.append(1) or native(*args)
     for prompt in ([3, 17, 42, 5, 9], [60, 1, 1, 2, 33, 8, 21, 13, 4]):
         ids = torch.tensor([prompt])
         with torch.inference_mode():

@@ -14,11 +14,13 @@ import random
 import pytest
 import torch
 from helpers import random_blocks, tiny_family, tiny_llama
+from walks import ragged_walk
 
-from flashspec_core.backends import blockq, native_layers
+from flashspec_core.backends import blockq, native_layers, ragged
 from flashspec_core.backends.cpu_linear import BLOCKS, PackedLinear, use_packed_linear
 from flashspec_core.backends.cpu_static import StaticCachedModel
-from flashspec_core.backends.native_layers import NATIVE, NativeLayers, eligible, refusal
+from flashspec_core.backends.native_layers import NATIVE, NATIVE_4ROW, NativeLayers, eligible, refusal
+from flashspec_core.backends.ragged import Feed
 
 pytestmark = pytest.mark.skipif(not blockq.available(), reason="no C compiler for the block kernel")
 
@@ -115,8 +117,8 @@ def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk, 
     runner._native = NativeLayers(runner.static, chunk=chunk)
     runner.use_kernel(NATIVE)
     calls = []
-    native = runner.static.native
-    runner.static.native = lambda *args: calls.append(1) or native(*args)
+    native = runner.native
+    runner.native = lambda *args: calls.append(1) or native(*args)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -137,8 +139,8 @@ def test_qwen_biases_and_q_k_norms_match_a_fresh_transformers_forward(family, ro
     runner._native = NativeLayers(runner.static, chunk=chunk)
     runner.use_kernel(NATIVE)
     calls = []
-    native = runner.static.native
-    runner.static.native = lambda *args: calls.append(1) or native(*args)
+    native = runner.native
+    runner.native = lambda *args: calls.append(1) or native(*args)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -186,12 +188,12 @@ def test_an_edited_projection_or_a_partial_rotation_sends_the_forward_back_to_to
     model = blocked_llama()
     runner = StaticCachedModel(model, pad_token_id=0)
     runner.use_kernel(NATIVE)
-    half = torch.ones(1, 1, 4)  # a rotation over half of each 8-wide head: not what the C rotates
-    assert runner.static.native(torch.zeros(1, 1, 32), half, half, torch.zeros(1, 1, dtype=torch.long)) is None
+    one = (torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([0]))  # positions, starts, rows
+    half = torch.ones(1, 4)  # a rotation over half of each 8-wide head: not what the C rotates
+    assert runner.native(torch.zeros(1, 32), half, half, *one) is None
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.mul_(2)  # the blocks no longer hold it
-    assert runner.static.native(torch.zeros(1, 1, 32), torch.ones(1, 1, 8), torch.zeros(1, 1, 8),
-                                torch.zeros(1, 1, dtype=torch.long)) is None
+    assert runner.native(torch.zeros(1, 32), torch.ones(1, 8), torch.zeros(1, 8), *one) is None
     _walk(runner, model, rows=1, seed=7, steps=4)  # the torch forward, with the edited weight
 
 
@@ -199,8 +201,8 @@ def test_positions_outside_the_cache_are_refused():
     model = blocked_llama()
     runner = StaticCachedModel(model, pad_token_id=0, max_len=16)
     with pytest.raises(ValueError, match="positions"):
-        runner._native(torch.zeros(1, 1, 32), torch.ones(1, 1, 8), torch.zeros(1, 1, 8),
-                       torch.tensor([[16]]))
+        runner._native(torch.zeros(1, 32), torch.ones(1, 8), torch.zeros(1, 8), torch.tensor([16]),
+                       torch.tensor([0, 1]), torch.tensor([0]))
 
 
 def test_only_models_the_native_stack_computes_are_eligible():
@@ -244,3 +246,49 @@ def test_every_instruction_set_build_runs_the_same_layers(tmp_path, flags):
         runner._native = NativeLayers(runner.static, lib=lib, chunk=8)
         runner.use_kernel(NATIVE)
         _walk(runner, model, rows=1, seed=12, steps=4)
+
+
+@pytest.mark.parametrize(("kernel", "hidden", "threads"),
+                         [(NATIVE, 32, 1), (NATIVE, 64, 2), (NATIVE_4ROW, 64, 2), (BLOCKS, 64, 1)])
+def test_rows_of_different_widths_share_one_forward(kernel, hidden, threads):
+    """A step's rows, each feeding its own amount (prompt, prompt piece, draft, one token), in one
+    ragged forward of the native stack (BLOCKS: the torch layers over the same blocks)."""
+    model = blocked_llama(hidden=hidden)
+    runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
+    runner._native = NativeLayers(runner.static, chunk=8)
+    runner.use_kernel(kernel)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ragged_walk(model, runner, rows=3, seed=hidden + threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kernel", [NATIVE, NATIVE_4ROW])
+def test_a_rows_layers_are_the_same_bits_alone_and_beside_others(kernel):
+    """What the layer stack computes for a row does not depend on the rows fed beside it (their
+    number, widths or place): every product and attention step of a token reads only its own
+    row's values. (The LM head after it is torch's, whose products may round by the batch.)"""
+    model = blocked_llama(hidden=64)
+    rng = random.Random(4)
+    seq = [rng.randrange(VOCAB) for _ in range(21)]
+    draft = [3, 1, 4, 1, 5]
+    others = [[rng.randrange(VOCAB) for _ in range(n)] for n in (33, 6)]
+    fed_alone = [([seq], [0], [1]), ([draft], [len(seq)], [1])]  # (chunks, offsets, cache rows) per step
+    fed_beside = [([others[0], seq, others[1]], [0, 0, 0], [0, 1, 2]),
+                  ([[2] * 9, draft, [5]], [33, len(seq), 6], [0, 1, 2])]
+    results = []
+    for steps in (fed_alone, fed_beside):
+        runner = StaticCachedModel(model, pad_token_id=0)
+        runner.use_kernel(kernel)
+        runner.reset(3)
+        out = []
+        for chunks, offsets, rows in steps:
+            feed = Feed.of(chunks, offsets, rows)
+            hidden = ragged.hidden(runner.static, feed, runner.native)  # [T, hidden]
+            b = rows.index(1)  # the middle cache row, alone or between two others
+            out.append(hidden[int(feed.starts[b]):int(feed.starts[b + 1])])
+        results.append(out)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
