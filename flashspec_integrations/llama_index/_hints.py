@@ -1,4 +1,4 @@
-"""LlamaIndex's run context of one call -> `flashspec_integrations.context.StepContext` -> domain.
+"""LlamaIndex's run context of one call -> `flashspec_integrations.domain_rules.StepContext` -> domain.
 
 The rules themselves (explicit domain, forced call -> json, tool results, tools, ReAct, RAG) live
 in the shared `context.decide_domain`, so both adapters file the same kind of step under the same
@@ -22,7 +22,7 @@ from typing import Any
 
 from llama_index.core.instrumentation.dispatcher import active_instrument_tags
 
-from flashspec_integrations.context import (
+from flashspec_integrations.domain_rules import (
     METADATA_DOMAIN_KEY,
     RAG,
     DomainDecision,
