@@ -136,9 +136,9 @@ def test_the_engine_test_rejects_the_u_n_plant(torch_one_thread, monkeypatch):
     whose first step accepted two or three draft tokens can change, and only in law (p ≈ 1e-19).
     (With the model draft this test is weak against it, p ≈ 0.007: the verify-level test in
     tests/verify/test_joint_law.py is the one built for these bugs.)"""
-    from flashspec_core import row_verify
+    from flashspec_core.verify import rows
 
-    monkeypatch.setattr(row_verify, "verify", planted_verify("u[n]"))
+    monkeypatch.setattr(rows, "verify", planted_verify("u[n]"))
     (p_value,) = _single_pvalue("prompt_lookup", "torch", 0)
     assert p_value < ALPHA, f"the u[n] plant went unnoticed through the engine: p = {p_value:.3g}"
 
