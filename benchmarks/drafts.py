@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts.prompt_lookup import PromptLookupDraft
 from flashspec_core.drafts.trained import WEIGHTS_DIR, shipped_drafts
 from flashspec_core.engine import SpecEngine
 from flashspec_core.loading import load_target
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_workloads.baselines import hf_generate, stock_default_model
 from flashspec_workloads.sharegpt import sharegpt_conversations
 

@@ -30,12 +30,13 @@ from pathlib import Path
 
 import torch
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends.calibration import cpu_model
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.records import StepRecord
 from flashspec_core.routing import BanditRouter, FixedRouter, RouterStore
 from flashspec_core.routing.store_writer import FLUSH_EVERY
-from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 
 GAMMAS = (2, 4, 8)
 VOCAB = 32_000

@@ -16,15 +16,16 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.constrained.constraint import Constraint
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.handle import EngineFault
 from flashspec_core.processors.paths import PathProcessors
 from flashspec_core.proposals import Drafted, cut_length
+from flashspec_core.records import StepRecord
 from flashspec_core.request import Row
 from flashspec_core.routing.base import Router
-from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 from flashspec_core.verify import Backend
 from flashspec_core.verify.rows import verify_rows
 

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import Generators, Proposal
+from flashspec_core.proposals import Generators, Proposal
 
 if TYPE_CHECKING:
     from flashspec_core.constrained.constraint import Constraint

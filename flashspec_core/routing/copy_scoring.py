@@ -23,11 +23,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from flashspec_core.arms import Arm
 from flashspec_core.backends.prefix import common_prefix
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.proposals import cut_length
-from flashspec_core.types import Arm, StepRecord
+from flashspec_core.records import StepRecord
 
 _GREEDY = SamplingParams()  # deterministic drafts ignore sampling; built once, not per step
 

@@ -40,11 +40,11 @@ from helpers import (
 from laws import detectable_error, prefix_law
 from plants import planted_verify
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 
 VOCAB, SCALE, LENGTH, MAX_NEW = 4, 0.5, 4, 6
 ROWS, CALLS = 18_000, 9  # batches of 2,000 rows, each call with its own seed

@@ -40,11 +40,11 @@ from helpers import (
 )
 from laws import marginal, prefix_law
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_core.verify import verify
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -9,9 +9,10 @@ import sqlite3
 
 import pytest
 
+from flashspec_core.arms import NO_DRAFT, Arm
+from flashspec_core.records import StepRecord
 from flashspec_core.routing.router import BanditRouter
 from flashspec_core.routing.store import ArmDelta, DomainStats
-from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 from flashspec_integrations.serve.stats import SharedRouterStats, TrackingStore
 
 ARMS = [Arm(NO_DRAFT, 0), Arm("model", 2)]
