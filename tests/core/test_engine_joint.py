@@ -135,7 +135,7 @@ def test_the_engine_test_rejects_the_u_n_plant(torch_one_thread, monkeypatch):
     """Through the engine, with prompt lookup at γ = 4: only the third and fourth tokens of a row
     whose first step accepted two or three draft tokens can change, and only in law (p ≈ 1e-19).
     (With the model draft this test is weak against it, p ≈ 0.007: the verify-level test in
-    tests/verify/test_joint_law.py is the one built for these bugs.)"""
+    tests/core/verify/test_joint_law.py is the one built for these bugs.)"""
     from flashspec_core.verify import rows
 
     monkeypatch.setattr(rows, "verify", planted_verify("u[n]"))

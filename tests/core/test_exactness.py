@@ -12,8 +12,8 @@ tokens, computed from a tiny random target with transformers' own logits warpers
 Every random draw is seeded, so each case is deterministic. The power checks break the residual
 (a rejected position draws from p instead of max(0, p - q)) and require the same tests to reject.
 These tests see the first two tokens only; the joint law of everything one step emits (with bugs
-that only touch later positions as power checks) is tests/verify/test_joint_law.py, four tokens
-over several engine steps tests/test_engine_joint.py.
+that only touch later positions as power checks) is tests/core/verify/test_joint_law.py, four tokens
+over several engine steps tests/core/test_engine_joint.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Router statistics shared through one ledger: each router learns the others' steps, once.
 
 No Ray here: replicas are routers in one process writing the same SQLite file, which is exactly
-what replicas on one host do (tests/serve/test_endpoint.py runs the real thing).
+what replicas on one host do (tests/integrations/serve/test_endpoint.py runs the real thing).
 """
 from __future__ import annotations
 
