@@ -40,7 +40,7 @@ class DraftSource(Protocol):
         generator: Generators = None,
     ) -> Proposal:
         """Up to `gamma` tokens continuing each row of `contexts` (prompt + verified output).
-        generator: one per row, one for all rows, or None (see `types.Generators`)."""
+        generator: one per row, one for all rows, or None (see `proposals.Generators`)."""
         ...
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
