@@ -14,7 +14,7 @@ token, the verify step's cost in plain-token units, tokens/s and the speedup ove
     python benchmarks/drafts.py --prompts 4 --max-new-tokens 64 --gammas 2,4 --out bench_out/drafts
 
 Uses torch's default thread count; on a machine shared with other busy processes pass
-`--threads 1` (there two threads spin against the other processes: measured 5-10× slower).
+`--threads 1` (two threads there spin against the other processes).
 """
 from __future__ import annotations
 
