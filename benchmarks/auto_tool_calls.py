@@ -40,6 +40,7 @@ from langchain_core.messages import HumanMessage
 
 import flashspec_integrations.prompts as prompts
 from flashspec_core import constrained
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.constrained import Constraint, tool_tags
 from flashspec_core.constrained.tool_suite import TOOL_SUITE
 from flashspec_core.drafts import PromptLookupDraft
@@ -48,7 +49,6 @@ from flashspec_core.handle import RequestHandle
 from flashspec_core.loading import load_target
 from flashspec_core.results import GenerationResult
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_integrations.langchain import ChatFlashSpec
 from flashspec_integrations.prompts import render_prompt
 from flashspec_integrations.tool_calls import CALL_OPEN, parse_tool_calls

@@ -21,13 +21,13 @@ from pathlib import Path
 import jsonschema
 import torch
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.constrained import GrammarForcedDraft, tool_call_schema
 from flashspec_core.constrained.tool_suite import TOOL_SUITE, forced_call_messages
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.loading import load_target
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 
 CONFIGS = ("plain", "forced", "forced+copy", "router")
 

@@ -25,11 +25,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends.calibration import machine_line
 from flashspec_core.engine import SpecEngine
 from flashspec_core.loading import default_drafts, load_target
 from flashspec_core.routing.router import BanditRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_integrations.demo import ADAPTER_HINTS
 from flashspec_workloads.agent import agent_workload
 

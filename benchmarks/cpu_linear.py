@@ -3,7 +3,7 @@
 Speculation pays when scoring γ + 1 tokens costs little more than one. This measures a forward of
 n new tokens on top of a 300-token KV cache of the default model (median of repeats, cache
 cropped back after each), for the model as transformers builds it and after
-`use_packed_linear` (flashspec_core/cpu_linear.py), at each thread count given.
+`use_packed_linear` (flashspec_core/backends/cpu_linear.py), at each thread count given.
 
     python benchmarks/cpu_linear.py --threads 1,2 --out bench_out/cpu_linear
 """

@@ -19,6 +19,7 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends.calibration import machine_line
 from flashspec_core.backends.cpu_linear import STOCK
 from flashspec_core.backends.cpu_static import StaticCachedModel
@@ -26,7 +27,6 @@ from flashspec_core.backends.hf import CachedModel
 from flashspec_core.engine import SpecEngine
 from flashspec_core.loading import load_target
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_workloads.agent import agent_workload
 from flashspec_workloads.baselines import hf_generate, stock_default_model
 

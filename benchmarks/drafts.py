@@ -14,7 +14,7 @@ token, the verify step's cost in plain-token units, tokens/s and the speedup ove
     python benchmarks/drafts.py --prompts 4 --max-new-tokens 64 --gammas 2,4 --out bench_out/drafts
 
 Uses torch's default thread count; on a machine shared with other busy processes pass
-`--threads 1` (there two threads spin against the other processes: measured 5-10× slower).
+`--threads 1` (two threads there spin against the other processes).
 """
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts.prompt_lookup import PromptLookupDraft
 from flashspec_core.drafts.trained import WEIGHTS_DIR, shipped_drafts
 from flashspec_core.engine import SpecEngine
 from flashspec_core.loading import load_target
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_workloads.baselines import hf_generate, stock_default_model
 from flashspec_workloads.sharegpt import sharegpt_conversations
 

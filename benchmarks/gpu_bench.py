@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts.trained import shipped_drafts
 from flashspec_core.engine import SpecEngine
 from flashspec_core.loading import GPU_GAMMAS, build_drafts, default_drafts
 from flashspec_core.models import load_model
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_workloads.common import Step
 from flashspec_workloads.dev import dev_workload
 

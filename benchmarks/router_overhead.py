@@ -1,12 +1,13 @@
 """The router's host cost per decode step, without a model: select, the arm's draft call, update.
 
-On an H200 a graphed target step costs ~2.1 ms, so the router's host work is a visible share of
-it (gpu_bench.py's "host" column). This drives the router the engine builds (`make_router`'s
-Thompson router over prompt lookup and the suffix cache at γ 2/4/8 plus plain decoding) through
-synthetic requests that look like RAG agent steps: a retrieved document of `--lengths` tokens,
-an output that copies spans of it, a live token list that grows by what each step's proposal
-matched + 1, as `SpecEngine._decode` appends it, and StepRecords with a fixed 2.1 ms verify
-time. Finished outputs go to the suffix cache between requests, as the engine's `end` does.
+A graphed target step on a GPU costs a few milliseconds, so the router's host work is a visible
+share of it (gpu_bench.py's "host" column). This drives the router the engine builds
+(`make_router`'s Thompson router over prompt lookup and the suffix cache at γ 2/4/8 plus plain
+decoding) through synthetic requests that look like RAG agent steps: a retrieved document of
+`--lengths` tokens, an output that copies spans of it, a live token list that grows by what each
+step's proposal matched + 1, as the engine's step (`step.Stepper`) extends it, and StepRecords with
+a fixed 2.1 ms verify time. Finished outputs go to the suffix cache between requests, through the
+drafts' `end`.
 
 Columns: µs per step of `router.select`, of the chosen arm's draft call (the engine's own), of
 `router.update` (full-information copy scoring, bandit rounds), and their sum. Rows: that router
@@ -30,12 +31,13 @@ from pathlib import Path
 
 import torch
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends.calibration import cpu_model
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.records import StepRecord
 from flashspec_core.routing import BanditRouter, FixedRouter, RouterStore
 from flashspec_core.routing.store_writer import FLUSH_EVERY
-from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 
 GAMMAS = (2, 4, 8)
 VOCAB = 32_000

@@ -28,13 +28,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends import llama_cpp
 from flashspec_core.backends.calibration import machine_line
 from flashspec_core.engine import SpecEngine
 from flashspec_core.loading import default_drafts, load_target
 from flashspec_core.models import load_model
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_integrations.demo import ADAPTER_HINTS
 from flashspec_workloads.agent import agent_workload
 from flashspec_workloads.baselines import LlamaCppGreedy, hf_generate, stock_default_model

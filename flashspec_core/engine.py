@@ -19,6 +19,7 @@ from typing import Any, Unpack, cast
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends import make_runner, resolve_backend
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.calibration import Calibration, calibrate_runner
@@ -38,7 +39,6 @@ from flashspec_core.routing.priors import seed_router
 from flashspec_core.scheduler import GPU_MAX_ROWS, MAX_QUEUE, MAX_ROWS, PREFILL_CHUNK, Scheduler, buckets
 from flashspec_core.step import Stepper
 from flashspec_core.stopping import RowOutput, decodes_by_concatenation
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_core.verify import VERIFY_BACKENDS, Backend
 
 

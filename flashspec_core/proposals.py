@@ -1,5 +1,6 @@
-"""A row's proposal for a step, and the cut of a sampled step's proposal on CUDA graphs to a
-length some graph was warmed for.
+"""Draft proposals: a draft source's for the step's rows (`Proposal`), one row's share of it
+(`Drafted`), and the cut of a sampled step's proposal on CUDA graphs to a length some graph was
+warmed for (`cut_length`).
 
 Why the cut: such a step replays a graph of its exact width (a padded slot would be a token to test),
 captured per temperature at first use; copy drafts propose anything from 1 to γ tokens, so uncut
@@ -12,6 +13,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+# A draft's random draws: one generator per row (each row's own: its draws then do not depend on
+# the rows beside it), one for every row, or None (fresh randomness).
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+@dataclass
+class Proposal:
+    """What a draft source offers for one step.
+
+    tokens: one list per row, at most γ long (deterministic drafts may find nothing to copy).
+    probs:  [B, k, V] the distribution q each token was drawn from (k = len of every row), or
+            None for deterministic drafts, whose q is one-hot at the proposed token.
+    """
+
+    tokens: list[list[int]]
+    probs: torch.Tensor | None = None
+    # Seconds a model draft spent feeding context it had not seen since it last ran (the prompt,
+    # or the steps other drafts took): the price of switching to it, not of its steps.
+    catchup_seconds: float = 0.0
 
 
 @dataclass

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flashspec_core.types import StepRecord
+from flashspec_core.records import StepRecord
 
 
 @dataclass

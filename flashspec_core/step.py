@@ -16,17 +16,18 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.constrained.constraint import Constraint
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.handle import EngineFault
 from flashspec_core.processors.paths import PathProcessors
 from flashspec_core.proposals import Drafted, cut_length
+from flashspec_core.records import StepRecord
 from flashspec_core.request import Row
 from flashspec_core.routing.base import Router
-from flashspec_core.row_verify import verify_rows
-from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 from flashspec_core.verify import Backend
+from flashspec_core.verify.rows import verify_rows
 
 # The router is handed at most this many rows' records a step (in turn), and at most this many
 # wait to be learned: its host work per row (copy drafts scored after the fact) would otherwise
@@ -275,7 +276,7 @@ class Stepper:
         """The step as one graph replay when `_fused` cannot take it (rows of other draft lengths,
         settings or processors, free or prefilling slots beside them): plain greedy rows are
         verified in the graph, every other row from its logits of the same replay, through its
-        processors and its own sampling (`row_verify.verify_rows`). None without graphs, or when no warmed
+        processors and its own sampling (`verify.rows.verify_rows`). None without graphs, or when no warmed
         width holds the step."""
         if not self.runner.use_graphs:
             return None

@@ -8,7 +8,7 @@ imported on demand, so this package imports neither framework. Beside them, what
 
 - `settings`: the constructor fields (same names in both adapters) and the engine they resolve to;
 - `engines`: one process-wide engine per engine setting;
-- `context`: a call's framework context -> the router domain (also used by other front ends);
+- `domain_rules`: a call's framework context -> the router domain (also used by other front ends);
 - `calls`: one engine call, run or streamed (concurrent calls join the engine's running batch);
 - `prompts`, `tool_calls`: the Hermes tool prompt and chat rendering, and one tool-call parser;
 - `async_bridge`: engine streams iterated from coroutines; `hashing`: an offline embedding.

@@ -17,7 +17,7 @@ from typing import Any
 
 from flashspec_core.handle import RequestHandle
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
-from flashspec_integrations.context import DomainDecision
+from flashspec_integrations.domain_rules import DomainDecision
 from flashspec_integrations.engine import Engine
 from flashspec_integrations.plan import CallPlan
 

@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flashspec_integrations.context import SYSTEM, TOOL_ROLE, normalize_role
+from flashspec_integrations.domain_rules import SYSTEM, TOOL_ROLE, normalize_role
 from flashspec_integrations.tool_calls import CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN
 
 TOOLS_HEADER = (

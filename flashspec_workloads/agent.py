@@ -1,8 +1,7 @@
 """Agent-like workloads from real traffic: independent requests, or agent loops sharing a prefix.
 
-The dev stream (`flashspec_workloads.dev`) is short and hand-written, and its steps share
-prefixes; speed measured on it did not hold on real agent steps (issue #16). This module builds
-streams whose text is real and whose shapes are those of agent pipelines:
+Unlike the short, hand-written dev stream (`flashspec_workloads.dev`), these streams' text is real
+and their shapes are those of agent pipelines:
 
 - chat and code: first prompts (independent) or whole multi-turn conversations (loop) from
   ShareGPT's dev split, real questions and real follow-ups with their real earlier answers;

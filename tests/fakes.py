@@ -25,13 +25,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flashspec_core import SpecEngine
+from flashspec_core.arms import Arm
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.handle import RequestHandle
 from flashspec_core.models import LoadedModel
 from flashspec_core.options import RequestOptions, request_options
+from flashspec_core.records import StepRecord
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_core.routing.domains import resolve_domain
-from flashspec_core.types import Arm, StepRecord
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"

@@ -30,13 +30,14 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from flashspec_core.arms import Arm
 from flashspec_core.drafts import DraftSource, ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import LoadedModel
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.proposals import Proposal
 from flashspec_core.routing.base import Router
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import Arm, Proposal
 
 ALPHA = 0.01  # significance level of every exactness test
 MIN_EXPECTED = 5.0  # cells expected to see fewer samples are pooled (the chi-square approximation)

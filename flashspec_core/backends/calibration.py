@@ -1,15 +1,11 @@
 """Measure, on the machine at hand, what a target forward costs at each width, and which kernel wins.
 
-Why: a speed-up measured on one CPU is not a property of the product. oneDNN's packed linear
-layers can make a 5-token verify pass cost one decode step on one CPU and run slower than stock
-at every width on another; two machines can call for opposite choices. So at first
-load the runner's candidate kernels are timed at the widths the engine feeds (1 and γ+1 for each
-γ, plus a prefill chunk), the fastest is kept per width, and the result is cached per CPU
-fingerprint, model shape and backend in the cache folder. The router's cost model starts from the
-measured seconds per width instead of learning them from scratch.
-
-A runner takes part by exposing `kernels()` (names it can switch between), `use_kernel(name)`
-and `forward_to` (the `TargetRunner` contract, backends/base.py).
+At first load the runner's candidate kernels are timed at the widths the engine feeds (1 and γ+1
+for each γ, plus a prefill chunk), the fastest is kept per width, and the result is cached per CPU
+fingerprint, model shape and backend in the cache folder; the router's cost model starts from these
+seconds per width. Why per machine (the fastest kernel differs between CPUs): docs/backends.md,
+"Calibration". A runner takes part by exposing `kernels()` (names it can switch between),
+`use_kernel(name)` and `forward_to` (the `TargetRunner` contract, backends/base.py).
 """
 from __future__ import annotations
 

@@ -1,24 +1,15 @@
 """A CPU linear layer whose cost barely grows with the number of rows, so verifying γ+1 tokens pays.
 
-Why: with fp32 weights on CPU, `F.linear` on 1–4 rows runs as row-by-row GEMV on one thread and
-streams the whole weight matrix from memory once per row, so a forward of 3 tokens can cost twice
-one of 1. The same weight reordered once into oneDNN's blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, the packing torch.compile's CPU backend uses for frozen
-linears) is read once per call whatever the row count, split over the cores. The reduction
-over `in` is the same dot product; only the kernel changes, which moves results by float rounding
-(the greedy tests against a stock model's `generate` cover it).
+fp32 `F.linear` on a few rows streams the weight once per row; the same weight reordered once into
+oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, as torch.compile's CPU backend
+packs frozen linears) is read once per call and split over the cores. Same dot products, another
+kernel: results move by float rounding only. Whether it pays depends on the CPU, so the swap only
+installs the choice; the kernel a forward of a given width runs is measured per machine
+(`backends/calibration.py`) and read by every swapped layer from one shared `KernelChoice`.
 
-Whether packing pays depends on the CPU: on some it makes a 5-token forward cost one token's, on
-others it is slower than stock at every width. So the swap only installs the choice; which kernel runs a forward of a
-given width is decided per machine by measurement (`backends/calibration.py`) through the shared
-`KernelChoice` every swapped layer reads.
-
-The packed copy is extra memory (one more copy of each swapped weight: +0.54 GB for the default
-model). It is rebuilt when the module's weight is replaced or modified in place (a trained draft
-swaps its head rows per request), and autograd, a module cast or moved off the CPU after the swap
-always take `F.linear`, so training through a swapped model or moving it stays correct. Only plain
-`nn.Linear` modules with fp32 CPU weights are swapped (quantized subclasses, GPUs and bf16 keep
-their own kernels), and only where this torch build has oneDNN.
+The packed copy is one more copy of each swapped weight, rebuilt when the weight is replaced or
+modified in place; autograd, or a module cast or moved off the CPU, takes `F.linear`. Only plain
+fp32 CPU `nn.Linear`s are swapped, where this torch build has oneDNN. Figures: BENCHMARKS.md.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Triton kernels that merge the small element-wise steps of a Llama layer, for CUDA-graph replay.
 
 Why: replayed from a graph, a small model's forward costs about one fixed slot per kernel,
-whatever the kernel does, and the element-wise glue between the matrix
-products (residual adds, norms, the rotation, the cache writes, the gate) was most of the ~20-25
-kernels of a layer. Here each group of glue is one kernel:
+whatever the kernel does, and the element-wise glue between the matrix products (residual adds,
+norms, the rotation, the cache writes, the gate) was most of a layer's kernels. Here each group
+of glue is one kernel:
 
 * `add_rms_norm`: the residual add and the next RMSNorm (`rms_norm` for the first layer);
 * `rope_and_cache`: the rotation of q and k (after Qwen3's per-head norms, when given), the K/V

@@ -106,7 +106,7 @@ class LlamaCppModel(TargetRunner):
         # splits the cache across threads and sums the parts in another order once the context
         # passes 256 tokens: one-token decoding then differs from a verify pass over the same
         # positions by up to 0.7 in logits (measured), and speculation would change the output.
-        # On one thread both compute the same sums (tests/backends/test_llama_cpp.py checks it
+        # On one thread both compute the same sums (tests/core/backends/test_llama_cpp.py checks it
         # past 256 tokens); passes of 2+ tokens keep every thread.
         params.n_threads = 1
         params.n_threads_batch = self.n_threads

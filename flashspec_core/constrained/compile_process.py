@@ -1,19 +1,13 @@
 """Grammar compiles that can be stopped: each runs in a worker process, killed once past its limit.
 
 xgrammar cannot interrupt a compile and Python cannot stop a thread, so a compile given a time
-limit (a schema from a server's client: `compile_json_schema(..., timeout_s=)`) runs in one of a
-few worker processes instead (compile_worker.py). Its caller waits at most the limit, counted from
-its call, waiting for a free worker included. A compile still running then is killed with its
-process and a new worker is started in its place at once, so no CPU goes on computing a grammar
-nobody waits for. A compile that finishes sends its grammar back serialized (xgrammar's JSON form,
-read back in well under a millisecond for an ordinary schema), so the caller's process never
-compiles it again: the grammar that passed the limit is the one decoded under.
-
-Workers are fresh interpreters (`python -m`), not forks: a Ray replica has threads, and
-multiprocessing's spawn and fork server would run the replica's main module again in each. A new
-worker needs a few seconds to import xgrammar; it takes compiles only once it says it is ready, so
-a compile sent right after another was killed goes to a worker that is up. Each worker keeps its own xgrammar cache, so a schema sent again (an agent's
-tools on every step) is a cache hit where it was compiled before.
+limit (`compile_json_schema(..., timeout_s=)`) runs in one of a few worker processes
+(compile_worker.py). Its caller waits at most the limit, a wait for a free worker included; a
+compile still running then is killed with its process, and a fresh worker takes its place. A
+finished compile sends its grammar back serialized (xgrammar's JSON form), so the grammar that
+passed the limit is the one decoded under, never compiled again. Workers are fresh interpreters
+(`python -m`), not forks (spawn and fork server would rerun a Ray replica's main module); each
+takes compiles only once it says it is ready, and keeps its own xgrammar cache.
 """
 from __future__ import annotations
 

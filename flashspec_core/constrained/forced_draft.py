@@ -19,7 +19,7 @@ from flashspec_core.constrained.constraint import Constraint, GrammarCursor
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.drafts.prompt_lookup import lookup_continuation
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import Generators, Proposal
+from flashspec_core.proposals import Generators, Proposal
 
 
 class GrammarForcedDraft(DraftSource):

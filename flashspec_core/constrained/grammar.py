@@ -1,35 +1,13 @@
 """The grammar engine wrapper: JSON schemas (or EBNF) compiled against a tokenizer's vocabulary.
 
-Why xgrammar (measured by `benchmarks/constrained.py --engines` on the default 49k-token vocabulary
-and a realistic nested tool-call schema, CPU; see docs/constrained.md for the numbers):
-
-- speed: it precomputes per-state token masks at compile time, so filling one 49k-token mask and
-  advancing the matcher costs a few microseconds per token, several times less than llguidance
-  and far less than outlines-core (which also builds a regex index per schema first).
-  Compilation is cached per (tokenizer, schema), in at most `DEFAULT_CACHE_LIMIT_BYTES` per
-  tokenizer (`set_cache_limit`; xgrammar evicts the least recently used grammars past it).
-- features speculation needs, built in: `rollback` (masks are computed along a draft path and then
-  undone), `fork`, and `find_jump_forward_tokens` (the tokens the grammar forces, which the
-  grammar-forced draft proposes).
-- maintenance and license: Apache-2.0 like this project, actively released, and the structured
-  output backend of vLLM, SGLang and TensorRT-LLM. llguidance (MIT) is the close second.
-
-Defaults: JSON is compiled compact with `", "` and `": "` separators and no free whitespace (a
-small model given free whitespace can spend its whole budget on newlines), and in xgrammar's strict
-mode (no properties or items beyond the schema's). The stop tokens are the engine's EOS ids, so
-EOS is allowed exactly where the grammar accepts.
-
-Compile time grows with a schema's shape (an object of n optional properties costs about n**3:
-BENCHMARKS.md, "Serving: safety under bad input and load"; a string `pattern` with a large
-repetition count, a few bytes, can take minutes), so a caller that takes schemas from others passes `timeout_s`: the compile
-then runs in a worker process that is killed when the limit passes (compile_process.py), and the
-caller gets a ValueError. The grammar comes back from the worker compiled, so decoding under it
-compiles nothing more.
-
-Structural tags (xgrammar's `StructuralTag`, passed in its JSON form `{"type": "structural_tag",
-"format": {...}}`) compile here too: free text until a trigger such as `<tool_call>`, then a tag
-whose content is constrained (tool_tags.py builds them for tool calls). Every JSON schema inside
-one is compiled with the same compact, strict settings as a plain schema.
+xgrammar (why: docs/constrained.md, "Why xgrammar"), compiled per (tokenizer, schema) and cached in
+at most `DEFAULT_CACHE_LIMIT_BYTES` per tokenizer (`set_cache_limit`). JSON is compiled compact
+(`", "` and `": "`, no free whitespace) and strict (nothing beyond the schema); the stop tokens are
+the engine's EOS ids, so EOS is allowed exactly where the grammar accepts. Compile time grows
+steeply with a schema's shape, so a caller that takes schemas from others passes `timeout_s`: the
+compile then runs in a worker process (compile_process.py), killed past the limit (a ValueError)
+or sent back compiled. Structural tags (xgrammar's `StructuralTag` in its JSON form; tool_tags.py
+builds them) compile here too, with the same settings for every JSON schema inside.
 """
 from __future__ import annotations
 

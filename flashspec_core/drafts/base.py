@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import Generators, Proposal
+from flashspec_core.proposals import Generators, Proposal
 
 if TYPE_CHECKING:
     from flashspec_core.constrained.constraint import Constraint
@@ -40,7 +40,7 @@ class DraftSource(Protocol):
         generator: Generators = None,
     ) -> Proposal:
         """Up to `gamma` tokens continuing each row of `contexts` (prompt + verified output).
-        generator: one per row, one for all rows, or None (see `types.Generators`)."""
+        generator: one per row, one for all rows, or None (see `proposals.Generators`)."""
         ...
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:

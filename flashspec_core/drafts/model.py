@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from flashspec_core.backends import model_runner
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams, probs_from_logits, sample_from_probs
-from flashspec_core.types import Generators, Proposal
+from flashspec_core.proposals import Generators, Proposal
 
 
 class ModelDraft(DraftSource):

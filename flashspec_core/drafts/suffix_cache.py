@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import Generators, Proposal
+from flashspec_core.proposals import Generators, Proposal
 
 
 class SuffixCacheDraft(DraftSource):

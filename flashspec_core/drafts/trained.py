@@ -20,7 +20,7 @@ from flashspec_core.distill.model import DraftNetwork, IncompatibleDraft, load_d
 from flashspec_core.drafts.model import ModelDraft
 from flashspec_core.models import LoadedModel
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import Generators, Proposal
+from flashspec_core.proposals import Generators, Proposal
 
 WEIGHTS_DIR = Path(__file__).with_name("weights")
 

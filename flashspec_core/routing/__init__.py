@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from flashspec_core.arms import Arm
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.routing.bandits import UCB1, ThompsonSampling, bandit_from_state
 from flashspec_core.routing.base import Router
@@ -10,7 +11,6 @@ from flashspec_core.routing.domains import classify_prompt, resolve_domain
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.routing.router import ALGORITHMS, BanditRouter
 from flashspec_core.routing.store import RouterStore, default_store_path
-from flashspec_core.types import Arm
 
 ROUTER_NAMES = (*ALGORITHMS, "fixed")
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from flashspec_core.types import Arm, StepRecord
+from flashspec_core.arms import Arm
+from flashspec_core.records import StepRecord
 
 
 @runtime_checkable

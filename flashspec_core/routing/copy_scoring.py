@@ -6,12 +6,10 @@ from there on, whichever arm ran.
 
 Each free arm is scored along the path its own steps would have taken through the request: its
 first step starts where the request's first decode step did, and each next one where the
-previous one would have ended (matched + 1 tokens later). Scoring it from every real step's
-context instead counted a long copy once per token it spans (plain decoding visits every
-position of it) where the arm itself takes one step over it; on the dev machine's loops that
-made prompt lookup look 2.8-3.3x plain decoding on RAG and tool steps that it ran at 1.4x. Under
-greedy decoding a deterministic draft's path is exactly the one it would have taken; under
-sampling it is the path through the tokens that were drawn, the same law.
+previous one would have ended (matched + 1 tokens later), so a long copy counts as the one step
+the arm would take over it, not once per token plain decoding visits. Under greedy decoding a
+deterministic draft's path is exactly the one it would have taken; under sampling it is the path
+through the tokens that were drawn, the same law.
 
 A step's proposal is scored once a mismatch shows or all of it has been verified; when the
 request moves on, a waiting proposal is scored against what was verified, never past the
@@ -23,11 +21,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from flashspec_core.arms import Arm
 from flashspec_core.backends.prefix import common_prefix
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.proposals import cut_length
-from flashspec_core.types import Arm, StepRecord
+from flashspec_core.records import StepRecord
 
 _GREEDY = SamplingParams()  # deterministic drafts ignore sampling; built once, not per step
 

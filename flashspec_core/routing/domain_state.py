@@ -93,11 +93,9 @@ class DomainState:
         None when neither is known.
 
         This price is charged to every copy-draft proposal of that size scored after the fact,
-        and only sizes the router runs are measured again, so one slow pass must not set it: a
-        Triton kernel compiled at its first use (hundreds of times a step's cost) or a
-        garbage-collector pause priced a size, and with it the copy drafts of a whole domain, out
-        for the rest of a run. Hence the median, and the bound: a pass over fewer tokens does not
-        cost more than one over more.
+        and only sizes the router runs are measured again, so one slow pass (a kernel compiled at
+        first use, a garbage-collector pause) must not set it: hence the median, and the bound (a
+        pass over fewer tokens does not cost more than one over more).
         """
         larger = [m * self._model(n, context) for n, m in self.medians.items() if n > tokens]
         median = self.medians.get(tokens)

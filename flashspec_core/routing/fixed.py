@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from flashspec_core.arms import Arm
+from flashspec_core.records import StepRecord, check_record
 from flashspec_core.routing.base import Router
-from flashspec_core.types import Arm, StepRecord, check_record
 
 
 class FixedRouter(Router):

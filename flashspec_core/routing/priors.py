@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from flashspec_core.arms import Arm
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.base import Router
-from flashspec_core.types import Arm
 
 
 def draft_token_seconds(draft: DraftSource, vocab: int, context: int = 64, gamma: int = 4, reps: int = 3) -> float:

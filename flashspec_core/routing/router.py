@@ -16,7 +16,9 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts.base import DraftSource
+from flashspec_core.records import StepRecord, check_record
 from flashspec_core.routing.bandits import UCB1, Bandit, ThompsonSampling
 from flashspec_core.routing.base import Router
 from flashspec_core.routing.copy_scoring import CopyScorer
@@ -24,7 +26,6 @@ from flashspec_core.routing.domain_state import ArmTally, DomainState
 from flashspec_core.routing.forward_costs import ForwardCosts
 from flashspec_core.routing.store import ArmDelta, DomainStats, RouterStore
 from flashspec_core.routing.store_writer import StoreWriter
-from flashspec_core.types import NO_DRAFT, Arm, StepRecord, check_record
 
 # Evidence half-life of ~140 steps within a domain: on the switching simulation (benchmarks/
 # bandit_sim.py) 0.995 lost less than 0.98 or 0.99 (more exploration) and no more than 0.998.

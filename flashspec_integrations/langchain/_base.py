@@ -3,7 +3,7 @@ streaming), the run context a call reads its domain from, call keywords, tracing
 parameters, and running engine calls (each its own engine request; the engine ends one at its timeout).
 
 The shared fields (`target`, `drafts`, `max_tokens`, sampling, `domain`, ...) and the engine
-cache are `flashspec_integrations.settings`; the domain rules are `flashspec_integrations.context`.
+cache are `flashspec_integrations.settings`; the domain rules are `flashspec_integrations.domain_rules`.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pydantic import Field
 
 from flashspec_integrations.async_bridge import aiter_in_thread
 from flashspec_integrations.calls import Outcome, arun_calls, run_calls
-from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
+from flashspec_integrations.domain_rules import DomainDecision, StepContext, decide_domain
 from flashspec_integrations.plan import CallPlan, plan_text
 from flashspec_integrations.settings import FlashSpecFields
 
@@ -82,7 +82,7 @@ class LangChainParams(FlashSpecFields):
 
     def _decide(self, run_manager: Any, kwargs: Mapping[str, Any], facts: StepContext) -> DomainDecision:
         """The call's domain: a `domain=` call keyword, run metadata or tag, the model's own `domain`
-        field, then the context rules of `flashspec_integrations.context` over `facts`."""
+        field, then the context rules of `flashspec_integrations.domain_rules` over `facts`."""
         metadata, tags = run_context(run_manager)
         decision = decide_domain(
             dataclasses.replace(facts, explicit_domain=kwargs.get("domain"), metadata=metadata, tags=tags),

@@ -4,7 +4,7 @@
     llm = FlashSpecLLM(max_tokens=64)            # instant: the default model loads on first use
     llm.invoke("Once upon a time")
 
-Every call picks its router domain from the LangChain run (see `flashspec_integrations.context`)
+Every call picks its router domain from the LangChain run (see `flashspec_integrations.domain_rules`)
 and returns the engine's per-call statistics in `generation_info["flashspec"]`.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
 from flashspec_integrations.calls import Outcome, stream_call
-from flashspec_integrations.context import StepContext
+from flashspec_integrations.domain_rules import StepContext
 from flashspec_integrations.langchain._base import LangChainParams, usage
 from flashspec_integrations.plan import CallPlan
 

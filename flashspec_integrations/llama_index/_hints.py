@@ -1,7 +1,7 @@
-"""LlamaIndex's run context of one call -> `flashspec_integrations.context.StepContext` -> domain.
+"""LlamaIndex's run context of one call -> `flashspec_integrations.domain_rules.StepContext` -> domain.
 
 The rules themselves (explicit domain, forced call -> json, tool results, tools, ReAct, RAG) live
-in the shared `context.decide_domain`, so both adapters file the same kind of step under the same
+in the shared `domain_rules.decide_domain`, so both adapters file the same kind of step under the same
 label. This module only reads LlamaIndex's objects: the messages, the tools and tool choice of
 the call, the active instrumentation tags (`flashspec_domain` or `domain`), and the prompt
 template the call was formatted from.
@@ -22,7 +22,7 @@ from typing import Any
 
 from llama_index.core.instrumentation.dispatcher import active_instrument_tags
 
-from flashspec_integrations.context import (
+from flashspec_integrations.domain_rules import (
     METADATA_DOMAIN_KEY,
     RAG,
     DomainDecision,

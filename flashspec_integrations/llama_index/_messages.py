@@ -11,7 +11,7 @@ from typing import Any
 
 from llama_index.core.base.llms.types import CachePoint, ChatMessage, TextBlock, ThinkingBlock, ToolCallBlock
 
-from flashspec_integrations.context import TOOL_ROLE, normalize_role
+from flashspec_integrations.domain_rules import TOOL_ROLE, normalize_role
 
 _SKIPPED_BLOCKS = (ThinkingBlock, CachePoint)
 

@@ -47,7 +47,7 @@ from llama_index.core.types import TokenAsyncGen, TokenGen
 from flashspec_core.results import StreamChunk
 from flashspec_integrations.async_bridge import aiter_in_thread
 from flashspec_integrations.calls import Outcome, arun_calls, run_calls, stream_call
-from flashspec_integrations.context import REACT
+from flashspec_integrations.domain_rules import REACT
 from flashspec_integrations.llama_index._hints import chat_decision, completion_decision, template_scope
 from flashspec_integrations.llama_index._messages import to_openai_dicts
 from flashspec_integrations.llama_index._responses import (

@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flashspec_integrations import context
+from flashspec_integrations import domain_rules
 from flashspec_integrations.serve.protocol import APIError, ChatCompletionRequest
 
 # No Ray, Starlette nor torch here: the CLI builds its flags from `Limits` on every start.
@@ -36,7 +36,7 @@ def builtin_domains() -> frozenset[str]:
     from flashspec_core.routing import domains as core  # imports torch: only when a request is checked
 
     return frozenset({core.CHAT, core.CODE, core.TOOL, core.JSON, core.RAG, core.MATH,
-                      context.REACT, context.TOOL_RESULT})
+                      domain_rules.REACT, domain_rules.TOOL_RESULT})
 
 
 class Limits(BaseModel):
@@ -120,7 +120,7 @@ def _text_chars(content: Any) -> int:
 
 def _check_domain(value: Any, field: str, known: frozenset[str]) -> None:
     if not isinstance(value, str):
-        return  # not a label at all: the domain rules name it (`context._label`)
+        return  # not a label at all: the domain rules name it (`domain_rules._label`)
     label = value.strip().lower()
     if label and label not in known:
         raise APIError(400, f"{field}: {value[:80]!r} is not a router domain of this server; use one of "
@@ -152,8 +152,8 @@ def check_request(req: ChatCompletionRequest, limits: Limits, context_window: in
                             f"{limits.max_schema_bytes} (--max-schema-bytes): name one tool instead", "tools")
     known = limits.known_domains()
     _check_domain(req.domain, "domain", known)
-    _check_domain((req.metadata or {}).get(context.METADATA_DOMAIN_KEY),
-                  f"metadata.{context.METADATA_DOMAIN_KEY}", known)
+    _check_domain((req.metadata or {}).get(domain_rules.METADATA_DOMAIN_KEY),
+                  f"metadata.{domain_rules.METADATA_DOMAIN_KEY}", known)
     tokens = limits.prompt_tokens(context_window)
     chars = sum(_text_chars(m.content) for m in req.messages)
     chars += sum(len(json.dumps(t.model_dump(exclude_none=True))) for t in req.tools or ())

@@ -8,7 +8,7 @@ one widening kept is JSON's, an integer where a number is expected (`"temperatur
 `logprobs`, frequency or presence penalties) are refused by name rather than silently ignored;
 unknown fields are refused too, as OpenAI itself does. Two extra request fields: `domain` sets the
 router's domain for the call, and `metadata` is read for `flashspec_domain` and agent-node keys
-(`flashspec_integrations.context`). Responses carry an extra `flashspec` field with the call's
+(`flashspec_integrations.domain_rules`). Responses carry an extra `flashspec` field with the call's
 router statistics; OpenAI clients keep unknown fields (`response.model_extra` in `openai`).
 """
 from __future__ import annotations

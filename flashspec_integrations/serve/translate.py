@@ -25,7 +25,7 @@ from flashspec_core.constrained.compile_process import CompileBusy
 from flashspec_core.models import vocab_size
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.results import GenerationStats
-from flashspec_integrations.context import DomainDecision, StepContext, decide_domain
+from flashspec_integrations.domain_rules import DomainDecision, StepContext, decide_domain
 from flashspec_integrations.engine import ServedEngine
 from flashspec_integrations.plan import CallPlan, ChatRequest, PlanError, plan_chat
 from flashspec_integrations.serve.protocol import CONTEXT_LENGTH_EXCEEDED, APIError, ChatCompletionRequest

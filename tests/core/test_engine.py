@@ -12,13 +12,13 @@ import pytest
 import torch
 from helpers import greedy_ids, one_thread, tiny_llama, tiny_loaded
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.options import RequestArgs, RequestOptions
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing import classify_prompt
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -13,11 +13,12 @@ import pytest
 import torch
 from helpers import tiny_llama, tiny_loaded
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import DraftSource, ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.proposals import Proposal
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm, Proposal
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

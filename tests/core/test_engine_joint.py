@@ -40,11 +40,11 @@ from helpers import (
 from laws import detectable_error, prefix_law
 from plants import planted_verify
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 
 VOCAB, SCALE, LENGTH, MAX_NEW = 4, 0.5, 4, 6
 ROWS, CALLS = 18_000, 9  # batches of 2,000 rows, each call with its own seed
@@ -135,10 +135,10 @@ def test_the_engine_test_rejects_the_u_n_plant(torch_one_thread, monkeypatch):
     """Through the engine, with prompt lookup at γ = 4: only the third and fourth tokens of a row
     whose first step accepted two or three draft tokens can change, and only in law (p ≈ 1e-19).
     (With the model draft this test is weak against it, p ≈ 0.007: the verify-level test in
-    tests/verify/test_joint_law.py is the one built for these bugs.)"""
-    from flashspec_core import row_verify
+    tests/core/verify/test_joint_law.py is the one built for these bugs.)"""
+    from flashspec_core.verify import rows
 
-    monkeypatch.setattr(row_verify, "verify", planted_verify("u[n]"))
+    monkeypatch.setattr(rows, "verify", planted_verify("u[n]"))
     (p_value,) = _single_pvalue("prompt_lookup", "torch", 0)
     assert p_value < ALPHA, f"the u[n] plant went unnoticed through the engine: p = {p_value:.3g}"
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashspec_core.arms import Arm
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.records import StepRecord
 from flashspec_core.routing.base import Router
 from flashspec_core.step import LEARN_ROWS
-from flashspec_core.types import Arm, StepRecord
 from flashspec_core.verify import verify
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

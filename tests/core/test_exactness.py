@@ -12,8 +12,8 @@ tokens, computed from a tiny random target with transformers' own logits warpers
 Every random draw is seeded, so each case is deterministic. The power checks break the residual
 (a rejected position draws from p instead of max(0, p - q)) and require the same tests to reject.
 These tests see the first two tokens only; the joint law of everything one step emits (with bugs
-that only touch later positions as power checks) is tests/verify/test_joint_law.py, four tokens
-over several engine steps tests/test_engine_joint.py.
+that only touch later positions as power checks) is tests/core/verify/test_joint_law.py, four tokens
+over several engine steps tests/core/test_engine_joint.py.
 """
 from __future__ import annotations
 
@@ -40,11 +40,11 @@ from helpers import (
 )
 from laws import marginal, prefix_law
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_core.verify import verify
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import idle_core_threads
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends.cpu_linear import BLOCKS
 from flashspec_core.backends.native_layers import NATIVE
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
@@ -23,7 +24,6 @@ from flashspec_core.loading import build_drafts
 from flashspec_core.models import vocab_size
 from flashspec_core.prompts import encode_prompt
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_workloads.baselines import stock_default_model
 
 pytestmark = pytest.mark.slow

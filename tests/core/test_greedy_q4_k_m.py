@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import idle_core_threads, requantized_default
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends import blockq
 from flashspec_core.backends.cpu_linear import BLOCKS, PackedLinear
 from flashspec_core.backends.native_layers import NATIVE
@@ -25,7 +26,6 @@ from flashspec_core.loading import load_target
 from flashspec_core.models import load_model, vocab_size
 from flashspec_core.prompts import encode_prompt
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not blockq.available(), reason="no C compiler for the block kernel")]

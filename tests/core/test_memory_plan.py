@@ -12,12 +12,12 @@ from helpers import tiny_loaded
 from transformers import LlamaConfig
 
 from flashspec_core import memory_plan
+from flashspec_core.arms import Arm
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.memory_plan import kv_bytes_per_token, plan_memory, step_bytes
 from flashspec_core.prompts import ContextLengthError
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import Arm
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

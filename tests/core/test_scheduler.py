@@ -12,13 +12,13 @@ import pytest
 import torch
 from helpers import RandomRouter, tiny_llama
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.handle import RequestCancelled
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.scheduler import EngineBusy, EngineClosed
-from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -96,11 +96,11 @@ def test_rows_of_one_penalty_are_penalized_together_each_as_alone(tiny_target, d
     """Requests sharing a repetition penalty, beside rows without one: penalized in one batch,
     greedy rows are HF's output and a seeded sampled row draws what it draws alone. A model
     draft proposes tokens the rows have not seen, which only the penalty along the path marks."""
-    from flashspec_core import row_verify
+    from flashspec_core.verify import rows
 
     batches: list[int] = []
-    real = row_verify.penalize_rows
-    monkeypatch.setattr(row_verify, "penalize_rows", lambda logits, *a: (batches.append(len(logits)), real(logits, *a))[1])
+    real = rows.penalize_rows
+    monkeypatch.setattr(rows, "penalize_rows", lambda logits, *a: (batches.append(len(logits)), real(logits, *a))[1])
     greedy, sampled = SamplingParams(repetition_penalty=2.0), SamplingParams(temperature=1.0, repetition_penalty=2.0, seed=5)
     arm = FixedRouter(Arm("model", 4))
     alone = engine_over(tiny_target, arm, draft_model).generate(PROMPTS[3], max_new_tokens=20,

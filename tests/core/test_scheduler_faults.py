@@ -13,11 +13,11 @@ import warnings
 
 import pytest
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.handle import EngineFault
 from flashspec_core.routing import BanditRouter, RouterStore
-from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = [pytest.mark.usefixtures("torch_one_thread"), pytest.mark.timeout(120)]
 

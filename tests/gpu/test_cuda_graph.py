@@ -15,13 +15,13 @@ import pytest
 import torch
 from helpers import RandomRouter, tiny_llama, tiny_loaded
 
+from flashspec_core.arms import Arm
 from flashspec_core.backends.cuda_graph import GraphedModel
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import LoadedModel
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import Arm
 from flashspec_core.verify import verify_torch
 
 pytestmark = pytest.mark.gpu

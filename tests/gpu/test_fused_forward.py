@@ -4,7 +4,7 @@ transformers-ops forward computes, and a fused layer costs about ten kernels.
 Tiny random models in fp32 for tight comparisons and in bf16, where the kernels round as
 transformers does and what remains is the norms' and attention's summation order. The kernels
 themselves are compared element for element with transformers' modules in
-tests/backends/test_fused_ops.py, which runs them compiled here.
+tests/core/backends/test_fused_ops.py, which runs them compiled here.
 """
 from __future__ import annotations
 

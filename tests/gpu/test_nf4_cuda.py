@@ -14,11 +14,11 @@ import pytest
 import torch
 from helpers import greedy_references
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import load_model, vocab_size
 from flashspec_core.prompts import encode_prompt
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,6 +1,6 @@
 """Without a GPU, run the fused Triton ops (fused_ops.py) under Triton's CPU interpreter.
 
-The same set-up as tests/verify/conftest.py, for the same reason: `triton.jit` picks the
+The same set-up as tests/core/verify/conftest.py, for the same reason: `triton.jit` picks the
 interpreter when it decorates a function, so TRITON_INTERPRET=1 must be set before Triton is
 first imported, and transformers (imported by the session's conftest) has already loaded it
 through torch._dynamo; the loaded Triton modules are dropped so the next import decorates for

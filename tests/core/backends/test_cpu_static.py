@@ -15,6 +15,7 @@ from helpers import tiny_family, tiny_loaded, tiny_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel
 from walks import ragged_walk
 
+from flashspec_core.arms import Arm
 from flashspec_core.backends import make_runner, model_runner, ragged
 from flashspec_core.backends.cpu_static import INITIAL_LEN, StaticCachedModel
 from flashspec_core.backends.hf import CachedModel
@@ -23,7 +24,6 @@ from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import LoadedModel
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import Arm
 
 VOCAB = 24
 TOL = dict(atol=1e-5, rtol=1e-5)

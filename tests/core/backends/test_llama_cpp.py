@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import g_test
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends import llama_cpp as backend
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.drafts.trained import shipped_drafts
@@ -25,7 +26,6 @@ from flashspec_core.models import default_gguf_path, vocab_size
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.prompts import encode_prompt
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_workloads.baselines import LlamaCppGreedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not backend.available(), reason="llama-cpp-python missing")]

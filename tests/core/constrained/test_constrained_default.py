@@ -15,11 +15,11 @@ import os
 import jsonschema
 import pytest
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.constrained import GrammarForcedDraft, parse_tool_call, tool_call_schema
 from flashspec_core.constrained.tool_suite import TOOL_SUITE, forced_call_messages
 from flashspec_core.engine import SpecEngine
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_one_thread")]
 MAX_NEW_TOKENS = 160

@@ -20,12 +20,12 @@ import torch
 from helpers import BACKENDS, RandomRouter, check_exact, check_rejects, count_outcomes, g_test, next_logits, on_backend
 from laws import marginal, prefix_law
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.constrained import Constraint, Grammar, GrammarForcedDraft
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -13,6 +13,7 @@ import torch
 import xgrammar as xgr
 from test_constrained_exactness import EBNF, EOS, VOCAB
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.constrained import (
     Constraint,
     Grammar,
@@ -25,7 +26,6 @@ from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
 from flashspec_core.routing.router import BanditRouter
-from flashspec_core.types import NO_DRAFT, Arm
 
 PROMPT = [13, 11, 13]
 LBRACE, RBRACE, K, COLON, A, B, AB, LBRACE_K, K_COLON, COMMA, B_RBRACE = range(11)

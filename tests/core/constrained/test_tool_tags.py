@@ -17,6 +17,7 @@ import xgrammar as xgr
 from fakes import byte_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.constrained import (
     HERMES,
     LLAMA3,
@@ -30,7 +31,6 @@ from flashspec_core.drafts import ModelDraft, PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.models import LoadedModel
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

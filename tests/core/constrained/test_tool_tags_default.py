@@ -15,12 +15,12 @@ import json
 import jsonschema
 import pytest
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.constrained import GrammarForcedDraft, tool_tags
 from flashspec_core.constrained.tool_suite import TOOL_SUITE
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import NO_DRAFT, Arm
 from flashspec_integrations.prompts import render_prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_one_thread")]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import tiny_loaded
 
+from flashspec_core.arms import Arm
 from flashspec_core.distill import train as train_module
 from flashspec_core.distill.card import update_card_section
 from flashspec_core.distill.command import run_distill
@@ -23,7 +24,6 @@ from flashspec_core.distill.train import TrainConfig, train_draft
 from flashspec_core.drafts.trained import TrainedDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import Arm
 from flashspec_integrations.cli import main
 
 VOCAB = 64

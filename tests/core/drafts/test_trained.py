@@ -14,13 +14,13 @@ from helpers import break_residual, check_exact, check_rejects, count_outcomes, 
 from laws import marginal, prefix_law
 from safetensors.torch import save_file
 
+from flashspec_core.arms import Arm
 from flashspec_core.distill.model import DraftNetwork, IncompatibleDraft, save_draft
 from flashspec_core.drafts import DraftSource
 from flashspec_core.drafts.trained import TrainedDraft, shipped_drafts
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import Arm
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -10,9 +10,9 @@ from helpers import looping_engine
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.processors.ngram_ban import OutputTokens, ban_repeated_ngrams, json_punctuation_tokens
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -7,9 +7,9 @@ import torch
 from helpers import looping_engine
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.processors.penalty import SeenTokens, penalize_paths, penalize_rows
 from flashspec_core.processors.sampling import SamplingParams
-from flashspec_core.types import NO_DRAFT, Arm
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

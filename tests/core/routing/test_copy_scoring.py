@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from flashspec_core.arms import NO_DRAFT, Arm
+from flashspec_core.proposals import Proposal
+from flashspec_core.records import StepRecord
 from flashspec_core.routing.copy_scoring import CopyScorer
-from flashspec_core.types import NO_DRAFT, Arm, Proposal, StepRecord
 
 NONE = Arm(NO_DRAFT, 0)
 

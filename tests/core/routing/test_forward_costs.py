@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 from helpers import CopyDraft
 
+from flashspec_core.arms import NO_DRAFT, Arm
+from flashspec_core.records import StepRecord
 from flashspec_core.routing import BanditRouter
 from flashspec_core.routing.bandits import ThompsonSampling
 from flashspec_core.routing.domain_state import ArmTally, DomainState
 from flashspec_core.routing.forward_costs import ForwardCosts
-from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 
 SECONDS = {1: 0.010, 3: 0.012, 5: 0.016}
 SLOPES = {1: 5e-6, 3: 12e-6, 5: 14e-6}

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from helpers import tiny_llama, tiny_loaded
 
+from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import ModelDraft
 from flashspec_core.drafts.trained import WEIGHTS_DIR, card_accepted_lengths
 from flashspec_core.engine import SpecEngine
 from flashspec_core.routing import BanditRouter
 from flashspec_core.routing.bandits import ThompsonSampling
 from flashspec_core.routing.priors import draft_token_seconds, expected_goodput
-from flashspec_core.types import NO_DRAFT, Arm
 
 from .test_router import WORLD, drive
 

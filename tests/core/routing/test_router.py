@@ -8,8 +8,9 @@ import warnings
 import pytest
 from helpers import CopyDraft
 
+from flashspec_core.arms import NO_DRAFT, Arm
+from flashspec_core.records import StepRecord
 from flashspec_core.routing import BanditRouter, FixedRouter, RouterStore
-from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 
 NONE = Arm(NO_DRAFT, 0)
 NGRAM = Arm("ngram", 4)

@@ -11,9 +11,10 @@ import warnings
 
 import pytest
 
+from flashspec_core.arms import Arm
+from flashspec_core.records import StepRecord
 from flashspec_core.routing import BanditRouter, RouterStore
 from flashspec_core.routing.store import SCHEMA_VERSION, ArmDelta, StoreUnavailable
-from flashspec_core.types import Arm, StepRecord
 
 NGRAM = Arm("ngram", 4)
 

@@ -16,8 +16,8 @@ drawn with the acceptance uniform u[n], or from a residual built with q at posit
 power checks: applied to the same rows and uniforms, the same G-test must reject each of them.
 
 The Triton kernel's law with its own random numbers (Philox) runs the same test at full N on CUDA
-(marked gpu); on the CPU under TRITON_INTERPRET it runs γ = 4 on INTERPRET_ROWS rows only (about
-0.1-0.2 s per row there), which detects gross errors such as re-using one uniform twice.
+(marked gpu); on the CPU under TRITON_INTERPRET (slow) it runs γ = 4 on INTERPRET_ROWS rows only,
+which detects gross errors such as re-using one uniform twice.
 """
 from __future__ import annotations
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from helpers import tiny_loaded
 
+from flashspec_core.arms import Arm
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import Arm
 from flashspec_core.verify import triton as triton_verify
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

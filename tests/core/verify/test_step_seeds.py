@@ -8,13 +8,12 @@ import pytest
 import torch
 from helpers import tiny_loaded
 
-from flashspec_core import row_verify
+from flashspec_core.arms import Arm
 from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.types import Arm
-from flashspec_core.verify import triton_usable
+from flashspec_core.verify import rows, triton_usable
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -37,14 +36,14 @@ def test_a_seeded_row_samples_alike_alone_and_at_any_index_of_a_shared_launch(mo
 
     crowded = _engine(loaded)
     launches: list[int] = []  # rows per launch with a seed per row
-    real = row_verify.verify
+    real = rows.verify
 
     def counting(logits, *args, seed=None, **kwargs):
         if seed is not None:
             launches.append(logits.shape[0])
         return real(logits, *args, seed=seed, **kwargs)
 
-    monkeypatch.setattr(row_verify, "verify", counting)
+    monkeypatch.setattr(rows, "verify", counting)
     # Same setting, other seeds, submitted first (lower slots: ahead of the row in the launch), and
     # a setting of its own beside them.
     handles = [crowded.submit([p], max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=40 + i))

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("ray", reason="needs the 'serve' extra")
 from flashspec_core.processors.sampling import SamplingParams  # noqa: E402
 from flashspec_core.results import StreamChunk  # noqa: E402
-from flashspec_integrations.context import DomainDecision  # noqa: E402
+from flashspec_integrations.domain_rules import DomainDecision  # noqa: E402
 from flashspec_integrations.plan import CallPlan  # noqa: E402
 from flashspec_integrations.serve.admission import Admission  # noqa: E402
 from flashspec_integrations.serve.deployment import FlashSpecServer  # noqa: E402

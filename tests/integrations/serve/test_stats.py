@@ -1,7 +1,7 @@
 """Router statistics shared through one ledger: each router learns the others' steps, once.
 
 No Ray here: replicas are routers in one process writing the same SQLite file, which is exactly
-what replicas on one host do (tests/serve/test_endpoint.py runs the real thing).
+what replicas on one host do (tests/integrations/serve/test_endpoint.py runs the real thing).
 """
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import sqlite3
 
 import pytest
 
+from flashspec_core.arms import NO_DRAFT, Arm
+from flashspec_core.records import StepRecord
 from flashspec_core.routing.router import BanditRouter
 from flashspec_core.routing.store import ArmDelta, DomainStats
-from flashspec_core.types import NO_DRAFT, Arm, StepRecord
 from flashspec_integrations.serve.stats import SharedRouterStats, TrackingStore
 
 ARMS = [Arm(NO_DRAFT, 0), Arm("model", 2)]

@@ -1,49 +1,11 @@
-"""Small dataclasses that cross module boundaries: arms, proposals, per-step records.
-
-They live apart from the engine so that drafts, routers and adapters can import them without
-pulling in the decode loop.
-"""
+"""What one decode step did (`StepRecord`), for the request's stats and the router's reward, and
+the check a router runs on a record before it learns from it."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-NO_DRAFT = "none"
-# A draft's random draws: one generator per row (each row's own: its draws then do not depend on
-# the rows beside it), one for every row, or None (fresh randomness).
-Generators = torch.Generator | Sequence[torch.Generator] | None
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One routing choice: which draft source proposes, and how many tokens (γ) it may propose.
-
-    `Arm(NO_DRAFT, 0)` is plain decoding, so speculation can switch itself off.
-    """
-
-    draft: str
-    gamma: int
-
-    def __str__(self) -> str:
-        return self.draft if self.gamma == 0 else f"{self.draft}@{self.gamma}"
-
-
-@dataclass
-class Proposal:
-    """What a draft source offers for one step.
-
-    tokens: one list per row, at most γ long (deterministic drafts may find nothing to copy).
-    probs:  [B, k, V] the distribution q each token was drawn from (k = len of every row), or
-            None for deterministic drafts, whose q is one-hot at the proposed token.
-    """
-
-    tokens: list[list[int]]
-    probs: torch.Tensor | None = None
-    # Seconds a model draft spent feeding context it had not seen since it last ran (the prompt,
-    # or the steps other drafts took): the price of switching to it, not of its steps.
-    catchup_seconds: float = 0.0
+from flashspec_core.arms import Arm
 
 
 @dataclass

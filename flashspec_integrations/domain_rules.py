@@ -51,9 +51,8 @@ _RAG_PHRASES = (
 )
 # A "Context:" (or "Documents:", "Sources:") heading and a "Question:" heading in the same prompt,
 # and the ReAct labels, each at the start of a line (after spaces). Searched in the lower-cased
-# text from the label on (`_line_start_matches`), in linear time: the former patterns,
-# `(?:^|\n)\s*label\s*:`, let `\s*` run across newlines, so n newlines cost n tries of up to n
-# characters each (one chat message of 20,000 newlines took 22 s to classify).
+# text from the label on (`_line_start_matches`), in linear time: a leading `(?:^|\n)\s*` would let
+# `\s*` run across newlines, n newlines costing n tries of up to n characters each (BENCHMARKS.md).
 _CONTEXT_HEADING = re.compile(r"(?:context|documents?|sources?|retrieved documents)[^\S\n]*:")
 _QUESTION_HEADING = re.compile(r"(?:question|query)[^\S\n]*:")
 _REACT_LINES = re.compile(r"(thought|action input|action|observation)[^\S\n]*:")

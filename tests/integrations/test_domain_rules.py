@@ -1,11 +1,11 @@
-"""flashspec_integrations.context: the framework-neutral rules that pick a call's router domain."""
+"""flashspec_integrations.domain_rules: the framework-neutral rules that pick a call's router domain."""
 from __future__ import annotations
 
 import time
 
 import pytest
 
-from flashspec_integrations.context import (
+from flashspec_integrations.domain_rules import (
     DomainDecision,
     StepContext,
     agent_node,
