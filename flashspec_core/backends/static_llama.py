@@ -19,7 +19,7 @@ size: q, k and v come from one matrix product over concatenated weights (and gat
 another), the rotation runs once over q and k together, the norms are `F.rms_norm`, and grouped
 query heads are packed as extra query rows of their key/value head so one fused attention kernel
 takes them (steps up to SPLIT_WIDTH tokens wide: `decode_attention`'s kernels, which read only the
-slots each row's queries see). Same function, other rounding (tests/backends compares both with transformers).
+slots each row's queries see). Same function, other rounding (tests/core/backends compares both with transformers).
 Where Triton runs (CUDA, or the CPU under TRITON_INTERPRET=1) the glue between the matrix
 products is `fused_ops`' kernels: each residual add happens inside the next norm's kernel (the
 layer loop carries x and the next block's normed input), the rotation, the cache writes and the
@@ -64,7 +64,7 @@ _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """norm(x) for x [..., hidden]: `F.rms_norm`'s one kernel for transformers' RMSNorm classes in
-    fp32 (their forward is six; the results are the same bit for bit, tests/backends checks), else
+    fp32 (their forward is six; the results are the same bit for bit, tests/core/backends checks), else
     the module itself."""
     weight: Any = norm.weight  # [hidden] (a Tensor attribute of the norm module)
     if type(norm).__name__ in _RMS_NORMS and x.dtype == torch.float32 == weight.dtype:
