@@ -5,12 +5,14 @@ slot is a runner row; a new row takes the free slot whose cache shares the longe
 prompt, so an agent's next step reuses its last one's cache), feeds one piece of each new prompt,
 runs one decode step of every prefilled row (`step.Stepper`: each row with its own arm and
 settings), hands each request's new text to its handle, and retires rows that finished, were
-cancelled or ran out of time. A long prompt is fed in pieces of `prefill_chunk` tokens, one piece
-per turn, so the rows already decoding wait for at most one piece between their steps. On CUDA
-graphs every new prompt gets its piece each turn (a GPU computes rows side by side); without them
-(a CPU, where a forward costs the tokens it computes, so feeding prompts side by side only delays
-every first token) a turn feeds `prefill_chunk` tokens in all, to the earliest admitted requests
-first: several short prompts whole, or one piece of a long one (of each prompt of a batch call).
+cancelled or ran out of time. A long prompt is fed in pieces, one piece per turn, so the rows
+already decoding wait for at most one piece between their steps. On CUDA graphs every new prompt
+gets a piece of `prefill_chunk` tokens each turn (a GPU computes rows side by side). Without them
+(a CPU, where a forward costs the tokens it computes) a turn feeds one budget of tokens in all, to
+the earliest admitted requests first (several short prompts whole, or one piece of a long one, of
+each prompt of a batch call), in the same ragged forward as the decoding rows' step (one read of
+the weights for both); the budget is `prefill_chunk` while nothing decodes and about twice the
+last step's tokens while rows do, so a running stream's turns stay a few of its steps long.
 
 Callers never touch the device: they submit a `Request` and read its `RequestHandle`. The queue of
 waiting requests is bounded; a full queue refuses with `EngineBusy` at once, so overload is an
@@ -43,14 +45,15 @@ from flashspec_core.request import Request, Row
 from flashspec_core.results import GenerationResult, StreamChunk
 from flashspec_core.routing.base import Router
 from flashspec_core.routing.store_writer import FLUSH_EVERY
-from flashspec_core.step import Stepper
+from flashspec_core.step import Pieces, Stepper
 
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # rows decoded together by default on a CPU (the engine's `max_batch`)
 GPU_MAX_ROWS = 64  # and on a GPU, where a step of 64 rows costs little more than a step of one
 MAX_QUEUE = 256  # requests waiting for a slot before `submit` refuses
-PREFILL_CHUNK = 512  # prompt tokens fed per turn of the loop while other rows decode
+PREFILL_CHUNK = 512  # prompt tokens fed per turn of the loop
+MIN_PIECE = 32  # the least a turn feeds of a prompt while rows decode without graphs (`_piece`)
 IDLE_EXIT = 2.0  # seconds without work after which the loop's thread ends (a new request starts it again)
 
 
@@ -230,29 +233,26 @@ class Scheduler:
         for request in ending.values():
             self._end_request(request, self._ended(request, now))
         slots = len(self._slots)
-        feeding = self._feeding()
-        if feeding:
-            try:
-                self.stepper.prefill(feeding, slots, self.prefill_chunk)
-            except Exception:  # noqa: BLE001 - find the request whose input fails; the others go on
-                self.runner.reset(slots)  # a failed forward may leave half a step in the cache
-                for row in feeding:
-                    if self._slots[row.slot] is not row:
-                        continue
-                    try:
-                        self.stepper.prefill([row], slots, self.prefill_chunk)
-                    except Exception as exc:  # noqa: BLE001
-                        self.runner.reset(slots)
-                        self._end_request(row.request, exc)
         ready = [r for r in self._rows() if r.processors is not None and not r.finished]
+        piece = self._piece(bool(ready))
+        feeding = self._feeding(piece)
+        beside = bool(feeding and ready) and not self.runner.use_graphs  # one ragged pass feeds and steps
+        if feeding and not beside:
+            self._prefill(feeding, slots, piece)
+            ready = [r for r in self._rows() if r.processors is not None and not r.finished]
         if not ready:
             return
         before = [len(r.output.token_ids) for r in ready]
         try:
-            self.stepper.step(ready, slots)
+            if beside:
+                self.stepper.step(ready, slots, Pieces.of(feeding, slots, piece))
+            else:
+                self.stepper.step(ready, slots)
         except Exception as exc:  # noqa: BLE001 - find the row that fails; the others go on
             logger.warning("a step of %d rows failed (%r); stepping them one at a time", len(ready), exc)
             self.runner.reset(slots)
+            if beside:
+                self._prefill(feeding, slots, piece)
             self._isolate(ready, slots)
         else:
             self.steps += 1
@@ -270,18 +270,42 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - this row's request ends; the others go on
                 self._end_request(row.request, EngineFault.of("handing the row's output to its request", exc))
 
-    def _feeding(self) -> list[Row]:
+    def _prefill(self, feeding: list[Row], slots: int, piece: int | None) -> None:
+        """Feed the rows' next prompt pieces in one forward; if it fails, row by row, and a row that
+        fails alone ends its request."""
+        try:
+            self.stepper.prefill(feeding, slots, piece)
+        except Exception:  # noqa: BLE001 - find the request whose input fails; the others go on
+            self.runner.reset(slots)  # a failed forward may leave half a step in the cache
+            for row in feeding:
+                if self._slots[row.slot] is not row:
+                    continue
+                try:
+                    self.stepper.prefill([row], slots, piece)
+                except Exception as exc:  # noqa: BLE001
+                    self.runner.reset(slots)
+                    self._end_request(row.request, exc)
+
+    def _piece(self, decoding: bool) -> int | None:
+        """Prompt tokens a turn feeds (see the module doc): `prefill_chunk`, or, without graphs
+        while rows decode, about twice the last step's tokens (at least MIN_PIECE), so a running
+        stream's turn costs a few of its steps while a long prompt is fed."""
+        if self.prefill_chunk is None or self.runner.use_graphs or not decoding:
+            return self.prefill_chunk
+        return min(self.prefill_chunk, max(MIN_PIECE, 2 * self.stepper.step_tokens))
+
+    def _feeding(self, piece: int | None) -> list[Row]:
         """The rows whose prompts get a piece this turn (see the module doc). Without graphs the
         budget is counted per request: a request's prompts are fed side by side (a batch call
         waits for all of them, and its rows then decode together), requests one after another."""
         waiting = sorted((r for r in self._rows() if r.processors is None), key=lambda r: r.admitted)
-        if self.runner.use_graphs or self.prefill_chunk is None:
+        if self.runner.use_graphs or piece is None:
             return waiting
         requests: dict[int, list[Row]] = {}
         for row in waiting:
             requests.setdefault(id(row.request), []).append(row)
         fed: list[Row] = []
-        budget = self.prefill_chunk
+        budget = piece
         for rows in requests.values():
             left = sum(len(r.prompt) - r.prefilled for r in rows)
             if fed and left > budget:

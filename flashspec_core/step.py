@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +38,29 @@ from flashspec_core.verify.rows import verify_rows
 LEARN_ROWS = 8
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """The next prompt piece of each of `rows`, as a runner's per-slot sequences and needs."""
+
+    rows: Sequence[Row]
+    sequences: list[list[int] | None]  # per slot: the prompt up to the piece's end, or None
+    needs: list[int]  # per slot: 1 for a fed row (the logits after its piece), else 0
+    tokens: int  # prompt tokens the pieces add
+
+    @classmethod
+    def of(cls, rows: Sequence[Row], slots: int, chunk: int | None) -> Pieces:
+        """Advance each row's `prefilled` by at most `chunk` tokens (None: to the prompt's end)."""
+        sequences: list[list[int] | None] = [None] * slots
+        needs = [0] * slots
+        tokens = 0
+        for row in rows:
+            start = row.prefilled
+            row.prefilled = len(row.prompt) if chunk is None else min(len(row.prompt), row.prefilled + chunk)
+            sequences[row.slot], needs[row.slot] = row.prompt[:row.prefilled], 1
+            tokens += row.prefilled - start
+        return cls(rows, sequences, needs, tokens)
+
+
 class Stepper:
     """Prefill and step rows on one target runner with a pool of drafts and a router."""
 
@@ -57,6 +81,8 @@ class Stepper:
         # Learning that failed, by row: the step's tokens stand (they were final before the router
         # saw them), and the scheduler ends those rows' requests with the fault.
         self.faults: list[tuple[Row, EngineFault]] = []
+        self.fed_seconds = 0.0  # the share of this step's forward that fed other rows' prompt pieces
+        self.step_tokens = 1  # tokens the last step's rows fed (their drafts and last tokens)
 
     # ------------------------------------------------------------------------------ prefill
 
@@ -71,22 +97,20 @@ class Stepper:
         short one, so re-feeding the last prompt token with the first draft could break a
         near-tie the other way.
         """
-        runner = self.runner
-        seqs: list[list[int]] = [[] for _ in range(slots)]
-        active = [False] * slots
-        for row in rows:
-            prompt = row.prompt
-            row.prefilled = len(prompt) if chunk is None else min(len(prompt), row.prefilled + chunk)
-            seqs[row.slot], active[row.slot] = prompt[:row.prefilled], True
+        pieces = Pieces.of(rows, slots, chunk)
         start = time.perf_counter()
-        logits = runner.forward_to(seqs, active, keep_logits=1)  # [slots, 1, V]
-        seconds = time.perf_counter() - start
-        for row in rows:
+        logits = self.runner.score_rows(pieces.sequences, pieces.needs)
+        self._prefilled(pieces, logits, time.perf_counter() - start)
+
+    def _prefilled(self, pieces: Pieces, logits: Sequence[torch.Tensor | None], seconds: float) -> None:
+        """Book a forward that fed `pieces` (`seconds` long); logits: per slot [1, V] or None."""
+        for row in pieces.rows:
             row.stats.prefill_seconds += seconds
             row.stats.seconds += seconds
             if row.prefilled < len(row.prompt):
                 continue
             row.first = logits[row.slot]
+            assert row.first is not None  # the row fed a piece: the runner scored it
             vocab, device = row.first.shape[-1], row.first.device
             ban_under_schema = row.sampling.no_repeat_ngram_size and row.constraint is not None
             exempt = self._json_tokens(vocab, device) if ban_under_schema else None
@@ -94,21 +118,29 @@ class Stepper:
 
     # ------------------------------------------------------------------------------ a step
 
-    def step(self, rows: Sequence[Row], slots: int) -> list[list[int]]:
+    def step(self, rows: Sequence[Row], slots: int, feeding: Pieces | None = None) -> list[list[int]]:
         """One decode step of `rows` (each prefilled, unfinished, in its own slot of the `slots`
-        the runner holds). Returns each row's new tokens, in the order of `rows`."""
+        the runner holds). Returns each row's new tokens, in the order of `rows`.
+
+        feeding: other rows' prompt pieces fed by the same forward (`prefill`'s work, done beside
+        the step: on a runner without graphs one ragged pass reads the weights once for both);
+        those rows take their first step at the next turn."""
         runner = self.runner
+        if feeding is not None and runner.use_graphs:
+            raise ValueError("feeding: a runner with graphs feeds prompt pieces apart (prefill)")
         warmed = runner.warmup_seconds
         t0 = time.perf_counter()
         arms = [self.router.select(row.domain) for row in rows]
         drafted = self._propose(rows, arms)
         t1 = time.perf_counter()
+        self.fed_seconds = 0.0
         prefilled = [row.first is not None for row in rows]
-        fused = self._fused(rows, arms, drafted, slots)
-        if fused is None:
+        fused = None if feeding is not None else self._fused(rows, arms, drafted, slots)
+        if fused is None and feeding is None:
             fused = self._mixed(rows, drafted, slots)
-        n_acc, out = fused if fused is not None else self._forward_and_verify(rows, drafted, slots)
+        n_acc, out = fused if fused is not None else self._forward_and_verify(rows, drafted, slots, feeding)
         t2 = time.perf_counter()
+        fed = self.fed_seconds  # feeding's share of the forward: the prefill's time, not the step's
         new = []
         for row, n, tokens in zip(rows, n_acc, out):
             kept = row.output.append(tokens[: n + 1])
@@ -117,7 +149,7 @@ class Stepper:
             assert row.processors is not None  # set up by the prefill
             row.processors.commit(0, kept)
             new.append((kept, context_len))
-        verify_share = (t2 - t1) / len(rows)
+        verify_share = (t2 - t1 - fed) / len(rows)
         warmup_share = (runner.warmup_seconds - warmed) / len(rows)
         records = []
         for row, arm, d, n, (kept, context_len), first in zip(rows, arms, drafted, n_acc, new, prefilled):
@@ -131,7 +163,7 @@ class Stepper:
             st = row.stats
             st.drafted += len(d.tokens)
             st.accepted += n
-            st.seconds += t2 - t0
+            st.seconds += t2 - t0 - fed
             st.records.append(record)
         self._queue_learning(records)
         if fused is None:
@@ -311,19 +343,26 @@ class Stepper:
                 n_acc[i], out[i] = accepted[k], tokens[k]
         return n_acc, out
 
-    def _score(self, rows: Sequence[Row], drafted: list[Drafted], slots: int) -> dict[int, torch.Tensor]:
+    def _score(self, rows: Sequence[Row], drafted: list[Drafted], slots: int,
+               feeding: Pieces | None = None) -> dict[int, torch.Tensor]:
         """Slot -> the target's logits [need, V] after each of the row's last `need` path tokens
         (need: the draft's length, plus one unless the prefill scored the first position), in as
-        few forwards as the runner can (`TargetRunner.score_rows`)."""
-        paths: list[list[int] | None] = [None] * slots
-        needs = [0] * slots
+        few forwards as the runner can (`TargetRunner.score_rows`), with `feeding`'s pieces."""
+        paths: list[list[int] | None] = [None] * slots if feeding is None else list(feeding.sequences)
+        needs = [0] * slots if feeding is None else list(feeding.needs)
         for row, d in zip(rows, drafted):
             paths[row.slot], needs[row.slot] = row.seq + d.tokens, len(d.tokens) + (row.first is None)
+        self.step_tokens = sum(needs[row.slot] for row in rows)
+        start = time.perf_counter()
         scored = self.runner.score_rows(paths, needs)
-        return {slot: logits for slot, logits in enumerate(scored) if logits is not None}
+        if feeding is not None:  # the pieces' share of the forward, by the tokens fed
+            share = feeding.tokens / max(1, feeding.tokens + self.step_tokens)
+            self.fed_seconds = (time.perf_counter() - start) * share
+            self._prefilled(feeding, scored, self.fed_seconds)
+        return {row.slot: logits for row in rows if (logits := scored[row.slot]) is not None}
 
-    def _forward_and_verify(self, rows: Sequence[Row], drafted: list[Drafted],
-                            slots: int) -> tuple[list[int], list[list[int]]]:
+    def _forward_and_verify(self, rows: Sequence[Row], drafted: list[Drafted], slots: int,
+                            feeding: Pieces | None = None) -> tuple[list[int], list[list[int]]]:
         """Score every row's context + draft in one target forward, process each row's logits
         along its path and verify rows of one setting together; host lists out: accepted per row,
         and per row the accepted draft tokens then the recovered or bonus token.
@@ -331,4 +370,5 @@ class Stepper:
         On a row's first step the prefill's logits (`row.first`) score its first position and the
         forward scores only its draft (see `prefill`).
         """
-        return verify_rows(rows, drafted, self._score(rows, drafted, slots), self.device, self.verify_backend)
+        scored = self._score(rows, drafted, slots, feeding)
+        return verify_rows(rows, drafted, scored, self.device, self.verify_backend)

@@ -18,7 +18,8 @@ from flashspec_core.engine import SpecEngine
 from flashspec_core.handle import RequestCancelled
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.scheduler import EngineBusy, EngineClosed
+from flashspec_core.scheduler import MIN_PIECE, EngineBusy, EngineClosed
+from flashspec_core.step import Pieces
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -59,7 +60,7 @@ def test_rows_joining_mid_flight_with_their_own_settings_and_arms_equal_hf_gener
     expected = [hf(tiny_target, p, s["max_new_tokens"], s.get("penalty", 1.0)) for p, s in zip(PROMPTS, settings)]
     widths: list[int] = []
     real = engine._stepper.step
-    engine._stepper.step = lambda rows, slots: (widths.append(len(rows)), real(rows, slots))[1]
+    engine._stepper.step = lambda rows, slots, *feeding: (widths.append(len(rows)), real(rows, slots, *feeding))[1]
 
     def sampling(s):
         return SamplingParams(repetition_penalty=s.get("penalty", 1.0))
@@ -186,19 +187,19 @@ def test_a_timeout_ends_the_request_with_timeout_error_even_inside_a_long_prefil
     assert engine.generate(PROMPTS[1], max_new_tokens=8).token_ids == hf(tiny_target, PROMPTS[1], 8)
 
 
-def test_without_graphs_the_earliest_requests_are_fed_first_within_the_turns_budget(tiny_target):
+def test_without_graphs_the_earliest_requests_are_fed_first_within_the_turns_budget(tiny_target, monkeypatch):
     """On a CPU a turn feeds prefill_chunk prompt tokens in all, earliest request first: two long
     prompts of two requests are fed one after the other, the prompts of one batch call side by
     side, short prompts of several requests within the budget; outputs stay HF's."""
     engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 3)), prefill_chunk=8)
-    fed: list[list[tuple[int, int]]] = []  # per prefill call: (request, tokens its row had left)
-    real = engine._stepper.prefill
+    fed: list[list[tuple[int, int]]] = []  # per turn's pieces: (request, tokens its row had left)
+    real = Pieces.of.__func__  # the pieces of a turn, fed alone (prefill) or beside a step alike
 
-    def spy(rows, slots, chunk=None):
+    def spy(cls, rows, slots, chunk):
         fed.append([(id(row.request), len(row.prompt) - row.prefilled) for row in rows])
-        return real(rows, slots, chunk)
+        return real(cls, rows, slots, chunk)
 
-    engine._stepper.prefill = spy
+    monkeypatch.setattr(Pieces, "of", classmethod(spy))
     long = [PROMPTS[4] + PROMPTS[0], PROMPTS[0] + PROMPTS[4]]  # 27 tokens each: four pieces of 8
     handles = [engine.submit([p], max_new_tokens=6) for p in long]
     assert [h.wait()[0].token_ids for h in handles] == [hf(tiny_target, p, 6) for p in long]
@@ -215,6 +216,39 @@ def test_without_graphs_the_earliest_requests_are_fed_first_within_the_turns_bud
     handles = [engine.submit([p], max_new_tokens=4) for p in short]
     assert [h.wait()[0].token_ids for h in handles] == [hf(tiny_target, p, 4) for p in short]
     assert all(sum(left for _, left in call) <= 8 or len(call) == 1 for call in fed)
+
+
+def test_without_graphs_a_prompt_is_fed_beside_the_running_steps_in_small_pieces(tiny_target, monkeypatch):
+    """While rows decode on a CPU, a newcomer's prompt goes through the steps' own forwards (one
+    forward a turn, not a prefill forward between two steps) in pieces of about twice a step's
+    tokens, so a running stream waits a little each turn rather than a whole prompt once; both
+    outputs stay HF's."""
+    engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)))
+    pieces: list[tuple[int, int | None]] = []  # per turn that fed a prompt: (rows fed, chunk)
+    real_of = Pieces.of.__func__
+
+    def spy(cls, rows, slots, chunk):
+        pieces.append((len(rows), chunk))
+        return real_of(cls, rows, slots, chunk)
+
+    monkeypatch.setattr(Pieces, "of", classmethod(spy))
+    forwards, steps = [], []
+    real_score, real_step = engine.runner.score_rows, engine._stepper.step
+    monkeypatch.setattr(engine.runner, "score_rows", lambda *a: (forwards.append(1), real_score(*a))[1])
+    monkeypatch.setattr(engine._stepper, "step", lambda *a: (steps.append(1), real_step(*a))[1])
+    running = engine.submit([PROMPTS[0]], max_new_tokens=120, stream=True)
+    first = next(iter(running))  # prefilled alone (nothing decoded yet), then stepping
+    long = (PROMPTS[4] + PROMPTS[0]) * 5  # 135 tokens
+    pieces.clear()
+    forwards.clear()
+    steps.clear()
+    late = engine.submit([long], max_new_tokens=5)
+    assert late.wait()[0].token_ids == hf(tiny_target, long, 5)
+    assert first.token_ids + [t for chunk in running for t in chunk.token_ids] == hf(tiny_target, PROMPTS[0], 60)
+    fed_beside = [chunk for rows, chunk in pieces if rows]
+    assert fed_beside[0] == MIN_PIECE, "plain decoding feeds one token a step: the least piece"
+    assert len(fed_beside) >= len(long) // MIN_PIECE
+    assert len(forwards) == len(steps), "each turn one forward: the pieces went with the steps"
 
 
 def test_a_full_queue_refuses_at_once_and_a_closed_engine_refuses_everything(tiny_target):
@@ -289,10 +323,10 @@ class Gate:
         self.entered, self.open = threading.Event(), threading.Event()
         real = engine._stepper.step
 
-        def step(rows, slots):
+        def step(rows, slots, *feeding):
             self.entered.set()
             assert self.open.wait(30), "the gate was never opened"
-            return real(rows, slots)
+            return real(rows, slots, *feeding)
 
         engine._stepper.step = step
 
@@ -322,9 +356,9 @@ def test_a_queued_request_past_its_deadline_ends_without_a_slot_and_frees_its_pl
     engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), max_batch=1, max_queue=1)
     real = engine._stepper.step
 
-    def slow(rows, slots):
+    def slow(rows, slots, *feeding):
         time.sleep(0.02)
-        return real(rows, slots)
+        return real(rows, slots, *feeding)
 
     engine._stepper.step = slow
     # 150 steps of 20 ms (no EOS on the way): the only slot stays taken for 3 s
@@ -368,7 +402,7 @@ def test_slots_shrink_when_the_batch_drains_so_a_lone_request_after_a_burst_step
     assert len(engine._scheduler._slots) == 8, "the burst grew the batch"
     sizes: list[int] = []
     real = engine._stepper.step
-    engine._stepper.step = lambda rows, slots: (sizes.append(slots), real(rows, slots))[1]
+    engine._stepper.step = lambda rows, slots, *feeding: (sizes.append(slots), real(rows, slots, *feeding))[1]
     assert engine.generate(PROMPTS[3], max_new_tokens=10).token_ids == hf(tiny_target, PROMPTS[3], 10)
     assert sizes and set(sizes) == {1}, "a lone request after the burst steps a batch of one"
     assert len(engine._scheduler._slots) == 1

@@ -198,7 +198,7 @@ def test_a_draft_failing_to_propose_once_costs_no_request(tiny_target, tmp_path,
 
 def test_the_runner_failing_mid_step_once_costs_no_request(tiny_target, tmp_path, monkeypatch, expected):
     engine, router, store = store_engine(tiny_target, tmp_path)
-    forward = Faults(monkeypatch, engine.runner, "forward_to", (6,))
+    forward = Faults(monkeypatch, engine.runner, "score_rows", (6,))  # every forward of a step or prefill
     assert three_together(engine) == expected
     assert forward.calls > 6
     assert_served_and_consistent(engine, router, store, expected)
@@ -206,18 +206,18 @@ def test_the_runner_failing_mid_step_once_costs_no_request(tiny_target, tmp_path
 
 def test_the_runner_failing_for_one_row_ends_that_request_only(tiny_target, tmp_path, monkeypatch, expected):
     engine, router, store = store_engine(tiny_target, tmp_path)
-    real = engine.runner.forward_to
+    real = engine.runner.score_rows
     poisoned = PROMPTS[1]
 
-    def forward_to(sequences, active=None, keep_logits=1):
-        if any(list(s[:len(poisoned)]) == poisoned and len(s) > len(poisoned) for s in sequences):
+    def score_rows(sequences, needs):
+        if any(s is not None and list(s[:len(poisoned)]) == poisoned and len(s) > len(poisoned) for s in sequences):
             raise Injected("the forward of this row fails")
-        return real(sequences, active, keep_logits)
+        return real(sequences, needs)
 
-    monkeypatch.setattr(engine.runner, "forward_to", forward_to)
+    monkeypatch.setattr(engine.runner, "score_rows", score_rows)
     results = three_together(engine)
     assert isinstance(results[1], Injected) and [results[0], results[2]] == [expected[0], expected[2]]
-    monkeypatch.setattr(engine.runner, "forward_to", real)
+    monkeypatch.setattr(engine.runner, "score_rows", real)
     assert_served_and_consistent(engine, router, store, expected)
 
 
@@ -235,9 +235,9 @@ def test_a_row_that_finished_inside_a_failed_step_is_never_stepped_again(tiny_ta
     stepped_after_finish: list[list[int]] = []
     failed = []
 
-    def step(rows, slots):
+    def step(rows, slots, *feeding):
         stepped_after_finish.extend(r.prompt for r in rows if r.finished)
-        new = real(rows, slots)
+        new = real(rows, slots, *feeding)
         if not failed and len(rows) > 1 and any(r.finished for r in rows):
             failed.append(True)
             raise Injected("the step failed after its commit")

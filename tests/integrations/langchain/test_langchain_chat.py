@@ -239,7 +239,7 @@ def test_batch_runs_side_by_side_in_the_engine_and_matches_single_calls(monkeypa
     alone = [model.invoke(p) for p in prompts]
     widths: list[int] = []
     real = engine._stepper.step
-    monkeypatch.setattr(engine._stepper, "step", lambda rows, slots: (widths.append(len(rows)), real(rows, slots))[1])
+    monkeypatch.setattr(engine._stepper, "step", lambda rows, slots, *feeding: (widths.append(len(rows)), real(rows, slots, *feeding))[1])
     together = model.batch(prompts)
     assert [m.content for m in together] == [m.content for m in alone]
     assert max(widths) >= 2, "the calls of a batch share the engine's decode steps"
