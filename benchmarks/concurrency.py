@@ -18,6 +18,7 @@ Per mode: aggregate output tokens/s, time to first token and inter-token gap (p5
 requests), and whether every request's output equals its sequential run (greedy: it must).
 
     python benchmarks/concurrency.py --requests 8 --concurrency 1,4,8 --out bench_out/concurrency
+    python benchmarks/concurrency.py --requests 8 --concurrency 1,8 --short-prompts 1600 --max-new-tokens 128
     python benchmarks/concurrency.py --device cuda --requests 256 --concurrency 1,16,64 --max-batch 64
 
 Prints the table (CPU model and threads, or the GPU) and writes results.json and concurrency.png.
@@ -60,14 +61,19 @@ class Timed:
     end: float = 0.0
 
 
-def jobs(n: int, seed: int, max_new_tokens: int, steps_file: str | None = None) -> list[Job]:
+def jobs(n: int, seed: int, max_new_tokens: int, steps_file: str | None = None,
+         short: int | None = None) -> list[Job]:
     """n requests of the dev workload with mixed settings (every other streamed, every third with a
     stop string, every fourth with a repetition penalty, budgets between half and all of max).
-    steps_file: the steps saved as JSON (for a host without the ShareGPT package)."""
+    steps_file: the steps saved as JSON (for a host without the ShareGPT package); short: only
+    steps whose messages hold at most this many characters (about four a token)."""
     if steps_file:
-        steps = [Step(**d) for d in json.loads(Path(steps_file).read_text())[:n]]
+        steps = [Step(**d) for d in json.loads(Path(steps_file).read_text())]
     else:
-        steps = dev_workload(n_steps=n, seed=seed, max_new_tokens=max_new_tokens)
+        steps = dev_workload(n_steps=n if short is None else 20 * n, seed=seed, max_new_tokens=max_new_tokens)
+    if short is not None:
+        steps = [s for s in steps if sum(len(str(m.get("content") or "")) for m in s.messages) <= short]
+    steps = steps[:n]
     return [Job(s.messages, s.domain, max(8, max_new_tokens // 2 + (i * 7) % (max_new_tokens // 2 + 1)),
                 stream=i % 2 == 0, stop=["\n\n\n"] if i % 3 == 2 else None, penalty=1.1 if i % 4 == 3 else 1.0)
             for i, s in enumerate(steps)]
@@ -161,16 +167,19 @@ def main() -> None:
                         help="the target's dtype (default: the device's usual one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps-file", default=None, help="the workload as JSON (warm-up steps first)")
+    parser.add_argument("--short-prompts", type=int, default=None, metavar="CHARS",
+                        help="only requests whose messages hold at most CHARS characters (1600: ~400 tokens)")
     parser.add_argument("--out", default="bench_out/concurrency")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     if args.steps_file:
-        saved = jobs(args.requests + 4, 0, args.max_new_tokens, args.steps_file)
+        saved = jobs(args.requests + 4, 0, args.max_new_tokens, args.steps_file, args.short_prompts)
         warm, work = saved[:4], saved[4:]
     else:
-        warm, work = jobs(4, args.seed + 100, 16), jobs(args.requests, args.seed + 1, args.max_new_tokens)
+        warm = jobs(4, args.seed + 100, 16)
+        work = jobs(args.requests, args.seed + 1, args.max_new_tokens, short=args.short_prompts)
     warmups: list[float] = []
 
     def fresh() -> SpecEngine:
@@ -208,7 +217,8 @@ def main() -> None:
     gpu = torch.cuda.is_available() and args.device != "cpu"
     device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if gpu else machine_line()
     dtype = str(engine._target.model.dtype).removeprefix("torch.")
-    title = (f"{len(work)} agent requests, greedy, budgets {min(j.max_new_tokens for j in work)}-{longest}; {device}; {dtype}; "
+    kind = "short-prompt agent requests" if args.short_prompts else "agent requests"
+    title = (f"{len(work)} {kind}, greedy, budgets {min(j.max_new_tokens for j in work)}-{longest}; {device}; {dtype}; "
              f"max_batch {args.max_batch}; engine start and warm-up {statistics.median(warmups):.1f} s (median of {len(warmups)})")
     print(title)
     print(f"{'mode':<16}{'tokens':>8}{'s':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  same")
