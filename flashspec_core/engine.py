@@ -28,6 +28,7 @@ from flashspec_core.handle import RequestHandle
 from flashspec_core.memory_plan import MEMORY_FRACTION, MemoryPlan, context_limit, plan_engine
 from flashspec_core.models import LoadedModel, eos_ids, vocab_size
 from flashspec_core.options import RequestArgs, RequestOptions, request_options
+from flashspec_core.pieces import PREFILL_CHUNK
 from flashspec_core.processors.ngram_ban import json_punctuation_tokens
 from flashspec_core.processors.sampling import request_generator
 from flashspec_core.prompts import PromptLike, encode_prompts, is_batch, prompt_text
@@ -36,7 +37,7 @@ from flashspec_core.results import GenerationResult, GenerationStats, StreamChun
 from flashspec_core.routing.base import Router
 from flashspec_core.routing.domains import resolve_domain
 from flashspec_core.routing.priors import seed_router
-from flashspec_core.scheduler import GPU_MAX_ROWS, MAX_QUEUE, MAX_ROWS, PREFILL_CHUNK, Scheduler, buckets
+from flashspec_core.scheduler import GPU_MAX_ROWS, MAX_QUEUE, MAX_ROWS, Scheduler, buckets
 from flashspec_core.step import Stepper
 from flashspec_core.stopping import RowOutput, decodes_by_concatenation
 from flashspec_core.verify import VERIFY_BACKENDS, Backend

@@ -41,19 +41,18 @@ from flashspec_core.backends.base import TargetRunner
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.flusher import Flusher
 from flashspec_core.handle import EngineFault, RequestCancelled
+from flashspec_core.pieces import PREFILL_CHUNK, Pieces, fed_rows, piece_budget
 from flashspec_core.request import Request, Row
 from flashspec_core.results import GenerationResult, StreamChunk
 from flashspec_core.routing.base import Router
 from flashspec_core.routing.store_writer import FLUSH_EVERY
-from flashspec_core.step import Pieces, Stepper
+from flashspec_core.step import Stepper
 
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # rows decoded together by default on a CPU (the engine's `max_batch`)
 GPU_MAX_ROWS = 64  # and on a GPU, where a step of 64 rows costs little more than a step of one
 MAX_QUEUE = 256  # requests waiting for a slot before `submit` refuses
-PREFILL_CHUNK = 512  # prompt tokens fed per turn of the loop
-MIN_PIECE = 32  # the least a turn feeds of a prompt while rows decode without graphs (`_piece`)
 IDLE_EXIT = 2.0  # seconds without work after which the loop's thread ends (a new request starts it again)
 
 
@@ -234,8 +233,9 @@ class Scheduler:
             self._end_request(request, self._ended(request, now))
         slots = len(self._slots)
         ready = [r for r in self._rows() if r.processors is not None and not r.finished]
-        piece = self._piece(bool(ready))
-        feeding = self._feeding(piece)
+        graphs = self.runner.use_graphs
+        piece = piece_budget(self.prefill_chunk, graphs, bool(ready), self.stepper.step_tokens)
+        feeding = fed_rows([r for r in self._rows() if r.processors is None], piece, graphs)
         beside = bool(feeding and ready) and not self.runner.use_graphs  # one ragged pass feeds and steps
         if feeding and not beside:
             self._prefill(feeding, slots, piece)
@@ -285,36 +285,6 @@ class Scheduler:
                 except Exception as exc:  # noqa: BLE001
                     self.runner.reset(slots)
                     self._end_request(row.request, exc)
-
-    def _piece(self, decoding: bool) -> int | None:
-        """Prompt tokens a turn feeds (see the module doc): `prefill_chunk`, or, without graphs
-        while rows decode, about twice the last step's tokens (at least MIN_PIECE), so a running
-        stream's turn costs a few of its steps while a long prompt is fed."""
-        if self.prefill_chunk is None or self.runner.use_graphs or not decoding:
-            return self.prefill_chunk
-        return min(self.prefill_chunk, max(MIN_PIECE, 2 * self.stepper.step_tokens))
-
-    def _feeding(self, piece: int | None) -> list[Row]:
-        """The rows whose prompts get a piece this turn (see the module doc). Without graphs the
-        budget is counted per request: a request's prompts are fed side by side (a batch call
-        waits for all of them, and its rows then decode together), requests one after another."""
-        waiting = sorted((r for r in self._rows() if r.processors is None), key=lambda r: r.admitted)
-        if self.runner.use_graphs or piece is None:
-            return waiting
-        requests: dict[int, list[Row]] = {}
-        for row in waiting:
-            requests.setdefault(id(row.request), []).append(row)
-        fed: list[Row] = []
-        budget = piece
-        for rows in requests.values():
-            left = sum(len(r.prompt) - r.prefilled for r in rows)
-            if fed and left > budget:
-                break
-            fed += rows
-            budget -= left
-            if budget <= 0:
-                break
-        return fed
 
     def _isolate(self, rows: list[Row], slots: int) -> None:
         """After a failed step: step alone each row that did not finish in it; a row that fails

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +21,7 @@ from flashspec_core.backends.base import TargetRunner
 from flashspec_core.constrained.constraint import Constraint
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.handle import EngineFault
+from flashspec_core.pieces import Pieces
 from flashspec_core.processors.paths import PathProcessors
 from flashspec_core.proposals import Drafted, cut_length
 from flashspec_core.records import StepRecord
@@ -36,29 +36,6 @@ from flashspec_core.verify.rows import verify_rows
 # CPU's default batch every row is learned from; on CUDA graphs learning fills the time the GPU
 # computes (`Stepper.learn`), and what does not fit is dropped, oldest first.
 LEARN_ROWS = 8
-
-
-@dataclass(frozen=True)
-class Pieces:
-    """The next prompt piece of each of `rows`, as a runner's per-slot sequences and needs."""
-
-    rows: Sequence[Row]
-    sequences: list[list[int] | None]  # per slot: the prompt up to the piece's end, or None
-    needs: list[int]  # per slot: 1 for a fed row (the logits after its piece), else 0
-    tokens: int  # prompt tokens the pieces add
-
-    @classmethod
-    def of(cls, rows: Sequence[Row], slots: int, chunk: int | None) -> Pieces:
-        """Advance each row's `prefilled` by at most `chunk` tokens (None: to the prompt's end)."""
-        sequences: list[list[int] | None] = [None] * slots
-        needs = [0] * slots
-        tokens = 0
-        for row in rows:
-            start = row.prefilled
-            row.prefilled = len(row.prompt) if chunk is None else min(len(row.prompt), row.prefilled + chunk)
-            sequences[row.slot], needs[row.slot] = row.prompt[:row.prefilled], 1
-            tokens += row.prefilled - start
-        return cls(rows, sequences, needs, tokens)
 
 
 class Stepper:

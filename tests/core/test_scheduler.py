@@ -16,10 +16,10 @@ from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.handle import RequestCancelled
+from flashspec_core.pieces import MIN_PIECE, Pieces
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
-from flashspec_core.scheduler import MIN_PIECE, EngineBusy, EngineClosed
-from flashspec_core.step import Pieces
+from flashspec_core.scheduler import EngineBusy, EngineClosed
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
