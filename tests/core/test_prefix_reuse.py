@@ -24,6 +24,7 @@ from __future__ import annotations
 import pytest
 from helpers import greedy_references, idle_core_threads
 from plants import reuse_one_past
+from test_greedy_default import DOC, TIE_GAP  # an fp tie: as there
 
 from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends import llama_cpp
@@ -39,18 +40,12 @@ from flashspec_workloads.baselines import LlamaCppGreedy, stock_default_model
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 16
-TIE_GAP = 1e-4  # as test_greedy_default.py
 # Every CPU runner: the static cache (cpu_static.py) on the GGUF block kernel and on the native
 # layer stack, transformers' dynamic cache (hf.py), llama.cpp (llama_cpp.py).
 RUNNERS = ["static-" + NATIVE, "static-" + BLOCKS, "hf", "llama.cpp"]
 
-SYSTEM = (
-    "You are the travel assistant of Northwind Rail. Answer in one short sentence, using this document "
-    "where it helps.\n\nNorthwind Rail operates three lines. The Red Line runs every 10 minutes from 5:30 "
-    "to 23:30 and connects Harbor Station with Airport Terminal in 42 minutes. The Blue Line runs every "
-    "15 minutes and serves the university campus. The Green Line is closed for maintenance until 14 June. "
-    "Tickets cost 2.40 EUR for a single ride and 7.50 EUR for a day pass; children under 6 travel free."
-)
+SYSTEM = ("You are the travel assistant of Northwind Rail. Answer in one short sentence, using this document "
+          "where it helps.\n\n" + DOC)
 
 
 def _chat(first: str, question: str) -> list[dict[str, str]]:
