@@ -12,9 +12,9 @@ the recovered token of a row rejected at draft position n >= 2 (0-based) is draw
 Before issue 15 every exactness test passed with either (they looked at the first two tokens).
 
 Issue 46's, a runner that reuses a slot's cached prompt one token past the prefix it shares with
-the new request (`reuse_one_past`; test_prefix_reuse.py): the last reused position holds the
-previous request's keys and values. Before issue 46 only a count assertion saw it
-(`cached_prompt_tokens` in test_engine.py's prefix test); every output test passed.
+the new request (`reuse_one_past`): the last reused position holds the previous request's keys
+and values. test_prefix_reuse.py must fail with it on the default model on every CPU runner (the
+tiny-model prefix test of test_engine.py fails too, on its count and on its output).
 """
 from __future__ import annotations
 

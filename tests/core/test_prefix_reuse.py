@@ -17,7 +17,7 @@ prefix as the engine does; test_llama_cpp.py says why that makes it bit for bit 
 A runner that reuses one token more than the prompts share (plants.py's `reuse_one_past`: the
 last reused position holds the previous request's keys and values) answers "japan" with Paris
 and "airport" from the wrong turn; the last test plants it in every runner and requires the
-output test to fail. Before this test only a count assertion (test_engine.py's prefix test) saw it.
+output test to fail (on every runner, both prompts admitted after another).
 """
 from __future__ import annotations
 
