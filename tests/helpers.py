@@ -330,12 +330,12 @@ def looping_engine(arm: Arm) -> tuple[LoadedModel, SpecEngine, list[list[int]]]:
 
 
 def greedy_references(model, prompts, max_new: int) -> list[tuple[list[int], list[float]]]:
-    """HF `generate(do_sample=False)` of `model` on each prompt (token ids) on CUDA: (tokens, the
-    top-2 logit gap at each token), so a divergence can be told from an fp tie (tests/gpu)."""
+    """HF `generate(do_sample=False)` of `model` on each prompt (token ids), on the model's device:
+    (tokens, the top-2 logit gap at each token), so a divergence can be told from an fp tie."""
     refs = []
     with torch.inference_mode():
         for ids in prompts:
-            x = torch.tensor([ids], device="cuda")
+            x = torch.tensor([ids], device=model.device)
             out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
                                  output_logits=True, return_dict_in_generate=True)
             top2 = torch.stack([s[0].float().topk(2).values for s in out.logits])

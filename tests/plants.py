@@ -1,7 +1,8 @@
-"""The planted bugs of issue 15 as verify functions: what the exactness tests must catch.
+"""Planted bugs the tests must catch, each with the test that shows it is caught.
 
-Both keep every acceptance test (so n_accepted is unchanged) and the support of the output, and
-change only how the recovered token of a row rejected at draft position n >= 2 (0-based) is drawn:
+Issue 15's, as verify functions (test_joint_law.py, test_engine_joint.py). Both keep every
+acceptance test (so n_accepted is unchanged) and the support of the output, and change only how
+the recovered token of a row rejected at draft position n >= 2 (0-based) is drawn:
 
 - "u[n]": from the right residual max(0, p_n - q_n), but with the acceptance uniform u[n] instead
   of its own u[γ]. Given the rejection, u[n] >= p_n(x)/q_n(x) is not uniform, so the law moves
@@ -9,8 +10,15 @@ change only how the recovered token of a row rejected at draft position n >= 2 (
 - "q1": from max(0, p_n - q_1), the residual built with the draft's q at position 1.
 
 Before issue 15 every exactness test passed with either (they looked at the first two tokens).
+
+Issue 46's, a runner that reuses a slot's cached prompt one token past the prefix it shares with
+the new request (`reuse_one_past`): the last reused position holds the previous request's keys
+and values. test_prefix_reuse.py must fail with it on the default model on every CPU runner (the
+tiny-model prefix test of test_engine.py fails too, on its count and on its output).
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,3 +61,25 @@ def planted_verify(bug: str):
         return n_acc, redraw(bug, probs_from_logits(target_logits, sampling), q, n_acc, tokens, uniforms)
 
     return run
+
+
+def reuse_one_past(runner):
+    """A drop-in for `runner.prefix_len` (set on the instance: a draft's runner is left alone)
+    with issue 46's bug planted.
+
+    Where the row's cache and a new prompt first differ, at position n, it reports n + 1 and
+    records the prompt's token there, so the forward that feeds the prompt keeps n + 1 positions
+    and feeds from n + 1 on: position n keeps the previous request's keys and values. A prompt
+    that extends the row (or that the row extends) is reused as before: nothing differs.
+    """
+    shared = runner.prefix_len
+
+    def prefix_len(row: int, sequence: Sequence[int]) -> int:
+        n = shared(row, sequence)
+        held = runner.held[row]  # the tokens the runner takes its cache row to hold
+        if n < min(len(held), len(sequence)):
+            held[n] = sequence[n]
+            n += 1
+        return n
+
+    return prefix_len

@@ -1,0 +1,159 @@
+"""Prefix reuse with teeth (issue 46): a request admitted into the slot the previous one left
+reuses the prompt they share, exactly that much, on every CPU runner of the default model.
+
+Three agent-style chat prompts share a long system prompt (a document) and the first turns, and
+are sent one after another, so each is admitted into the slot its predecessor left:
+
+- "france" first, with nothing cached;
+- "japan" differs from "france" only in the last question's country, right after ~170 shared tokens;
+- "airport" differs from "japan" right after the system prompt (another first turn).
+
+Each output must be what the model computes from the prompt alone: HF `generate(do_sample=False)`
+on a stock copy of the model (a divergence at an fp tie of the reference is allowed, as in
+test_greedy_default.py), or, on the llama.cpp runner, llama-cpp-python's own greedy decoding of
+the same GGUF file given the same prompts in the same order (it reuses its own context's
+prefix as the engine does; test_llama_cpp.py says why that makes it bit for bit comparable).
+
+A runner that reuses one token more than the prompts share (plants.py's `reuse_one_past`: the
+last reused position holds the previous request's keys and values) answers "japan" with Paris
+and "airport" from the wrong turn; the last test plants it in every runner and requires the
+output test to fail (on every runner, both prompts admitted after another).
+"""
+from __future__ import annotations
+
+import pytest
+from helpers import greedy_references, idle_core_threads
+from plants import reuse_one_past
+from test_greedy_default import DOC, TIE_GAP  # an fp tie: as there
+
+from flashspec_core.arms import NO_DRAFT, Arm
+from flashspec_core.backends import llama_cpp
+from flashspec_core.backends.cpu_linear import BLOCKS
+from flashspec_core.backends.hf import CachedModel
+from flashspec_core.backends.native_layers import NATIVE
+from flashspec_core.engine import SpecEngine
+from flashspec_core.models import default_gguf_path, vocab_size
+from flashspec_core.prompts import encode_prompt
+from flashspec_core.routing.fixed import FixedRouter
+from flashspec_workloads.baselines import LlamaCppGreedy, stock_default_model
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 16
+# Every CPU runner: the static cache (cpu_static.py) on the GGUF block kernel and on the native
+# layer stack, transformers' dynamic cache (hf.py), llama.cpp (llama_cpp.py).
+RUNNERS = ["static-" + NATIVE, "static-" + BLOCKS, "hf", "llama.cpp"]
+
+SYSTEM = ("You are the travel assistant of Northwind Rail. Answer in one short sentence, using this document "
+          "where it helps.\n\n" + DOC)
+
+
+def _chat(first: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": "Great! Where would you like to go?"},
+            {"role": "user", "content": question}]
+
+
+TRIP = "Hi, I am planning a trip abroad next month."
+CONVERSATIONS = {  # sent in this order
+    "france": _chat(TRIP, "What is the capital of France?"),
+    "japan": _chat(TRIP, "What is the capital of Japan?"),
+    "airport": _chat("Which line takes me to the airport?", "And how long does the ride take?"),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    with idle_core_threads() as threads:
+        yield threads
+
+
+@pytest.fixture(scope="module")
+def prompts(default_target) -> list[list[int]]:
+    vocab = vocab_size(default_target.model)
+    ids = [encode_prompt(default_target.tokenizer, c, vocab) for c in CONVERSATIONS.values()]
+    for before, after in zip(ids, ids[1:]):  # each shares a long prefix with the one before, and differs
+        shared = next(i for i, (a, b) in enumerate(zip(before, after)) if a != b)
+        assert shared >= 64
+    return ids
+
+
+@pytest.fixture(scope="module")
+def hf_references(prompts) -> list[tuple[list[int], list[float]]]:
+    return greedy_references(stock_default_model(), prompts, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def engines(default_target):
+    """One engine per runner (built when first asked for), shared by the tests of this module."""
+    built: dict[str, SpecEngine] = {}
+
+    def get(runner: str) -> SpecEngine:
+        if runner not in built:
+            built[runner] = _engine(default_target, runner)
+        return built[runner]
+
+    return get
+
+
+def _engine(target, runner: str) -> SpecEngine:
+    router = FixedRouter(Arm(NO_DRAFT, 0))
+    if runner == "llama.cpp":
+        if not llama_cpp.available():
+            pytest.skip("llama-cpp-python missing")
+        return SpecEngine(target, [], router=router, backend="llama.cpp", calibrate=False)
+    engine = SpecEngine(target, [], router=router, backend="hf", calibrate=False)
+    if runner == "hf":
+        engine.runner = CachedModel(target.model, engine.runner.pad_token_id, gguf=target.gguf)
+        return engine
+    kernel = runner.removeprefix("static-")
+    if kernel not in engine.runner.kernels():
+        pytest.skip(f"{kernel} is not available on this machine")
+    engine.runner.use_kernel(kernel)  # no plan: it stays on for every forward
+    return engine
+
+
+def _diverging(engine: SpecEngine, runner: str, prompts, hf_references) -> dict[str, str]:
+    """Send the prompts one after another from empty rows; return how each output that is not the
+    reference's diverges, by conversation (empty: all exact)."""
+    engine.runner.reset(1)
+    if runner == "llama.cpp":  # llama.cpp's own greedy, from a fresh context, given the same prompts in turn
+        reference = LlamaCppGreedy(default_gguf_path(), engine.eos_ids, n_ctx=engine.runner.n_ctx,
+                                   one_token_threads=1)
+        references = [(reference(ids, MAX_NEW)[0], None) for ids in prompts]
+    else:
+        references = hf_references
+    found = {}
+    for name, ids, (expected, gaps) in zip(CONVERSATIONS, prompts, references):
+        got = engine.generate(ids, max_new_tokens=MAX_NEW).token_ids
+        if got == expected:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        gap = gaps[at] if gaps is not None and at < len(gaps) else float("inf")
+        if gap >= TIE_GAP:
+            found[name] = (f"{name!r} diverges at token {at}: {engine.tokenizer.decode(got)!r}, "
+                           f"expected {engine.tokenizer.decode(expected)!r} (top-2 gap {gap:.1e})")
+    return found
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_prompts_that_diverge_after_a_long_shared_prefix_get_the_models_own_output(
+        engines, runner, prompts, hf_references):
+    engine = engines(runner)
+    found = _diverging(engine, runner, prompts, hf_references)
+    assert not found, f"{runner}: " + "; ".join(found.values())
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_the_output_test_catches_reuse_one_token_past_the_shared_prefix(engines, runner, prompts, hf_references,
+                                                                       monkeypatch):
+    engine = engines(runner)
+    monkeypatch.setattr(engine.runner, "prefix_len", reuse_one_past(engine.runner))
+    try:
+        found = _diverging(engine, runner, prompts, hf_references)
+    finally:
+        engine.runner.reset(1)  # the plant's rows hold other requests' keys and values
+    admitted_after_another = set(CONVERSATIONS) - {"france"}
+    assert set(found) == admitted_after_another, (
+        f"{runner}: the reuse_one_past plant went unnoticed on {sorted(admitted_after_another - set(found))}")
