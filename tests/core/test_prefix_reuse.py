@@ -1,4 +1,4 @@
-"""Prefix reuse with teeth (issue 46): a request admitted into the slot the previous one left
+"""Prefix reuse with teeth: a request admitted into the slot the previous one left
 reuses the prompt they share, exactly that much, on every CPU runner of the default model.
 
 Three agent-style chat prompts share a long system prompt (a document) and the first turns, and
@@ -114,10 +114,11 @@ def _engine(target, runner: str) -> SpecEngine:
     return engine
 
 
-def _diverging(engine: SpecEngine, runner: str, prompts, hf_references) -> dict[str, str]:
-    """Send the prompts one after another from empty rows; return how each output that is not the
-    reference's diverges, by conversation (empty: all exact)."""
-    engine.runner.reset(1)
+def _diverging(engine: SpecEngine, runner: str, prompts, hf_references, reset: bool = True) -> dict[str, str]:
+    """Send the prompts one after another (from empty rows unless `reset` is False); return how each
+    output that is not the reference's diverges, by conversation (empty: all exact)."""
+    if reset:
+        engine.runner.reset(1)
     if runner == "llama.cpp":  # llama.cpp's own greedy, from a fresh context, given the same prompts in turn
         reference = LlamaCppGreedy(default_gguf_path(), engine.eos_ids, n_ctx=engine.runner.n_ctx,
                                    one_token_threads=1)
@@ -157,3 +158,19 @@ def test_the_output_test_catches_reuse_one_token_past_the_shared_prefix(engines,
     admitted_after_another = set(CONVERSATIONS) - {"france"}
     assert set(found) == admitted_after_another, (
         f"{runner}: the reuse_one_past plant went unnoticed on {sorted(admitted_after_another - set(found))}")
+
+
+@pytest.mark.parametrize("runner", ["static-" + NATIVE, "static-" + BLOCKS])
+def test_prefix_reuse_beside_a_decoding_row_gets_the_models_own_output(engines, runner, prompts, hf_references):
+    """The same prompts while another request decodes on its own slot throughout: each prompt is
+    fed in pieces inside that row's steps (one ragged forward a turn), reusing the slot its
+    predecessor left, and each output is still the model's own."""
+    engine = engines(runner)
+    engine.runner.reset(1)
+    busy = engine.submit([[{"role": "user", "content": "Write the numbers from 1 to 400, one per line."}]],
+                         max_new_tokens=1500, stream=True)
+    next(iter(busy))  # decoding before the first prompt is admitted
+    found = _diverging(engine, runner, prompts, hf_references, reset=False)
+    assert engine.running >= 1, "the decoding row ended before the prompts did: nothing was fed beside it"
+    busy.cancel()
+    assert not found, f"{runner}: " + "; ".join(found.values())
