@@ -119,9 +119,10 @@ class Ended:
     start: float
     end: float
     pid: int | None = None  # the replica that answered
+    retry_after: float | None = None  # a 429's Retry-After
 
 
-def _refusal(status: int, text: str, kind: str) -> Ended:
+def _refusal(status: int, text: str, kind: str, headers: httpx.Headers) -> Ended:
     """An HTTP error: clean when a 4xx, 503 or 504 in OpenAI's shape (`start`/`end` set by the caller)."""
     try:
         error = json.loads(text)["error"]
@@ -129,14 +130,19 @@ def _refusal(status: int, text: str, kind: str) -> Ended:
     except (ValueError, KeyError, TypeError):
         error, shaped = {}, False
     label = f"{status} {error.get('code') or error.get('type')}" if shaped else f"{status} (not OpenAI's error shape)"
-    return Ended(kind, label, status, shaped and (400 <= status < 500 or status in (503, 504)), 0.0, 0.0)
+    try:
+        retry_after = float(headers["retry-after"]) if "retry-after" in headers else None
+    except ValueError:
+        retry_after = None
+    return Ended(kind, label, status, shaped and (400 <= status < 500 or status in (503, 504)), 0.0, 0.0,
+                 retry_after=retry_after)
 
 
 async def _stream(http: httpx.AsyncClient, url: str, spec: Spec) -> Ended:
     """A streamed request, read to `[DONE]` or left after `spec.leave_after_chunks` content chunks."""
     async with http.stream("POST", url, json=spec.body) as res:
         if res.status_code != 200:
-            return _refusal(res.status_code, (await res.aread()).decode(errors="replace"), spec.kind)
+            return _refusal(res.status_code, (await res.aread()).decode(errors="replace"), spec.kind, res.headers)
         chunks, pid, done = 0, None, False
         async for line in res.aiter_lines():
             if not line.startswith("data: "):
@@ -160,7 +166,7 @@ async def _post(http: httpx.AsyncClient, url: str, spec: Spec) -> Ended:
     content = spec.body if isinstance(spec.body, bytes) else json.dumps(spec.body).encode()
     res = await http.post(url, content=content, headers={"content-type": "application/json"})
     if res.status_code != 200:
-        return _refusal(res.status_code, res.text, spec.kind)
+        return _refusal(res.status_code, res.text, spec.kind, res.headers)
     answer = res.json()
     if spec.kind in ("bad", "oversized"):
         return Ended(spec.kind, "200 to bad input", 200, False, 0.0, 0.0)
@@ -269,8 +275,8 @@ async def soak_server(url: str, headers: dict[str, str], prompts: Sequence[list[
             ended = await send(http, chat, spec, hang_s)
             ended.start, ended.end = began, time.monotonic() - start
             report.ended.append(ended)
-            if ended.status == 429:  # as a client honouring Retry-After would, within reason
-                await asyncio.sleep(min(5.0, rng.uniform(0.5, 2.0)))
+            if ended.status == 429:  # as a client honouring Retry-After does (jittered, at most 10 s)
+                await asyncio.sleep(min(10.0, ended.retry_after or 1.0) * rng.uniform(0.5, 1.5))
             if kill_at_s is not None and not report.kill and ended.end >= kill_at_s and ended.pid is not None:
                 before = sorted({e.pid for e in report.ended if e.pid is not None})
                 report.kill = {"pid": kill(report.ended), "at_s": time.monotonic() - start, "replicas_before": before}
