@@ -84,9 +84,9 @@ class Sampler:
         self.samples.append((time.monotonic() - self.start, self.measure()))
 
 
-def print_rows(rows: list[tuple[str, Any]]) -> None:
+def print_rows(rows: list[tuple[str, Any]], width: int = 28) -> None:
     for label, value in rows:
-        print(f"{label:<40}{value:>10}")
+        print(f"{label:<{width}}{value:>8}")
 
 
 def engine_soak(args: argparse.Namespace, prompts: list[list[dict]]) -> tuple[str, dict, Sampler]:
@@ -180,7 +180,7 @@ def serve_soak(args: argparse.Namespace, prompts: list[list[dict]], out: Path) -
              f"timeout {args.request_timeout:g} s; {machine_line()}")
     print(title)
     peak = max(m for _, m in sampler.samples)
-    print_rows(serve_table(report, rss_start, rss_end, peak))
+    print_rows(serve_table(report, rss_start, rss_end, peak), width=44)
     print("by kind:", json.dumps(report.by_kind(), indent=1))
     if report.unclean or report.in_kill_window_failed:
         print("failures outside / inside the kill window:", dict(report.unclean), dict(report.in_kill_window_failed))
