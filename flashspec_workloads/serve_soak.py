@@ -251,9 +251,12 @@ async def soak_server(url: str, headers: dict[str, str], prompts: Sequence[list[
                       requests: int | None = None, callers: int = 6, seed: int = 0, max_tokens: int = 32,
                       hang_s: float = 120.0, kinds: Sequence[str] = KINDS, model: str = MODEL,
                       max_body_bytes: int = 4 << 20, kill_at_s: float | None = None,
-                      kill: Callable[[Sequence[Ended]], int] = kill_busiest) -> ServeSoakReport:
+                      kill: Callable[[Sequence[Ended]], int] = kill_busiest,
+                      transport: httpx.AsyncBaseTransport | None = None) -> ServeSoakReport:
     """Soak the server at `url` (its /v1 base) for `seconds` or `requests` requests (see the
-    module doc); then one normal greedy request must be answered (`answered_after`)."""
+    module doc); then one normal greedy request must be answered (`answered_after`).
+    `kill(ended so far)` kills a replica at `kill_at_s` and returns its pid; `transport`: httpx's
+    (a fake server in tests)."""
     if seconds is None and requests is None:
         raise ValueError("soak_server needs seconds or requests")
     rng = random.Random(seed)
@@ -285,7 +288,8 @@ async def soak_server(url: str, headers: dict[str, str], prompts: Sequence[list[
                 report.kill.update(replaced_at_s=ended.end, replaced_by=ended.pid)
 
     limits = httpx.Limits(max_connections=callers + 4, max_keepalive_connections=callers)
-    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(hang_s), limits=limits) as http:
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(hang_s), limits=limits,
+                                 transport=transport) as http:
         await asyncio.gather(*(caller(http) for _ in range(callers)))
         report.seconds = time.monotonic() - start
         normal = Spec("plain", {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8,
