@@ -58,7 +58,7 @@ def plot(samples: list[tuple[float, float]], outcomes: dict[str, int], path: Pat
     ends.barh(list(outcomes), list(outcomes.values()), color="#55a868")
     ends.set_xlabel("requests")
     ends.tick_params(axis="y", labelsize=7)
-    fig.suptitle(title, fontsize=8)
+    fig.suptitle(title.replace("; ", "\n", 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
