@@ -30,7 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from flashspec_workloads.dev import dev_workload  # the dev workload: its one import here
+from flashspec_workloads.common import openai_messages
+from flashspec_workloads.dev import dev_workload
 
 MODEL = "SmolLM2-135M-Instruct"
 HOST = "127.0.0.1"
@@ -67,28 +68,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def openai_messages(messages: list[dict]) -> list[dict]:
-    """The workload's chat messages as an OpenAI client sends them: an assistant turn that is a
-    JSON call becomes `tool_calls`, and the tool result after it names that call's id."""
-    out: list[dict] = []
-    for i, m in enumerate(messages):
-        call = None
-        if m["role"] == "assistant":
-            try:
-                call = json.loads(m["content"])
-            except json.JSONDecodeError:
-                pass
-        if isinstance(call, dict) and "name" in call:
-            out.append({"role": "assistant", "content": None, "tool_calls": [{
-                "id": f"call_{i}", "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}}]})
-        elif m["role"] == "tool":
-            out.append({"role": "tool", "tool_call_id": out[-1]["tool_calls"][0]["id"], "content": m["content"]})
-        else:
-            out.append(m)
-    return out
 
 
 def bodies(n: int, max_new_tokens: int | None, seed: int, steps_file: str | None = None) -> list[dict]:

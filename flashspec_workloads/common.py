@@ -1,6 +1,7 @@
 """What every stream of this package shares: the Step, the domains, their budgets, the mixing."""
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -50,3 +51,25 @@ def domain_order(n_runs: int, rng: random.Random) -> list[str]:
             round_.append(round_.pop(0))
         order.extend(round_)
     return order[:n_runs]
+
+
+def openai_messages(messages: list[dict[str, str]]) -> list[dict]:
+    """The workload's chat messages as an OpenAI client sends them: an assistant turn that is a
+    JSON call becomes `tool_calls`, and the tool result after it names that call's id."""
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        call = None
+        if m["role"] == "assistant":
+            try:
+                call = json.loads(m["content"])
+            except json.JSONDecodeError:
+                pass
+        if isinstance(call, dict) and "name" in call:
+            out.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": f"call_{i}", "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}}]})
+        elif m["role"] == "tool":
+            out.append({"role": "tool", "tool_call_id": out[-1]["tool_calls"][0]["id"], "content": m["content"]})
+        else:
+            out.append(m)
+    return out

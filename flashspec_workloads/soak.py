@@ -16,6 +16,7 @@ result, or with the error its kind expects. What the report counts:
 """
 from __future__ import annotations
 
+import os
 import random
 import resource
 import threading
@@ -63,13 +64,46 @@ class SoakReport:
                 if k not in ("ok", "cancelled", "deadline", "busy", "bad_input")}
 
 
-def rss_mb() -> float:
-    """This process's resident memory now (MB), from /proc where there is one, else its peak."""
+def rss_mb(pid: int | None = None) -> float:
+    """Resident memory (MB) of process `pid` (None: this one) from /proc where there is one; this
+    process's peak elsewhere, 0 for another process that is gone."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{'self' if pid is None else pid}/statm") as f:
             return int(f.read().split()[1]) * resource.getpagesize() / 2**20
     except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if pid is None else 0.0
+
+
+def processes(title: str, under: int) -> list[int]:
+    """Pids of the descendants of process `under` on this machine whose command line contains
+    `title` (Ray names each worker process after its actor: "ray::ServeReplica:<app>:<deployment>")."""
+    parents: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:  # pid (comm) state ppid ...
+                    parents[int(entry.name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+
+    def descends(pid: int) -> bool:
+        for _ in range(64):
+            pid = parents.get(pid, 0)
+            if pid == under:
+                return True
+            if pid <= 1:
+                return False
+        return False
+
+    found = []
+    for pid in parents:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if title.encode() in cmdline.read() and descends(pid):
+                    found.append(pid)
+        except OSError:
+            continue
+    return sorted(found)
 
 
 def _settings(rng: random.Random, max_tokens: int, kind: str) -> dict[str, Any]:
