@@ -2,9 +2,9 @@
 
 A GPU computes rows side by side, so every new prompt gets a piece of `prefill_chunk` tokens each
 turn. A CPU's forward costs the tokens it computes: a turn feeds one budget in all, earliest
-request first, and while rows decode the budget shrinks to about twice their step's tokens, so a
-running stream's turn (its step and the piece fed beside it, one ragged pass) stays a few of its
-steps long.
+request first, and while rows decode the budget shrinks towards a few of their steps' tokens, so
+a running stream's turn (its step and the piece fed beside it, one ragged pass) stays a few of
+its steps long.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from flashspec_core.request import Row
 
 PREFILL_CHUNK = 512  # prompt tokens fed per turn of the loop
-MIN_PIECE = 32  # the least a turn feeds of a prompt while rows decode without graphs
 
 
 @dataclass(frozen=True)
@@ -42,10 +41,13 @@ class Pieces:
 
 def piece_budget(prefill_chunk: int | None, graphs: bool, decoding: bool, step_tokens: int) -> int | None:
     """Prompt tokens a turn feeds: `prefill_chunk` (None: whole prompts), or, without graphs while
-    rows decode, about twice the last step's tokens (`step_tokens`), at least MIN_PIECE."""
+    rows decode, four times the last step's tokens (`step_tokens`) within a quarter of
+    `prefill_chunk` and all of it. Why not less: every turn costs the decoding rows' host work
+    too, so pieces much smaller than that stretch a long prompt over many turns and lower the
+    rate of everyone (BENCHMARKS.md, `concurrency.py`)."""
     if prefill_chunk is None or graphs or not decoding:
         return prefill_chunk
-    return min(prefill_chunk, max(MIN_PIECE, 2 * step_tokens))
+    return min(prefill_chunk, max(prefill_chunk // 4, 4 * step_tokens))
 
 
 def fed_rows(waiting: Sequence[Row], piece: int | None, graphs: bool) -> list[Row]:

@@ -11,8 +11,8 @@ gets a piece of `prefill_chunk` tokens each turn (a GPU computes rows side by si
 (a CPU, where a forward costs the tokens it computes) a turn feeds one budget of tokens in all, to
 the earliest admitted requests first (several short prompts whole, or one piece of a long one, of
 each prompt of a batch call), in the same ragged forward as the decoding rows' step (one read of
-the weights for both); the budget is `prefill_chunk` while nothing decodes and about twice the
-last step's tokens while rows do, so a running stream's turns stay a few of its steps long.
+the weights for both); the budget is `prefill_chunk` while nothing decodes and smaller while rows
+do (`pieces.piece_budget`), so a running stream's turns stay a few of its steps long.
 
 Callers never touch the device: they submit a `Request` and read its `RequestHandle`. The queue of
 waiting requests is bounded; a full queue refuses with `EngineBusy` at once, so overload is an
