@@ -162,6 +162,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,8", help="comma-separated caller counts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=8, help="the engine's max_batch")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="the engine's prefill_chunk")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="the target's dtype (default: the device's usual one)")
@@ -187,6 +188,7 @@ def main() -> None:
         finds what an earlier one left in the cache or the suffix draft, or a router it trained."""
         start = time.perf_counter()
         engine = SpecEngine.from_pretrained(None, device=args.device, max_batch=args.max_batch,
+                                            prefill_chunk=args.prefill_chunk,
                                             dtype=getattr(torch, args.dtype) if args.dtype else None)
         for job in warm:  # warm-up (kernels, the router's first steps) on other requests: untimed
             run_one(engine, job, Timed())
@@ -219,7 +221,7 @@ def main() -> None:
     dtype = str(engine._target.model.dtype).removeprefix("torch.")
     kind = "short-prompt agent requests" if args.short_prompts else "agent requests"
     title = (f"{len(work)} {kind}, greedy, budgets {min(j.max_new_tokens for j in work)}-{longest}; {device}; {dtype}; "
-             f"max_batch {args.max_batch}; engine start and warm-up {statistics.median(warmups):.1f} s (median of {len(warmups)})")
+             f"max_batch {args.max_batch}; prefill_chunk {args.prefill_chunk}; engine start and warm-up {statistics.median(warmups):.1f} s (median of {len(warmups)})")
     print(title)
     print(f"{'mode':<16}{'tokens':>8}{'s':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  same")
     for r in rows:

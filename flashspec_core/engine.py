@@ -201,6 +201,7 @@ class SpecEngine:
         max_queue: int = MAX_QUEUE,
         memory_fraction: float = MEMORY_FRACTION,
         max_context: int | None = None,
+        prefill_chunk: int | None = PREFILL_CHUNK,
     ) -> SpecEngine:
         """target: None (embedded default), a .gguf file, a local folder or a cached HF id.
 
@@ -213,7 +214,7 @@ class SpecEngine:
         pool = build_drafts(drafts, loaded, target, device=device, dtype=dtype)
         return cls(loaded, pool, router=router, gammas=gammas, verify_backend=verify_backend, backend=backend,
                    max_batch=max_batch, max_queue=max_queue, memory_fraction=memory_fraction,
-                   max_context=max_context)
+                   max_context=max_context, prefill_chunk=prefill_chunk)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

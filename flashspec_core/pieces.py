@@ -1,10 +1,11 @@
 """How a prompt is fed: in pieces, a budget of tokens a turn (see scheduler.py's module doc).
 
 A GPU computes rows side by side, so every new prompt gets a piece of `prefill_chunk` tokens each
-turn. A CPU's forward costs the tokens it computes: a turn feeds one budget in all, earliest
-request first, and while rows decode the budget shrinks towards a few of their steps' tokens, so
-a running stream's turn (its step and the piece fed beside it, one ragged pass) stays a few of
-its steps long.
+turn. A CPU's forward costs the tokens it computes: a turn feeds `prefill_chunk` tokens in all,
+earliest request first, beside the decoding rows' step in one ragged pass. The budget is the
+trade between a running stream's inter-token latency (a turn that feeds a piece costs the piece)
+and everyone's rate (every turn costs the decoding rows' host work too, so small pieces stretch a
+long prompt over many turns): BENCHMARKS.md (`concurrency.py`) measures both.
 """
 from __future__ import annotations
 
@@ -37,17 +38,6 @@ class Pieces:
             sequences[row.slot], needs[row.slot] = row.prompt[:row.prefilled], 1
             tokens += row.prefilled - start
         return cls(rows, sequences, needs, tokens)
-
-
-def piece_budget(prefill_chunk: int | None, graphs: bool, decoding: bool, step_tokens: int) -> int | None:
-    """Prompt tokens a turn feeds: `prefill_chunk` (None: whole prompts), or, without graphs while
-    rows decode, four times the last step's tokens (`step_tokens`) within a quarter of
-    `prefill_chunk` and all of it. Why not less: every turn costs the decoding rows' host work
-    too, so pieces much smaller than that stretch a long prompt over many turns and lower the
-    rate of everyone (BENCHMARKS.md, `concurrency.py`)."""
-    if prefill_chunk is None or graphs or not decoding:
-        return prefill_chunk
-    return min(prefill_chunk, max(prefill_chunk // 4, 4 * step_tokens))
 
 
 def fed_rows(waiting: Sequence[Row], piece: int | None, graphs: bool) -> list[Row]:

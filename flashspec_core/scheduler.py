@@ -11,8 +11,8 @@ gets a piece of `prefill_chunk` tokens each turn (a GPU computes rows side by si
 (a CPU, where a forward costs the tokens it computes) a turn feeds one budget of tokens in all, to
 the earliest admitted requests first (several short prompts whole, or one piece of a long one, of
 each prompt of a batch call), in the same ragged forward as the decoding rows' step (one read of
-the weights for both); the budget is `prefill_chunk` while nothing decodes and smaller while rows
-do (`pieces.piece_budget`), so a running stream's turns stay a few of its steps long.
+the weights for both); a smaller `prefill_chunk` shortens a running stream's longest gaps at
+some cost to everyone's rate (`pieces.py`).
 
 Callers never touch the device: they submit a `Request` and read its `RequestHandle`. The queue of
 waiting requests is bounded; a full queue refuses with `EngineBusy` at once, so overload is an
@@ -41,7 +41,7 @@ from flashspec_core.backends.base import TargetRunner
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.flusher import Flusher
 from flashspec_core.handle import EngineFault, RequestCancelled
-from flashspec_core.pieces import PREFILL_CHUNK, Pieces, fed_rows, piece_budget
+from flashspec_core.pieces import PREFILL_CHUNK, Pieces, fed_rows
 from flashspec_core.request import Request, Row
 from flashspec_core.results import GenerationResult, StreamChunk
 from flashspec_core.routing.base import Router
@@ -233,9 +233,8 @@ class Scheduler:
             self._end_request(request, self._ended(request, now))
         slots = len(self._slots)
         ready = [r for r in self._rows() if r.processors is not None and not r.finished]
-        graphs = self.runner.use_graphs
-        piece = piece_budget(self.prefill_chunk, graphs, bool(ready), self.stepper.step_tokens)
-        feeding = fed_rows([r for r in self._rows() if r.processors is None], piece, graphs)
+        piece = self.prefill_chunk
+        feeding = fed_rows([r for r in self._rows() if r.processors is None], piece, self.runner.use_graphs)
         beside = bool(feeding and ready) and not self.runner.use_graphs  # one ragged pass feeds and steps
         if feeding and not beside:
             self._prefill(feeding, slots, piece)

@@ -59,7 +59,6 @@ class Stepper:
         # saw them), and the scheduler ends those rows' requests with the fault.
         self.faults: list[tuple[Row, EngineFault]] = []
         self.fed_seconds = 0.0  # the share of this step's forward that fed other rows' prompt pieces
-        self.step_tokens = 1  # tokens the last step's rows fed (their drafts and last tokens)
 
     # ------------------------------------------------------------------------------ prefill
 
@@ -329,11 +328,10 @@ class Stepper:
         needs = [0] * slots if feeding is None else list(feeding.needs)
         for row, d in zip(rows, drafted):
             paths[row.slot], needs[row.slot] = row.seq + d.tokens, len(d.tokens) + (row.first is None)
-        self.step_tokens = sum(needs[row.slot] for row in rows)
         start = time.perf_counter()
         scored = self.runner.score_rows(paths, needs)
         if feeding is not None:  # the pieces' share of the forward, by the tokens fed
-            share = feeding.tokens / max(1, feeding.tokens + self.step_tokens)
+            share = feeding.tokens / max(1, feeding.tokens + sum(needs[row.slot] for row in rows))
             self.fed_seconds = (time.perf_counter() - start) * share
             self._prefilled(feeding, scored, self.fed_seconds)
         return {row.slot: logits for row in rows if (logits := scored[row.slot]) is not None}
