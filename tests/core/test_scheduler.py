@@ -236,14 +236,15 @@ def test_without_graphs_a_prompt_is_fed_beside_the_running_steps_in_small_pieces
     monkeypatch.setattr(engine.runner, "score_rows", lambda *a: (forwards.append(1), real_score(*a))[1])
     monkeypatch.setattr(engine._stepper, "step", lambda *a: (steps.append(1), real_step(*a))[1])
     running = engine.submit([PROMPTS[0]], max_new_tokens=120, stream=True)
-    first = next(iter(running))  # prefilled alone (nothing decoded yet), then stepping
+    chunks = iter(running)  # one iterator: a dropped one would take the chunks it had read with it
+    first = next(chunks)  # prefilled alone (nothing decoded yet), then stepping
     long = (PROMPTS[4] + PROMPTS[0]) * 5  # 135 tokens
     pieces.clear()
     forwards.clear()
     steps.clear()
     late = engine.submit([long], max_new_tokens=5)
     assert late.wait()[0].token_ids == hf(tiny_target, long, 5)
-    assert first.token_ids + [t for chunk in running for t in chunk.token_ids] == hf(tiny_target, PROMPTS[0], 60)
+    assert first.token_ids + [t for chunk in chunks for t in chunk.token_ids] == hf(tiny_target, PROMPTS[0], 120)
     fed_beside = [chunk for rows, chunk in pieces if rows]
     assert set(fed_beside) == {16} and len(fed_beside) >= len(long) // 16
     assert len(forwards) == len(steps), "each turn one forward: the pieces went with the steps"
