@@ -10,12 +10,14 @@ needs more.
 Every forward is one ragged pass (`ragged.py`): the active rows' new tokens (a draft, a single
 token, a prompt piece) side by side with no padding, so a step of many rows reads the weights once
 and costs the tokens it computes. The bookkeeping (rows, prefix reuse across requests, rollback,
-growth) is `GraphedModel`'s, run without graphs; the layers are the model's own submodules, its
-nn.Linear layers swapped for `PackedLinear` as in `hf.CachedModel`, and the calibration picks the
-kernel by the tokens a forward feeds. Models `StaticLlama` does not support keep `hf.CachedModel`.
+growth) is `StaticRows`, shared with the CUDA-graph runner; the layers are the model's own
+submodules, its nn.Linear layers swapped for `PackedLinear` as in `hf.CachedModel`, and the
+calibration picks the kernel by the tokens a forward feeds. Models `StaticLlama` does not support
+keep `hf.CachedModel`.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,23 +25,25 @@ import torch
 from transformers import PreTrainedModel
 
 from flashspec_core.backends import blockq, ragged
+from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.cpu_linear import BLOCKS
-from flashspec_core.backends.cuda_graph import GraphedModel
 from flashspec_core.backends.hf import LinearKernels
 from flashspec_core.backends.native_layers import NATIVE, NATIVE_4ROW, NativeLayers, eligible
 from flashspec_core.backends.ragged import Feed
+from flashspec_core.backends.static_llama import StaticLlama
+from flashspec_core.backends.static_rows import StaticRows
 
 INITIAL_LEN = 512  # slots per row at first; doubled as needed (the GPU runner starts at 2048)
 
 
-class StaticCachedModel(LinearKernels, GraphedModel):
+class StaticCachedModel(LinearKernels, StaticRows, TargetRunner):
     """The `TargetRunner` contract (and its `kernels()/use_kernel()/plan`) on a static cache.
 
     model: a Llama-family HF model on the CPU (`static_llama.supports`); its nn.Linear layers are
     swapped in place for `PackedLinear` (given the GGUF file it was loaded from, `gguf`, they get
     its blocks too: hf.LinearKernels). Memory: 2 x layers x H_kv x D x dtype bytes per slot and
     row, allocated up front for `max_len` slots (46 KB per slot for the default model: 24 MB per
-    row at 512 slots, 188 MB at 4096): 512 doubled until the longest row (plus GraphedModel's 32
+    row at 512 slots, 188 MB at 4096): 512 doubled until the longest row (plus StaticRows' 32
     scratch slots) fits, so up to twice what `DynamicCache` would hold.
     """
 
@@ -48,7 +52,10 @@ class StaticCachedModel(LinearKernels, GraphedModel):
         if model.get_output_embeddings().weight.device.type != "cpu":
             raise ValueError("model: StaticCachedModel runs on the CPU; on CUDA use GraphedModel")
         self._swap_linears(model, gguf)
-        super().__init__(model, pad_token_id, max_len=max_len, graphs=False, fuse=False)
+        self.model = model
+        StaticRows.__init__(self, StaticLlama(model, max_len, batch=1), pad_token_id, pinned=False)
+        self.device = self.static.device
+        self._lock = threading.Lock()  # one forward at a time: rows share the cache tensors
         # every projection runs from blocks: the native layer stack may too
         self._native = NativeLayers(self.static) if self.block_layers and eligible(self.static) else None
         self.native: NativeLayers | None = None  # the layer stack runs natively (the kernel NATIVE)
