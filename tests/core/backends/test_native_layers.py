@@ -101,6 +101,26 @@ def _walk(runner, model, rows: int, seed: int, steps: int = 20) -> None:
                 torch.testing.assert_close(out[b], _fresh(model, s, keep), atol=1e-4, rtol=1e-4)
 
 
+def _native_walk(model, rows: int, threads: int, chunk: int, steps: int) -> StaticCachedModel:
+    """`_walk` on the NATIVE kernel with `chunk` slots per attention item on `threads` threads;
+    fails if the native stack never ran. Returns the runner."""
+    runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
+    assert NATIVE in runner.kernels()
+    runner._native = NativeLayers(runner.static, chunk=chunk)
+    runner.use_kernel(NATIVE)
+    calls = []
+    native = runner.native
+    runner.native = lambda *args: calls.append(1) or native(*args)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _walk(runner, model, rows, seed=rows + threads, steps=steps)
+    finally:
+        torch.set_num_threads(before)
+    assert calls, "the native stack never ran"
+    return runner
+
+
 @pytest.mark.parametrize(("rows", "threads", "chunk", "hidden", "kinds"),
                          [(1, 1, 128, 32, None), (1, 2, 5, 32, None), (3, 2, 8, 32, None), (1, 2, 7, 64, None),
                           (2, 1, 128, 64, None), (1, 2, 8, 128, q4_k_m), (2, 1, 128, 128, q4_k_m),
@@ -112,20 +132,7 @@ def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk, 
     passes of 4+ tokens take the 16-queries-at-a-time attention. q4_k_m: the mix of types (within a
     layer's q, k and v too) of a Q4_K_M file; f16, bf16, f32: tensors a file stores unquantized."""
     model = blocked_llama(hidden=hidden, **({"kinds": kinds} if kinds else {}))
-    runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
-    assert NATIVE in runner.kernels()
-    runner._native = NativeLayers(runner.static, chunk=chunk)
-    runner.use_kernel(NATIVE)
-    calls = []
-    native = runner.native
-    runner.native = lambda *args: calls.append(1) or native(*args)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        _walk(runner, model, rows, seed=rows + threads)
-    finally:
-        torch.set_num_threads(before)
-    assert calls, "the native stack never ran"
+    runner = _native_walk(model, rows, threads, chunk, steps=20)
     assert runner.static.max_len > 48, "the walk should have grown the cache past its first size"
 
 
@@ -133,21 +140,7 @@ def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk, 
                          [("qwen2", 1, 1, 128), ("qwen2", 2, 2, 5), ("qwen3", 1, 2, 7), ("qwen3", 2, 1, 128)])
 def test_qwen_biases_and_q_k_norms_match_a_fresh_transformers_forward(family, rows, threads, chunk):
     """Qwen2's q/k/v biases and Qwen3's per-head q/k norms (decode_layers.c's `bias_and_norm`)."""
-    model = blocked_family(family)
-    runner = StaticCachedModel(model, pad_token_id=0, max_len=48)
-    assert NATIVE in runner.kernels()
-    runner._native = NativeLayers(runner.static, chunk=chunk)
-    runner.use_kernel(NATIVE)
-    calls = []
-    native = runner.native
-    runner.native = lambda *args: calls.append(1) or native(*args)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        _walk(runner, model, rows, seed=rows + threads, steps=10)
-    finally:
-        torch.set_num_threads(before)
-    assert calls, "the native stack never ran"
+    _native_walk(blocked_family(family), rows, threads, chunk, steps=10)
 
 
 @pytest.mark.parametrize(("family", "slot"), [("qwen2", 0), ("qwen2", 1), ("qwen2", 2), ("qwen3", 3), ("qwen3", 4)])
