@@ -261,7 +261,7 @@ def main() -> None:
         ax.set_ylabel(f"ms per forward after {args.context} tokens")
         ax.set_title(f"{name} Q4_K_M (random weights)", fontsize=9)
         ax.legend(fontsize=8)
-    fig.suptitle(machine[:110], fontsize=8)
+    fig.suptitle(machine, fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "gguf_scale.png", dpi=120)
     print(f"plot: {out / 'gguf_scale.png'}")
