@@ -219,40 +219,46 @@ def test_without_graphs_the_earliest_requests_are_fed_first_within_the_turns_bud
 
 
 def test_without_graphs_a_prompt_is_fed_beside_the_running_steps_in_small_pieces(tiny_target, monkeypatch):
-    """While rows decode on a CPU, a newcomer's prompt goes through the steps' own forwards (one
-    forward a turn, not a prefill forward between two steps) in pieces of prefill_chunk; both
-    outputs stay HF's."""
+    """While rows decode on a CPU, a newcomer's prompt goes through the steps' own forwards (no
+    prefill forward of its own between two steps) in pieces of prefill_chunk; both outputs stay
+    HF's."""
     engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), prefill_chunk=16)
-    pieces: list[tuple[int, int | None]] = []  # per turn that fed a prompt: (rows fed, chunk)
-    real_of = Pieces.of.__func__
+    beside: list[tuple[object, int | None]] = []  # (handle, chunk) of each row fed beside a step
+    alone: list[object] = []  # handles of rows fed by a forward of their own
+    real_of, real_prefill = Pieces.of.__func__, engine._stepper.prefill
 
-    def spy(cls, rows, slots, chunk):
-        pieces.append((len(rows), chunk))
+    def spy_of(cls, rows, slots, chunk):
+        beside.extend((row.request.handle, chunk) for row in rows)
         return real_of(cls, rows, slots, chunk)
 
-    monkeypatch.setattr(Pieces, "of", classmethod(spy))
-    forwards, steps = [], []
-    real_score, real_step = engine.runner.score_rows, engine._stepper.step
-    monkeypatch.setattr(engine.runner, "score_rows", lambda *a: (forwards.append(1), real_score(*a))[1])
-    monkeypatch.setattr(engine._stepper, "step", lambda *a: (steps.append(1), real_step(*a))[1])
-    running = engine.submit([PROMPTS[0]], max_new_tokens=120, stream=True)
+    def spy_prefill(rows, slots, chunk=None):
+        alone.extend(row.request.handle for row in rows)
+        beside[len(beside) - len(rows):] = []  # prefill builds its pieces with Pieces.of too
+        return real_prefill(rows, slots, chunk)
+
+    monkeypatch.setattr(Pieces, "of", classmethod(spy_of))
+    monkeypatch.setattr(engine._stepper, "prefill", spy_prefill)
+    running = engine.submit([PROMPTS[2]], max_new_tokens=200, stream=True)  # no EOS within 200
     chunks = iter(running)  # one iterator: a dropped one would take the chunks it had read with it
     first = next(chunks)  # prefilled alone (nothing decoded yet), then stepping
     long = (PROMPTS[4] + PROMPTS[0]) * 5  # 135 tokens
-    pieces.clear()
-    forwards.clear()
-    steps.clear()
     late = engine.submit([long], max_new_tokens=5)
     assert late.wait()[0].token_ids == hf(tiny_target, long, 5)
-    assert first.token_ids + [t for chunk in chunks for t in chunk.token_ids] == hf(tiny_target, PROMPTS[0], 120)
-    fed_beside = [chunk for rows, chunk in pieces if rows]
-    assert set(fed_beside) == {16} and len(fed_beside) >= len(long) // 16
-    assert len(forwards) == len(steps), "each turn one forward: the pieces went with the steps"
+    assert not running.done, "the stream should still be decoding"
+    running.cancel()
+    assert late not in alone, "the newcomer's prompt was fed by a forward of its own"
+    mine = [chunk for handle, chunk in beside if handle is late]
+    assert set(mine) == {16} and len(mine) >= len(long) // 16
+    got = list(first.token_ids)
+    with pytest.raises(RequestCancelled):
+        for chunk in chunks:  # what it emitted before the cancel, then the cancel
+            got += chunk.token_ids
+    assert len(got) > len(long) // 16 and got == hf(tiny_target, PROMPTS[2], 200)[:len(got)]
 
 
 def test_a_full_queue_refuses_at_once_and_a_closed_engine_refuses_everything(tiny_target):
     engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), max_batch=1, max_queue=2)
-    running = engine.submit([PROMPTS[0]], max_new_tokens=200, stream=True)
+    running = engine.submit([PROMPTS[2]], max_new_tokens=200, stream=True)  # no EOS within 200
     next(iter(running))  # admitted and decoding
     waiting = [engine.submit([p], max_new_tokens=4) for p in PROMPTS[1:3]]
     with pytest.raises(EngineBusy, match="max_queue"):
