@@ -233,7 +233,7 @@ class Scheduler:
             self._end_request(request, self._ended(request, now))
         slots = len(self._slots)
         ready = [r for r in self._rows() if r.processors is not None and not r.finished]
-        piece = self.prefill_chunk
+        piece = self.prefill_chunk  # prompt tokens a turn feeds
         feeding = fed_rows([r for r in self._rows() if r.processors is None], piece, self.runner.use_graphs)
         beside = bool(feeding and ready) and not self.runner.use_graphs  # one ragged pass feeds and steps
         if feeding and not beside:
@@ -243,10 +243,7 @@ class Scheduler:
             return
         before = [len(r.output.token_ids) for r in ready]
         try:
-            if beside:
-                self.stepper.step(ready, slots, Pieces.of(feeding, slots, piece))
-            else:
-                self.stepper.step(ready, slots)
+            self.stepper.step(ready, slots, Pieces.of(feeding, slots, piece) if beside else None)
         except Exception as exc:  # noqa: BLE001 - find the row that fails; the others go on
             logger.warning("a step of %d rows failed (%r); stepping them one at a time", len(ready), exc)
             self.runner.reset(slots)
