@@ -23,11 +23,12 @@ from flashspec_core.routing.domains import classify_prompt, resolve_domain
 from flashspec_integrations.domain_rules import REACT, TOOL, TOOL_RESULT, DomainDecision, StepContext
 from flashspec_integrations.engine import Engine
 from flashspec_integrations.prompts import json_instruction, render_prompt, template_supports_tools
-from flashspec_integrations.tool_calls import ParsedCall, parse_tool_calls
+from flashspec_integrations.tool_calls import ParsedCall, ToolCallStreamer, parse_tool_calls
 from flashspec_integrations.tool_choice import (
     ToolChoice,
     forced_prefix,
     normalize_tool_choice,
+    reads_untagged_calls,
     reply_constraint,
     reply_stops,
     tool_name,
@@ -94,6 +95,7 @@ class CallPlan:
     parse_tools: bool = False
     single_call: bool = False
     forced_name: str | None = None
+    untagged: bool = True  # a JSON object naming a tool outside the call tags reads as a call
     schema_source: str | None = None  # the argument json_schema comes from: "tools" or "response_format"
     grammar: Grammar | None = None  # json_schema compiled ahead (the server does, in time): passed instead
 
@@ -119,8 +121,12 @@ class CallPlan:
         """(content, tool calls) of a reply's text (prefix included); `finished`: not cut by the budget."""
         if not self.parse_tools:
             return text, []
-        content, calls = parse_tool_calls(text, self.tools, finished)
+        content, calls = parse_tool_calls(text, self.tools, finished, self.untagged)
         return content, calls[:1] if self.single_call else calls
+
+    def streamer(self) -> ToolCallStreamer | None:
+        """The reader of this call's streamed reply (None when no tools are read from it)."""
+        return ToolCallStreamer(self.tools, self.untagged) if self.parse_tools else None
 
     def replace(self, **changes: Any) -> CallPlan:
         return dataclasses.replace(self, **changes)
@@ -165,10 +171,12 @@ def plan_chat(engine: Engine, req: ChatRequest, decide: Decide) -> CallPlan:
     constrained = engine.constrains
     tools_win = bool(shown) and (choice.forced or fmt_schema is None)
     schema = None if tools_win else fmt_schema
+    native = None if hermes else getattr(tokenizer, "chat_template", None)
+    untagged = True
     if tools_win and constrained:
-        native = None if hermes else getattr(tokenizer, "chat_template", None)
         try:
             schema = reply_constraint(shown, choice, native, not single)
+            untagged = reads_untagged_calls(choice, native, constrained)
         except ValueError as exc:
             raise PlanError(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
     dicts = [dict(m) for m in req.messages]
@@ -199,7 +207,7 @@ def plan_chat(engine: Engine, req: ChatRequest, decide: Decide) -> CallPlan:
         list(ids), text, req.max_new_tokens, req.sampling, tuple(dict.fromkeys(stops)), decision,
         schema if constrained else None, prefix, {tool_name(t): t["function"].get("parameters") for t in shown},
         bool(shown), single, choice.name if choice.forced else None,
-        None if schema is None else "tools" if tools_win else "response_format",
+        untagged, None if schema is None else "tools" if tools_win else "response_format",
     )
 
 

@@ -235,7 +235,7 @@ def _blocks(text: str) -> Iterator[tuple[int, int, str, bool]]:
 
 
 def parse_tool_calls(text: str, names: Sequence[str] | Mapping[str, Any],
-                     finished: bool = True) -> tuple[str, list[ParsedCall]]:
+                     finished: bool = True, untagged: bool = True) -> tuple[str, list[ParsedCall]]:
     """Split a reply into (content, calls): `<tool_call>` blocks, else one untagged JSON call.
 
     names: the bound tools' names, or a mapping of each to its parameters schema: then a call with
@@ -243,6 +243,10 @@ def parse_tool_calls(text: str, names: Sequence[str] | Mapping[str, Any],
 
     finished: the model ended the reply itself (EOS or a stop string), so a last block left open
     is complete, not cut off by the token limit.
+
+    untagged: a JSON object naming a bound tool outside the tags is a call too. False where the
+    reply was decoded under the calls' structural tag: a call is then only what the grammar
+    decoded (the tagged blocks), and an object elsewhere in the text stays text.
     """
     if CALL_OPEN in text:
         blocks = list(_blocks(text))
@@ -250,7 +254,7 @@ def parse_tool_calls(text: str, names: Sequence[str] | Mapping[str, Any],
         bounds = [0] + [i for begin, end, _, _ in blocks for i in (begin, end)] + [len(text)]
         content = "".join(text[bounds[i]:bounds[i + 1]] for i in range(0, len(bounds), 2))
         return content.strip(), calls
-    found = _bare_call(text, names, finished) if names else None
+    found = _bare_call(text, names, finished) if names and untagged else None
     if found is None:
         return text, []
     where, call = found
@@ -265,34 +269,42 @@ def _is_json_object(text: str) -> bool:
 
 
 class ToolCallStreamer:
-    """Splits streamed text into content deltas and whole calls.
+    """Splits streamed text into content deltas and whole calls, as `parse_tool_calls` splits the
+    whole text.
 
     Text outside call blocks streams through at once, except a tail that could still be the start
     of `<tool_call>`; a block is held until its JSON object and `</tool_call>` have come (or, for
-    a block that is not plain JSON, until the end) and then comes out as one `ParsedCall`. A reply that opens with `{` or a fence is held whole, as it may be an
-    untagged call.
+    a block that is not plain JSON, until the end) and then comes out as one `ParsedCall`. Where
+    `untagged` calls are read, everything from the first `{` or code fence on is held to the end,
+    as it may be one.
     """
 
-    def __init__(self, names: Sequence[str] | Mapping[str, Any]):
+    def __init__(self, names: Sequence[str] | Mapping[str, Any], untagged: bool = True):
         self.names = dict(names) if isinstance(names, Mapping) else list(names)
+        self.untagged = untagged
         self._buffer = ""
-        self._started = False
         self._bare = False
+
+    def _opening(self) -> int:
+        """Where the held part of the buffer begins: a call tag, or (untagged) a `{` or a fence."""
+        marks = [self._buffer.find(CALL_OPEN)]
+        if self.untagged:
+            marks += [self._buffer.find("{"), self._buffer.find("```")]
+        return min((m for m in marks if m >= 0), default=-1)
+
+    def _partial_tail(self) -> int:
+        """The length of the buffer's tail that could still grow into an opening."""
+        openings = (CALL_OPEN, "```") if self.untagged else (CALL_OPEN,)
+        return max((n for o in openings for n in range(min(len(o) - 1, len(self._buffer)), 0, -1)
+                    if self._buffer.endswith(o[:n])), default=0)
 
     def feed(self, delta: str) -> Iterator[tuple[str, ParsedCall | None]]:
         """(content delta, call or None) pairs for newly streamed text."""
         self._buffer += delta
-        if not self._started and self._buffer.strip():
-            self._started = True
-            self._bare = self._buffer.lstrip().startswith(("{", "```"))
-        if self._bare:
-            return
-        while True:
-            start = self._buffer.find(CALL_OPEN)
+        while not self._bare:
+            start = self._opening()
             if start < 0:
-                hold = next((n for n in range(min(len(CALL_OPEN) - 1, len(self._buffer)), 0, -1)
-                             if self._buffer.endswith(CALL_OPEN[:n])), 0)
-                cut = len(self._buffer) - hold
+                cut = len(self._buffer) - self._partial_tail()
                 if cut:
                     yield self._buffer[:cut], None
                     self._buffer = self._buffer[cut:]
@@ -300,6 +312,9 @@ class ToolCallStreamer:
             if start:
                 yield self._buffer[:start], None
                 self._buffer = self._buffer[start:]
+            if not self._buffer.startswith(CALL_OPEN):
+                self._bare = True  # may be an untagged call: read with the rest at the end
+                return
             block = _block(self._buffer, 0)
             # Whole once its JSON object is followed by the close tag; text that is not one JSON
             # object waits for the end of the stream (more may still come to complete it).
@@ -313,7 +328,7 @@ class ToolCallStreamer:
         """Whatever is still held once the stream has ended (`finished` as in `parse_tool_calls`)."""
         rest, self._buffer = self._buffer, ""
         if self._bare or rest.startswith(CALL_OPEN):
-            content, calls = parse_tool_calls(rest, self.names, finished)
+            content, calls = parse_tool_calls(rest, self.names, finished, self.untagged)
             if content:
                 yield content, None
             for call in calls:

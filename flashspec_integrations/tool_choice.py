@@ -89,6 +89,18 @@ def reply_constraint(tools: Sequence[Mapping], choice: ToolChoice, native_templa
     return tool_tags([dict(t) for t in tools], style, required=choice.forced, parallel=parallel)
 
 
+def reads_untagged_calls(choice: ToolChoice, native_template: str | None, constrained: bool) -> bool:
+    """Whether a JSON object naming a tool outside the call tags reads as a call. Not under the
+    Hermes structural tag (the model's choice, or a call required of several tools, decoded under a
+    grammar): there a call is only what the grammar decoded after the trigger, so the reader and
+    the grammar agree on what a call is. Everywhere else, yes: a forced call of one tool is decoded
+    as a bare object, Llama 3's calls are bare objects (the grammar's trigger), and an engine
+    without grammars is read leniently."""
+    if not constrained or (choice.forced and choice.name is not None):
+        return True
+    return native_template is not None and style_for_template(native_template) is not HERMES
+
+
 def forced_prefix(choice: ToolChoice, constrained: bool) -> str:
     """The reply's opening for a forced call in the Hermes format. Under a grammar, none: it writes
     the call itself (for one tool the bare call object: with the tag written first, the 135M

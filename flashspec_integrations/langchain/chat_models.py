@@ -28,7 +28,7 @@ from flashspec_integrations.langchain._base import LangChainParams, usage
 from flashspec_integrations.langchain._messages import content_text, to_openai_dicts
 from flashspec_integrations.plan import CallPlan, ChatRequest, plan_chat
 from flashspec_integrations.prompts import render_prompt
-from flashspec_integrations.tool_calls import ParsedCall, ToolCallStreamer, first_json_object
+from flashspec_integrations.tool_calls import ParsedCall, first_json_object
 from flashspec_integrations.tool_choice import normalize_tool_choice
 
 _CALL_KWARGS = ("tools", "tool_choice", "response_format", "structured_output", "parallel_tool_calls", "strict")
@@ -233,7 +233,7 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
 
     def _chunks(self, plan: CallPlan) -> Iterator[ChatGenerationChunk]:
         """Message chunks of one call; usage and stats come once, on the last chunk."""
-        streamer = ToolCallStreamer(plan.tools) if plan.parse_tools else None
+        streamer = plan.streamer()
         text, ids, pending, index = plan.prefix, [], plan.prefix, 0
         start = time.perf_counter()
         for chunk in stream_call(self.get_engine(), plan, self.timeout):

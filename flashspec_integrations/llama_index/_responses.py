@@ -30,7 +30,7 @@ from llama_index.core.base.llms.types import (
 from flashspec_core.results import StreamChunk
 from flashspec_integrations.calls import Outcome
 from flashspec_integrations.plan import CallPlan
-from flashspec_integrations.tool_calls import ParsedCall, ToolCallStreamer, new_call_id
+from flashspec_integrations.tool_calls import ParsedCall, new_call_id
 
 PARTIAL = "flashspec_partial"
 
@@ -106,7 +106,7 @@ def completion_stream(req: CallPlan, chunks: Iterable[StreamChunk]) -> Generator
 
 def chat_stream(req: CallPlan, chunks: Iterable[StreamChunk]) -> Generator[ChatResponse, None, None]:
     """Chat chunks: the text so far and its delta, with tools in play the text outside calls only."""
-    streamer = ToolCallStreamer(req.tools) if req.parse_tools else None
+    streamer = req.streamer()
     shown = ""
     for delta, text, outcome in _stream_steps(req, chunks):
         if streamer is not None:

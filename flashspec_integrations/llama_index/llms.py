@@ -60,7 +60,6 @@ from flashspec_integrations.llama_index._responses import (
 from flashspec_integrations.plan import REACT_STOPS, CallPlan, ChatRequest, plan_chat, plan_text
 from flashspec_integrations.prompts import render_prompt, tools_instructions
 from flashspec_integrations.settings import FlashSpecFields
-from flashspec_integrations.tool_calls import loads_lenient
 
 # Chat keywords beyond the decoding ones: what `_prepare_chat_with_tools` hands `chat`.
 _CHAT_KWARGS = ("tools", "tool_required", "tool_choice", "allow_parallel_tool_calls")
@@ -307,12 +306,9 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
             raise ValueError(f"Expected at least one tool call, but got 0 tool calls: {response.message.content!r}")
         selections: list[ToolSelection] = []
         for block in blocks:
+            # A call written badly (or cut by the token limit) keeps its raw text in the message's
+            # block; its selection has no arguments, so the tool refuses it as a call without them.
             arguments = block.tool_kwargs
-            if isinstance(arguments, str):
-                try:
-                    arguments = loads_lenient(arguments)
-                except ValueError:
-                    arguments = {}
             selections.append(ToolSelection(
                 tool_id=block.tool_call_id or f"call_{len(selections)}",
                 tool_name=block.tool_name,

@@ -29,7 +29,7 @@ from flashspec_integrations.domain_rules import DomainDecision, StepContext, dec
 from flashspec_integrations.engine import ServedEngine
 from flashspec_integrations.plan import CallPlan, ChatRequest, PlanError, plan_chat
 from flashspec_integrations.serve.protocol import CONTEXT_LENGTH_EXCEEDED, APIError, ChatCompletionRequest
-from flashspec_integrations.tool_calls import ParsedCall, ToolCallStreamer
+from flashspec_integrations.tool_calls import ParsedCall
 
 # OpenAI's defaults where a request leaves a sampling field out.
 OPENAI_TEMPERATURE, OPENAI_TOP_P = 1.0, 1.0
@@ -178,7 +178,7 @@ class DeltaStream:
     its block closes (arguments are valid JSON only then)."""
 
     def __init__(self, plan: CallPlan):
-        self._tools = ToolCallStreamer(plan.tools) if plan.parse_tools else None
+        self._tools = plan.streamer()
         self.called = False
         self._calls = 0
         self._pending = plan.prefix  # what the plan wrote for the model, sent with the first delta

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from fakes import ScriptedEngine, tiny_engine
-from llama_index.core.base.llms.types import ChatMessage
+from llama_index.core.base.llms.types import ChatMessage, ToolCallBlock
 
 from flashspec_integrations.langchain import ChatFlashSpec
 from flashspec_integrations.llama_index import FlashSpecLLM
@@ -99,3 +99,59 @@ def test_the_same_reply_reads_as_the_same_calls_everywhere(server_engine):
     assert [(c["name"], c["args"]) for c in lc.tool_calls] == [(s.tool_name, s.tool_kwargs) for s in li] == served
     assert served == [("add", {"a": 2, "b": 3})] and finish == "tool_calls" and not invalid
     assert lc.content == message["content"] == "Let me add."
+
+
+FENCED = 'Here is the call:\n```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```'
+CUT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b'
+
+
+def _read_everywhere(server_engine, engine, reply: str, finish: str, stream: bool) -> dict:
+    """What each front end makes of `reply` to "What is 2 + 3?" with ADD and SHOUT bound under
+    "auto": (valid call names, invalid call names, finish reason)."""
+    messages = [ChatMessage(role="user", content="What is 2 + 3?")]
+    bound = ChatFlashSpec(engine=engine, max_tokens=len(CUT) - 4 if finish == "length" else 256).bind_tools(
+        [ADD, SHOUT], tool_choice="auto")
+    llm = FlashSpecLLM(engine=engine, max_tokens=len(CUT) - 4 if finish == "length" else 256)
+    if stream:
+        chunks = list(bound.stream("What is 2 + 3?"))
+        lc = chunks[0]
+        for c in chunks[1:]:
+            lc = lc + c
+        lc_finish = chunks[-1].response_metadata.get("finish_reason")
+        li = list(llm.stream_chat(messages, tools=[ADD, SHOUT], allow_parallel_tool_calls=True))[-1]
+    else:
+        lc = bound.invoke("What is 2 + 3?")
+        lc_finish = lc.response_metadata["finish_reason"]
+        li = llm.chat(messages, tools=[ADD, SHOUT], allow_parallel_tool_calls=True)
+    li_calls = [b for b in li.message.blocks if isinstance(b, ToolCallBlock)]  # raw text: invalid
+    plan = _server_plan(server_engine, (ADD, SHOUT), "auto", None).replace(untagged=engine.constrains is False)
+    message, served_finish, invalid = reply_message(plan, reply, finish)
+    return {
+        "langchain": ([c["name"] for c in lc.tool_calls], [c["name"] for c in lc.invalid_tool_calls], lc_finish),
+        "llama_index": ([c.tool_name for c in li_calls if isinstance(c.tool_kwargs, dict)],
+                        [c.tool_name for c in li_calls if not isinstance(c.tool_kwargs, dict)],
+                        li.raw["finish_reason"]),
+        "server": ([c["function"]["name"] for c in message.get("tool_calls", [])], [c["name"] for c in invalid],
+                   served_finish),
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_under_the_call_grammar_a_call_is_only_what_it_decoded(server_engine, stream):
+    # A fenced JSON object naming a bound tool, written outside the `<tool_call>` tags: under the
+    # structural tag the grammar never constrained it, so no front end reads it as a call.
+    engine = ScriptedEngine([FENCED])
+    read = _read_everywhere(server_engine, engine, FENCED, "stop", stream)
+    assert read == {front: ([], [], "stop") for front in read}
+    # An engine without grammars is read leniently: there the same object is the call it names.
+    engine = ScriptedEngine([FENCED])
+    engine.constrains = False
+    read = _read_everywhere(server_engine, engine, FENCED, "stop", stream)
+    assert read == {front: (["add"], [], "tool_calls" if front != "llama_index" else "stop") for front in read}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_the_budget_is_invalid_with_finish_reason_length(server_engine, stream):
+    engine = ScriptedEngine([CUT + '": 3}}\n</tool_call>'])
+    read = _read_everywhere(server_engine, engine, CUT[:-4], "length", stream)
+    assert read == {front: ([], ["add"], "length") for front in read}

@@ -41,10 +41,11 @@ class RecordingRouter(Router):
 
 
 def agent_script(prompt: str) -> str:
-    """The example forces a call first (the grammar writes the bare call object), then an answer."""
+    """The example forces a call of one of its two tools first (the grammar writes a tagged call),
+    then an answer."""
     if "<tool_response>" in prompt:
         return "17 times 23 is 391."
-    return '{"name": "calculator", "arguments": {"expression": "17 * 23"}}'
+    return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
 
 
 
