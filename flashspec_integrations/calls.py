@@ -15,10 +15,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flashspec_core.engine_protocol import Engine
 from flashspec_core.handle import RequestHandle
 from flashspec_core.results import GenerationResult, GenerationStats, StreamChunk
 from flashspec_integrations.domain_rules import DomainDecision
-from flashspec_integrations.engine import Engine
 from flashspec_integrations.plan import CallPlan
 
 

@@ -17,11 +17,11 @@ from typing import Any
 from jinja2 import TemplateError
 
 from flashspec_core.constrained import Grammar
+from flashspec_core.engine_protocol import Engine
 from flashspec_core.options import RequestOptions
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.domains import classify_prompt, resolve_domain
 from flashspec_integrations.domain_rules import REACT, TOOL, TOOL_RESULT, DomainDecision, StepContext
-from flashspec_integrations.engine import Engine
 from flashspec_integrations.prompts import json_instruction, render_prompt, template_supports_tools
 from flashspec_integrations.tool_calls import ParsedCall, ToolCallStreamer, parse_tool_calls
 from flashspec_integrations.tool_choice import (

@@ -14,7 +14,7 @@ from typing import Any, cast
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from flashspec_core import SamplingParams
-from flashspec_integrations.engine import Engine
+from flashspec_core.engine_protocol import Engine
 from flashspec_integrations.engines import EngineSettings, engine_for
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "no_repeat_ngram_size")

@@ -22,11 +22,11 @@ from pydantic import ValidationError
 
 from flashspec_core.constrained import Grammar, as_grammar
 from flashspec_core.constrained.compile_process import CompileBusy
+from flashspec_core.engine_protocol import ServedEngine
 from flashspec_core.models import vocab_size
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.results import GenerationStats
 from flashspec_integrations.domain_rules import DomainDecision, StepContext, decide_domain
-from flashspec_integrations.engine import ServedEngine
 from flashspec_integrations.plan import CallPlan, ChatRequest, PlanError, plan_chat
 from flashspec_integrations.serve.protocol import CONTEXT_LENGTH_EXCEEDED, APIError, ChatCompletionRequest
 from flashspec_integrations.tool_calls import ParsedCall

@@ -1,11 +1,10 @@
-"""What the front ends use of an engine: `SpecEngine` has it, and so may a custom engine passed
-as `engine=` (a test double, a remote client).
+"""What callers use of an engine, as Protocols: the LangChain and LlamaIndex adapters and the
+server call nothing else, so `SpecEngine` and a custom engine passed as `engine=` (a test double,
+a remote client) are interchangeable.
 
-The adapters and the server plan a call (`plan.plan_chat`), then submit or stream it with the
-plan's `RequestOptions`; they read the tokenizer, the context window, the model's name and whether
-the engine decodes under the options' `json_schema` (`constrains`; where it does not, a forced
-call's opening is written for the model and its free output parsed); the server's planner also
-reads the model and end tokens it compiles grammars for. Nothing else of the engine is touched, its internals never.
+They plan a call, then submit or stream it with its `RequestOptions`; they read the tokenizer, the
+context window, the model's name and whether the engine decodes under the options' `json_schema`
+(`constrains`); the server's planner also reads the model and end tokens it compiles grammars for.
 """
 from __future__ import annotations
 
