@@ -68,7 +68,7 @@ OPENED = CALL_OPEN + "\n"
 
 
 class Recording:
-    """The engine as the adapter calls it (`flashspec_integrations.engine.Engine`), with every
+    """The engine as the adapter calls it (`flashspec_core.engine_protocol.Engine`), with every
     request's handle kept, so the reply's raw text can be read after the call."""
 
     def __init__(self, engine: SpecEngine) -> None:
