@@ -149,17 +149,45 @@ def test_greedy_is_token_identical_to_hf_generate(default_target, prompt_ids, re
     record_property("drafted_accepted", f"{drafted}/{accepted}")
     assert accepted > 0 or draft is None, f"{kind}@{gamma} never had a draft token accepted"
 
+    _assert_equal_or_tie(f"{kind}@{gamma}", [r.token_ids for r in results], references)
+
+
+def _assert_equal_or_tie(what: str, outputs: list[list[int]], references) -> None:
     ties = []
-    for name, result, (expected, gaps) in zip(PROMPTS, results, references):
-        got = result.token_ids
+    for name, got, (expected, gaps) in zip(PROMPTS, outputs, references):
         if got == expected:
             continue
         at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
         gap = gaps[at] if at < len(gaps) else float("inf")
         assert gap < TIE_GAP, (
-            f"{kind}@{gamma}, prompt {name!r}: diverges from HF generate at token {at} "
+            f"{what}, prompt {name!r}: diverges from HF generate at token {at} "
             f"(engine {got[at:at + 3]}, HF {expected[at:at + 3]}) where the top-2 logit gap is {gap:.2e}, not a tie"
         )
         ties.append(f"{name} at token {at} (top-2 gap {gap:.1e})")
     if ties:
-        warnings.warn(f"{kind}@{gamma}: divergence at an fp tie, allowed: {'; '.join(ties)}", stacklevel=1)
+        warnings.warn(f"{what}: divergence at an fp tie, allowed: {'; '.join(ties)}", stacklevel=1)
+
+
+def test_rows_joining_mid_flight_under_the_learning_router_on_native_kernels_equal_hf_generate(
+        default_target, prompt_ids, references):
+    """As a server sees requests: each prompt is submitted once the one before it has streamed its
+    first tokens, so rows join a running batch one by one, its composition changes every few steps,
+    and the router (Thompson sampling, learning from this run) picks each row's draft and γ per step,
+    on the native layer stack, which every forward is forced through."""
+    engine = SpecEngine(default_target, [PromptLookupDraft(), SuffixCacheDraft()], router="thompson", backend="hf",
+                        calibrate=False, max_batch=4)
+    if NATIVE not in engine.runner.kernels():
+        pytest.skip(f"{NATIVE} is not available on this machine")
+    engine.runner.use_kernel(NATIVE)
+    streams, outputs, arms = [], [[] for _ in prompt_ids], set()
+    for i, ids in enumerate(prompt_ids):
+        stream = engine.stream(ids, max_new_tokens=MAX_NEW)
+        outputs[i] += next(stream).token_ids  # running: the next prompt joins beside it
+        streams.append(stream)
+    for i, stream in enumerate(streams):
+        for chunk in stream:
+            outputs[i] += chunk.token_ids
+            if chunk.stats is not None:
+                arms |= {record.arm for record in chunk.stats.records if record.accepted}
+    assert len(arms) >= 2, f"the router used one arm only ({arms}): the test would not mix arms in a batch"
+    _assert_equal_or_tie("mid-flight, learning router, native", outputs, references)
