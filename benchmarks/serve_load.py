@@ -49,12 +49,16 @@ class Level:
     retried: list[str] = field(default_factory=list)  # first attempts that failed, then were retried
     pids: dict[int, int] = field(default_factory=dict)  # replica pid -> requests it answered
     infos: list[dict] = field(default_factory=list, repr=False)
+    firsts: list[float] = field(default_factory=list, repr=False)  # streamed: seconds to the first content
+    stream: bool = False
 
     def row(self) -> dict:
         lat = sorted(self.latencies)
         pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")  # noqa: E731
         ok = len(self.latencies)
-        return {"replicas": self.replicas, "concurrency": self.concurrency, "requests": self.requests,
+        first = sorted(self.firsts)
+        return {"stream": self.stream, "ttft_p50_s": first[len(first) // 2] if first else None,
+                "replicas": self.replicas, "concurrency": self.concurrency, "requests": self.requests,
                 "ok": ok, "errors": len(self.errors), "retried": len(self.retried), "req_per_s": ok / self.seconds,
                 "tok_per_s": self.tokens / self.seconds, "p50_s": pct(0.5), "p99_s": pct(0.99),
                 "mean_batch_rows": statistics.mean(i["batch_rows"] for i in self.infos) if self.infos else 0.0}
@@ -93,9 +97,33 @@ def auth_headers() -> dict[str, str]:
     return {"authorization": f"Bearer {key}"} if key else {}
 
 
-async def attempt(client: httpx.AsyncClient, url: str, body: dict, timeout: float) -> dict | str:
+async def _streamed(client: httpx.AsyncClient, url: str, body: dict) -> dict | str:
+    """A streamed request read to its end: a body shaped as the plain response's (usage, the
+    `flashspec` field) plus `first_s`, the seconds to the first content, or what went wrong."""
+    start, first, data = time.perf_counter(), None, {}
+    async with client.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as res:
+        if res.status_code != 200:
+            return f"HTTP {res.status_code}: {(await res.aread())[:200]!r}"
+        async for line in res.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return f"error event: {event['error']}"
+            delta = (event.get("choices") or [{}])[0].get("delta") or {}
+            if first is None and (delta.get("content") or delta.get("tool_calls")):
+                first = time.perf_counter() - start
+            data.update({k: event[k] for k in ("usage", "flashspec") if event.get(k)})
+    if "usage" not in data or "flashspec" not in data:
+        return "the stream ended without its usage or flashspec chunk"
+    return {**data, "first_s": first if first is not None else time.perf_counter() - start}
+
+
+async def attempt(client: httpx.AsyncClient, url: str, body: dict, timeout: float, stream: bool = False) -> dict | str:
     """One request: the response body, or what went wrong (no answer within `timeout` included)."""
     try:
+        if stream:
+            return await asyncio.wait_for(_streamed(client, url, body), timeout)
         res = await asyncio.wait_for(client.post(url, json=body), timeout)
     except TimeoutError:
         return f"no answer within {timeout:g} s"
@@ -106,18 +134,21 @@ async def attempt(client: httpx.AsyncClient, url: str, body: dict, timeout: floa
     return res.json()
 
 
-async def one(client: httpx.AsyncClient, url: str, body: dict, level: Level, timeout: float, retries: int) -> None:
+async def one(client: httpx.AsyncClient, url: str, body: dict, level: Level, timeout: float, retries: int,
+              stream: bool = False) -> None:
     """A request retried on failure up to `retries` times, as the `openai` client (and so
     ChatOpenAI and OpenAILike) does by default; first failures are counted apart."""
     start = time.perf_counter()
     for left in range(retries, -1, -1):
-        data = await attempt(client, url, body, timeout)
+        data = await attempt(client, url, body, timeout, stream)
         if isinstance(data, dict):
             break
         (level.retried if left else level.errors).append(data)
     else:
         return
     level.latencies.append(time.perf_counter() - start)
+    if "first_s" in data:
+        level.firsts.append(data["first_s"])
     level.tokens += data["usage"]["completion_tokens"]
     info = data["flashspec"]
     level.infos.append(info)
@@ -125,9 +156,9 @@ async def one(client: httpx.AsyncClient, url: str, body: dict, level: Level, tim
 
 
 async def run_level(base: str, work: list[dict], replicas: int, concurrency: int, timeout: float,
-                    retries: int = 0, on_progress=None) -> Level:
+                    retries: int = 0, on_progress=None, stream: bool = False) -> Level:
     """`len(work)` requests, at most `concurrency` in flight; each bounded by `timeout`."""
-    level = Level(replicas, concurrency, len(work), 0.0, 0)
+    level = Level(replicas, concurrency, len(work), 0.0, 0, stream=stream)
     queue: asyncio.Queue = asyncio.Queue()
     for body in work:
         queue.put_nowait(body)
@@ -135,7 +166,7 @@ async def run_level(base: str, work: list[dict], replicas: int, concurrency: int
     async with httpx.AsyncClient(timeout=None, limits=limits, headers=auth_headers()) as client:
         async def worker() -> None:
             while not queue.empty():
-                await one(client, base + "/chat/completions", queue.get_nowait(), level, timeout, retries)
+                await one(client, base + "/chat/completions", queue.get_nowait(), level, timeout, retries, stream)
                 if on_progress is not None:
                     on_progress(level)
 
@@ -195,12 +226,15 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, replicas in enumerate(sorted({r["replicas"] for r in rows if r.get("phase") == "steady"})):
-        pts = [r for r in rows if r["replicas"] == replicas and r.get("phase") == "steady"]
+    series = sorted({(r["replicas"], bool(r.get("stream"))) for r in rows if r.get("phase") == "steady"})
+    for i, (replicas, stream) in enumerate(series):
+        pts = [r for r in rows if (r["replicas"], bool(r.get("stream"))) == (replicas, stream)
+               and r.get("phase") == "steady"]
         xs, colour = [r["concurrency"] for r in pts], f"C{i}"
-        ax1.plot(xs, [r["tok_per_s"] for r in pts], marker="o", color=colour, label=f"{replicas} replica(s)")
-        ax2.plot(xs, [r["p50_s"] for r in pts], marker="o", color=colour, label=f"{replicas} replica(s) p50")
-        ax2.plot(xs, [r["p99_s"] for r in pts], marker="x", color=colour, linestyle="--", label=f"{replicas} replica(s) p99")
+        name = f"{replicas} replica(s){', streamed' if stream else ''}"
+        ax1.plot(xs, [r["tok_per_s"] for r in pts], marker="o", color=colour, label=name)
+        ax2.plot(xs, [r["p50_s"] for r in pts], marker="o", color=colour, label=f"{name} p50")
+        ax2.plot(xs, [r["p99_s"] for r in pts], marker="x", color=colour, linestyle="--", label=f"{name} p99")
     for ax, label in ((ax1, "output tokens/s"), (ax2, "latency (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
@@ -213,13 +247,15 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| phase | replicas | clients | requests | ok | errors | retried | req/s | tok/s | p50 s | p99 s "
-            "| mean batch |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| phase | streamed | replicas | clients | requests | ok | errors | retried | req/s | tok/s | p50 s "
+            "| p99 s | TTFT p50 s | mean batch |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
-        lines.append(f"| {r['phase']} | {r['replicas']} | {r['concurrency']} | {r['requests']} | {r['ok']} | "
-                     f"{r['errors']} | {r['retried']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | "
-                     f"{r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['mean_batch_rows']:.1f} |")
+        ttft = "" if r.get("ttft_p50_s") is None else f"{r['ttft_p50_s']:.2f}"
+        lines.append(f"| {r['phase']} | {'yes' if r.get('stream') else 'no'} | {r['replicas']} | {r['concurrency']} "
+                     f"| {r['requests']} | {r['ok']} | {r['errors']} | {r['retried']} | {r['req_per_s']:.2f} "
+                     f"| {r['tok_per_s']:.1f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {ttft} "
+                     f"| {r['mean_batch_rows']:.1f} |")
     return "\n".join(lines)
 
 
@@ -239,6 +275,7 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--gpus-per-replica", type=float, default=1.0, help="with --device cuda: 0.5 puts 2 replicas on one GPU")
     parser.add_argument("--steps-file", default=None, help="JSON list of dev-workload steps (a GPU host without ShareGPT)")
+    parser.add_argument("--stream", default="no", help="no, yes, or both: steady levels streamed (SSE), plain, or each")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--out", default="bench_out/serve")
     args = parser.parse_args()
@@ -250,7 +287,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     phases = set(args.phases.split(","))
     replica_counts = [int(r) for r in args.replicas.split(",")] if "steady" in phases else []
-    per_config = args.warmup + sum(max(args.requests, c) for c in levels)
+    modes = {"no": [False], "yes": [True], "both": [False, True]}[args.stream]
+    per_config = args.warmup + len(modes) * sum(max(args.requests, c) for c in levels)
     work = bodies(len(replica_counts) * per_config + args.kill_requests, budget, seed=1, steps_file=args.steps_file)
 
     import ray
@@ -271,8 +309,9 @@ def main() -> None:
             base = deploy(replicas, args.port, "cpu" if device is None else device, ledger, args.max_batch_size,
                           args.gpus_per_replica)
             asyncio.run(run_level(base, take(args.warmup), replicas, min(4, args.warmup), args.timeout, args.retries))
-            for c in levels:
-                level = asyncio.run(run_level(base, take(max(args.requests, c)), replicas, c, args.timeout, args.retries))
+            for stream, c in ((stream, c) for stream in modes for c in levels):
+                level = asyncio.run(run_level(base, take(max(args.requests, c)), replicas, c, args.timeout, args.retries,
+                                              stream=stream))
                 rows.append({"phase": "steady", **level.row(), "error_samples": level.errors[:3],
                              "retried_samples": level.retried[:3]})
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
