@@ -49,7 +49,7 @@ class BatchSizes(BaseCallbackHandler):
         self.sizes: list[int] = [0]
         self.tokens = 0
         real = engine._stepper.step
-        engine._stepper.step = lambda rows, slots: (self.sizes.append(len(rows)), real(rows, slots))[1]
+        engine._stepper.step = lambda rows, *rest: (self.sizes.append(len(rows)), real(rows, *rest))[1]
         self._restore = lambda: setattr(engine._stepper, "step", real)
 
     def on_llm_end(self, response: Any, **kwargs: Any) -> None:
@@ -110,6 +110,24 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        plot(rows, args.out.with_suffix(".png"), f"chain.batch vs sequential invoke, {len(QUESTIONS)} RAG questions, "
+             f"max_tokens={args.max_tokens}\n{env['cpu']}, {env['torch_threads']} threads, {env['date']}")
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar([r["mode"] for r in rows], [r["tokens_per_second"] for r in rows], color=["C0", "C1"])
+    for i, r in enumerate(rows):
+        ax.text(i, r["tokens_per_second"], f"{r['speedup']:.2f}x", ha="center", va="bottom")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
