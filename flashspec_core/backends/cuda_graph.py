@@ -1,13 +1,12 @@
 """A target on CUDA: static KV cache, one CUDA graph per (batch, width), greedy verify in the graph.
 
-The forward runs over `StaticLlama`'s fixed buffers, replayed from a graph (an eager forward of a
-small model is its kernel launches). A step copies ids and positions into the graph's inputs,
-replays, and in greedy mode the same graph takes the argmax at every position and counts the
-accepted prefix, so the host reads back [n_accepted, tokens...] per row. A chunk no decode graph
-holds (a prompt, a catch-up) replays the graph of PREFILL_WIDTH piece by piece; rows' host
-records (prefix reuse, rollback by length, growth) are `StaticRows'`. The last SCRATCH slots of
-each row are where graphs are warmed and captured, so no row holds a token there. On the CPU the
-same class runs eagerly (the tests). Why and how: docs/backends.md.
+The forward runs over `StaticLlama`'s fixed buffers, replayed from a graph. A step copies ids and
+positions into the graph's inputs, replays, and in greedy mode the same graph takes the argmax at
+every position and counts the accepted prefix, so the host reads back [n_accepted, tokens...] per
+row. A chunk no decode graph holds (a prompt, a catch-up) replays the graph of PREFILL_WIDTH piece
+by piece; rows' host records (prefix reuse, rollback by length, growth) are `StaticRows'`. The
+last SCRATCH slots of each row are where graphs are warmed and captured, so no row holds a token
+there. On the CPU the same class runs eagerly (the tests). Why and how: docs/backends.md.
 """
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """Attention of a few new tokens per row over a static KV cache, split along the keys (Triton).
 
-A graphed step attends over every slot of a fixed-size cache. Here the slots are cut into splits
-of one size, one program per (split, row, head, block of queries), and a program reads only the
-slots its queries can see (a query at position p sees slots 0..p of its row), so the work follows
-each row's length inside one fixed graph. A second kernel merges the splits' partial softmax sums
+The slots are cut into splits of one size, one program per (split, row, head, block of queries)
+reading only the slots its queries can see (0..p of its row for a query at p), so the work follows
+each row's length inside one fixed graph; a second kernel merges the splits' partial softmax sums
 (flash decoding) in the layout the output projection reads. A query's result is the same bits
-whatever else the step feeds: one compiled kernel for every shape, splits of one size, unseen
-slots add exact zeros. Rows are read through an index (`rows`): no gather, no mask. Scores and
-sums in fp32; probabilities rounded to the cache's dtype before the product with V. Runs on
-CUDA, or on the CPU under TRITON_INTERPRET=1 (the tests). Why: docs/backends.md.
+whatever else the step feeds (one kernel for every shape, unseen slots add exact zeros). Rows are
+read through an index (`rows`): no gather, no mask. Scores and sums in fp32, probabilities rounded
+to the cache's dtype before the product with V. CUDA, or the CPU under TRITON_INTERPRET=1 (tests).
 """
 from __future__ import annotations
 
