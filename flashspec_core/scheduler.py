@@ -1,34 +1,12 @@
 """Iteration-level scheduling: requests join the running batch between steps and leave it when done.
 
-One thread owns the device. Each turn of its loop it admits waiting requests into free slots (a
-slot is a runner row; a new row takes the free slot whose cache shares the longest prefix with its
-prompt, so an agent's next step reuses its last one's cache), feeds one piece of each new prompt,
-runs one decode step of every prefilled row (`step.Stepper`: each row with its own arm and
-settings), hands each request's new text to its handle, and retires rows that finished, were
-cancelled or ran out of time. A long prompt is fed in pieces, one piece per turn, so the rows
-already decoding wait for at most one piece between their steps. On CUDA graphs every new prompt
-gets a piece of `prefill_chunk` tokens each turn (a GPU computes rows side by side). Without them
-(a CPU, where a forward costs the tokens it computes) a turn feeds one budget of tokens in all, to
-the earliest admitted requests first (several short prompts whole, or one piece of a long one, of
-each prompt of a batch call), in the same ragged forward as the decoding rows' step (one read of
-the weights for both); a smaller `prefill_chunk` shortens a running stream's longest gaps at
-some cost to everyone's rate (`pieces.py`).
-
-Callers never touch the device: they submit a `Request` and read its `RequestHandle`. The queue of
-waiting requests is bounded; a full queue refuses with `EngineBusy` at once, so overload is an
-answer, not an unbounded wait. A queued request that is cancelled leaves the queue at once, and
-one whose deadline passes at the next turn: a dead entry never holds a place. The batch grows
-through `buckets` as rows join, and when it has drained (no row running) it shrinks back to what
-the rows admitted then need, so a lone request after a burst steps a batch of one again (the
-caches of the slots cut off are dropped; they are reused only by prompts sharing their prefix).
-
-Failure policy: whatever raises, every request ends (a result or an error) and the loop serves
-on. A step that fails is retried row by row (`_isolate`), and a row that fails alone ends its own
-request with the error; a row that finished inside the failed step emits nothing more. A part of
-the engine's bookkeeping that fails for a row (a draft's `begin`/`end`, the router's `update`)
-ends that row's request with an `EngineFault` naming it. The router's statistics are written to
-its store by another thread (flusher.py), never this one, and a finished request's answer is
-handed over once they are; a failed write keeps them queued for the next.
+One thread owns the device. Each turn it admits waiting requests into free slots (the free slot
+whose cache shares the longest prefix with the prompt), feeds a piece of each new prompt
+(`pieces.py`), runs one decode step of every prefilled row (`step.Stepper`), hands each request's
+new text to its handle and retires rows that finished, were cancelled or ran out of time. Callers
+submit a `Request` and read its `RequestHandle`; a full queue refuses with `EngineBusy` at once.
+Failure policy: whatever raises, every request ends (a result or an error) and the loop serves on;
+a failed step is retried row by row, a row that fails alone ends its own request. docs/design.md.
 """
 from __future__ import annotations
 
