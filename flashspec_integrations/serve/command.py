@@ -4,11 +4,9 @@
 
 Each replica gets one GPU when the cluster has GPUs, else an equal share of the CPUs (with as many
 torch threads). The process stays in the foreground; Ctrl-C shuts the deployment down. For a
-multi-host cluster use a Serve config file instead (docs/serve.md).
-
-The limits' flags (`--max-messages`, ...) are made from `limits.Limits`, whose fields say what
-each bounds and its default; binding beyond loopback without an API key prints a warning.
-With a loopback `--host` the Ray it starts listens on loopback too (`_init_loopback_ray`).
+multi-host cluster use a Serve config file instead (docs/serve.md). The limits' flags are made from
+`limits.Limits`; binding beyond loopback without an API key prints a warning, and with a loopback
+`--host` the Ray it starts listens on loopback too (`_init_loopback_ray`).
 """
 from __future__ import annotations
 

@@ -1,23 +1,12 @@
 """The Ray Serve deployment: one engine per replica behind an OpenAI-compatible FastAPI app.
 
-Each replica loads the target once (on the GPU Ray gives it, else the CPU) and routes with its
-own router merged with the others' through the shared ledger (`stats`). Every request, streamed
-or not, joins the engine's running batch at its next step with its own settings and leaves it
-when done (the engine's scheduler); nothing waits for a batch to fill or to finish. A request's
-deadline and a client leaving end its row at the engine's next step. Ray restarts a replica
-whose process dies; the proxy sends new requests to the live ones meanwhile.
-
-Safe to expose (each piece in its own module): the API key, the body's size and the time it takes to
-arrive are checked by middlewares (`guards`), a request's limits before any heavy work (`limits`),
-planning runs off the event loop with a time limit (`planning`), each replica holds a bounded number
-of requests in flight, each with a deadline (`admission`), errors have OpenAI's shape and a 500 only
-a request id (`errors`), and the health check decodes a token when the engine is idle (`health`).
-
-`build_app(args)` is the application builder for Serve config files (`serve run config.yaml`,
-docs/serve.md); the CLI (`command.py`) calls it too.
-
-No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (`Request`)
-at run time, and Serve's ingress wrapper would leave postponed ones unresolved.
+Each replica loads the target once (on the GPU Ray gives it, else the CPU) and routes with its own
+router, merged with the others' through the shared ledger (`stats`). Every request joins the
+engine's running batch at its next step and leaves it when done; its deadline, or its client
+leaving, ends its row at the next step. What keeps an exposed server safe lives in modules of its
+own (`guards`, `limits`, `planning`, `turns`, `admission`, `errors`, `health`). `build_app(args)` is
+the application builder for Serve config files (docs/serve.md); the CLI calls it too. No postponed
+annotations here: FastAPI reads the handlers' (`Request`) at run time, through Serve's ingress wrapper.
 """
 import asyncio
 import contextlib
