@@ -25,10 +25,10 @@ from langchain_core.callbacks import BaseCallbackHandler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from langchain_rag_chain import build_chain, build_retriever  # noqa: E402
+from langchain_rag_chain import build_chain, build_retriever
 
-from flashspec_core.backends.calibration import cpu_model  # noqa: E402
-from flashspec_integrations.langchain import ChatFlashSpec  # noqa: E402
+from flashspec_core.backends.calibration import cpu_model
+from flashspec_integrations.langchain import ChatFlashSpec
 
 QUESTIONS = [
     "How long does the Aurora kettle take to boil water?",

@@ -146,7 +146,7 @@ def main() -> None:
     target = load_model(None, device="cuda", dtype=torch.bfloat16)
     tok = target.tokenizer
     probe = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)))
-    encode = lambda step: probe.encode([step.messages], step.max_new_tokens)[0]  # noqa: E731
+    encode = lambda step: probe.encode([step.messages], step.max_new_tokens)[0]
     warm_ids, step_ids = [encode(s) for s in warm], [encode(s) for s in steps]
 
     runners, warmups, breakdowns = {}, {}, {}

@@ -52,7 +52,7 @@ class Level:
 
     def row(self) -> dict:
         lat = sorted(self.latencies)
-        pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")  # noqa: E731
+        pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")
         ok = len(self.latencies)
         return {"replicas": self.replicas, "concurrency": self.concurrency, "requests": self.requests,
                 "ok": ok, "errors": len(self.errors), "retried": len(self.retried), "req_per_s": ok / self.seconds,

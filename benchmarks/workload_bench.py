@@ -99,7 +99,7 @@ def main() -> None:
         raise SystemExit(f"--backends llama.cpp needs llama-cpp-python: {llama_cpp.INSTALL}")
     target = load_target(args.gguf)
     encoder = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), backend="hf", calibrate=False)
-    encode = lambda s: encoder.encode([s.messages], s.max_new_tokens)[0]  # noqa: E731
+    encode = lambda s: encoder.encode([s.messages], s.max_new_tokens)[0]
     ids, warm_ids = [encode(s) for s in steps], [encode(s) for s in warmup]
 
     stock = load_model(args.gguf).model if args.gguf else stock_default_model()

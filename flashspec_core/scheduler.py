@@ -143,7 +143,7 @@ class Scheduler:
                 try:
                     self._admit(admitted)
                     self._turn()
-                except Exception as exc:  # noqa: BLE001 - a bug must not leave callers waiting forever
+                except Exception as exc:  # a bug must not leave callers waiting forever
                     self._recover(exc, admitted)
         finally:
             with self._cond:
@@ -185,7 +185,7 @@ class Scheduler:
             for name, draft in self.drafts.items():
                 try:
                     draft.begin([row.prompt])
-                except Exception as exc:  # noqa: BLE001 - the row's request ends; the others go on
+                except Exception as exc:  # the row's request ends; the others go on
                     self._end_request(row.request, EngineFault.of(f"draft {name!r} (begin)", exc))
                     break
 
@@ -222,7 +222,7 @@ class Scheduler:
         before = [len(r.output.token_ids) for r in ready]
         try:
             self.stepper.step(ready, slots, Pieces.of(feeding, slots, piece) if beside else None)
-        except Exception as exc:  # noqa: BLE001 - find the row that fails; the others go on
+        except Exception as exc:  # find the row that fails; the others go on
             logger.warning("a step of %d rows failed (%r); stepping them one at a time", len(ready), exc)
             self.runner.reset(slots)
             if beside:
@@ -241,7 +241,7 @@ class Scheduler:
                 continue
             try:
                 self._deliver(row, row.output.token_ids[start:])
-            except Exception as exc:  # noqa: BLE001 - this row's request ends; the others go on
+            except Exception as exc:  # this row's request ends; the others go on
                 self._end_request(row.request, EngineFault.of("handing the row's output to its request", exc))
 
     def _prefill(self, feeding: list[Row], slots: int, piece: int | None) -> None:
@@ -249,14 +249,14 @@ class Scheduler:
         fails alone ends its request."""
         try:
             self.stepper.prefill(feeding, slots, piece)
-        except Exception:  # noqa: BLE001 - find the request whose input fails; the others go on
+        except Exception:  # find the request whose input fails; the others go on
             self.runner.reset(slots)  # a failed forward may leave half a step in the cache
             for row in feeding:
                 if self._slots[row.slot] is not row:
                     continue
                 try:
                     self.stepper.prefill([row], slots, piece)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     self.runner.reset(slots)
                     self._end_request(row.request, exc)
 
@@ -269,7 +269,7 @@ class Scheduler:
                 continue
             try:
                 self.stepper.step([row], slots)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self.runner.reset(slots)
                 self._end_request(row.request, exc)
 
@@ -319,7 +319,7 @@ class Scheduler:
         for name, draft in self.drafts.items():
             try:
                 draft.end([row.prompt], [row.output.token_ids])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 faults.append(EngineFault.of(f"draft {name!r} (end)", exc))
         faults.append(self.stepper.learn_row(row))
         return next((f for f in faults if f is not None), None)
@@ -343,13 +343,13 @@ class Scheduler:
         for request in requests.values():
             try:
                 self._end_request(request, fault)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 request.handle.fail(fault)
         self._slots = [None] * len(self._slots)
         self._warm.clear()
         try:
             self.runner.reset(len(self._slots))
-        except Exception:  # noqa: BLE001 - the next turn's forward fails, and ends its own rows
+        except Exception:  # the next turn's forward fails, and ends its own rows
             logger.exception("resetting the runner after a failed turn failed too")
 
     def _shut_down(self) -> None:

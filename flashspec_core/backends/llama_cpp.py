@@ -344,7 +344,7 @@ def _quiet_logs(lc: ModuleType) -> None:
         return
 
     @lc.llama_log_callback
-    def _drop(level: int, text: bytes, user_data: int | None) -> None:  # noqa: ARG001 - the C signature
+    def _drop(level: int, text: bytes, user_data: int | None) -> None:  # the C signature
         return None
 
     _logs["callback"] = _drop  # keep a reference: C holds only the pointer

@@ -51,7 +51,7 @@ class StoreWriter:
                 steps, deltas, scale = pending[domain]
                 try:
                     self.store.record(domain, deltas, steps=steps, scale=scale)
-                except Exception as exc:  # noqa: BLE001 - statistics must never stop generation
+                except Exception as exc:  # statistics must never stop generation
                     with self._lock:  # this domain and those not tried yet go back, before newer updates
                         newer, self._queued = self._queued, pending
                         _merge(self._queued, newer)

@@ -177,7 +177,7 @@ def _run_within(run: Any, timeout_s: float | None) -> None:
     def deploy() -> None:
         try:
             run()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+        except BaseException as exc:  # re-raised on the caller's thread
             failed.append(exc)
 
     thread = threading.Thread(target=deploy, name="flashspec-deploy", daemon=True)

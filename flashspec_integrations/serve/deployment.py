@@ -206,7 +206,7 @@ class FlashSpecServer:
                     assert isinstance(res, GenerationResult)  # one prompt: one result
             except TimeoutError:
                 return errors.respond(self.admission.deadline_error())
-            except Exception as exc:  # noqa: BLE001 - an OpenAI-style error for this request only
+            except Exception as exc:  # an OpenAI-style error for this request only
                 return errors.respond(errors.engine_error(exc, rid, self.admission.retry_after()))
         except APIError as exc:
             return errors.respond(exc)
@@ -254,7 +254,7 @@ class FlashSpecServer:
                 yield _sse(protocol.chunk(cid, self.model_name, None, usage=protocol.usage(len(plan.prompt_ids), tokens)))
         except TimeoutError:
             yield _sse(self.admission.deadline_error().body())
-        except Exception as exc:  # noqa: BLE001 - reported to the client, which must not wait on it
+        except Exception as exc:  # reported to the client, which must not wait on it
             yield _sse(errors.engine_error(exc, rid, self.admission.retry_after()).body())
         finally:
             await pieces.aclose()

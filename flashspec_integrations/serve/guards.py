@@ -109,7 +109,7 @@ async def _from_client(receive: Receive) -> Message:
     once the proxy has dropped a request whose client left: that is the client's disconnect too."""
     try:
         return await receive()
-    except Exception:  # noqa: BLE001 - any failure of the channel: nobody is left to hear from
+    except Exception:  # any failure of the channel: nobody is left to hear from
         return {"type": "http.disconnect"}
 
 

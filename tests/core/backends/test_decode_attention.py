@@ -97,7 +97,7 @@ def row_local_dot(monkeypatch: pytest.MonkeyPatch) -> None:
     import numpy as np
     from triton.runtime import interpreter
 
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ARG001 - the builder's signature
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # the builder's signature
         acc_type = d.data.dtype
         products = a.data.astype(acc_type)[:, :, None] * b.data.astype(acc_type)[None, :, :]  # [M, K, N]
         return interpreter.TensorHandle(np.add.reduce(products, axis=1) + d.data, d.dtype.scalar)

@@ -14,12 +14,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from scipy import stats  # noqa: E402
+from scipy import stats
 
-from flashspec_core.processors.sampling import SamplingParams, probs_from_logits  # noqa: E402
-from flashspec_core.verify import verify  # noqa: E402
-from flashspec_core.verify.reference import PAD, verify_torch  # noqa: E402
-from flashspec_core.verify.triton import supports, verify_triton  # noqa: E402
+from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
+from flashspec_core.verify import verify
+from flashspec_core.verify.reference import PAD, verify_torch
+from flashspec_core.verify.triton import supports, verify_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

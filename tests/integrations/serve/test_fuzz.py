@@ -18,8 +18,8 @@ from .conftest import MODEL
 pytest.importorskip("ray", reason="needs the 'serve' extra: pip install -e '.[serve]'")
 httpx = pytest.importorskip("httpx")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
