@@ -46,7 +46,8 @@ class Scheduler:
     """The loop that owns the device: admits, prefills, steps and retires rows (see the module doc)."""
 
     def __init__(self, stepper: Stepper, runner: TargetRunner, drafts: dict[str, DraftSource], router: Router,
-                 max_rows: int = MAX_ROWS, max_queue: int = MAX_QUEUE, prefill_chunk: int | None = PREFILL_CHUNK) -> None:
+                 max_rows: int = MAX_ROWS, max_queue: int = MAX_QUEUE,
+                 prefill_chunk: int | None = PREFILL_CHUNK) -> None:
         if max_rows < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1; got {max_rows} and {max_queue}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -206,7 +207,8 @@ class Scheduler:
     def _turn(self) -> None:
         """One turn: end what must end, feed a piece of each new prompt, step the decoding rows."""
         now = time.monotonic()
-        ending = {id(r.request): r.request for r in self._rows() if r.request.handle.cancelled or r.request.expired(now)}
+        ending = {id(r.request): r.request for r in self._rows()
+                  if r.request.handle.cancelled or r.request.expired(now)}
         for request in ending.values():
             self._end_request(request, self._ended(request, now))
         slots = len(self._slots)

@@ -21,7 +21,8 @@ TOOLS_HEADER = (
     "You may call one or more functions to assist with the user query.\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n"
     "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
 )
 JSON_HEADER = "Reply with one JSON object only, no other text{schema}."
 

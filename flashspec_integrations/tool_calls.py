@@ -262,8 +262,8 @@ class ToolCallStreamer:
 
     Text outside call blocks streams through at once, except a tail that could still be the start
     of `<tool_call>`; a block is held until its JSON object and `</tool_call>` have come (or, for
-    a block that is not plain JSON, until the end) and then comes out as one `ParsedCall`. A reply that opens with `{` or a fence is held whole, as it may be an
-    untagged call.
+    a block that is not plain JSON, until the end) and then comes out as one `ParsedCall`. A reply
+    that opens with `{` or a fence is held whole, as it may be an untagged call.
     """
 
     def __init__(self, names: Sequence[str] | Mapping[str, Any]):

@@ -41,8 +41,10 @@ def _malformed(model: str, messages: list[dict]) -> list[bytes | dict]:
             {**ok, "temperature": -1}, {**ok, "top_p": 0}, {**ok, "max_tokens": 0}, {**ok, "n": 3},
             {**ok, "model": "no-such-model"}, {**ok, "surprise": True}, {**ok, "domain": "../../etc"},
             {**ok, "messages": [{"role": "wizard", "content": "hi"}]}, {**ok, "stop": ""},
-            {**ok, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
-            {**ok, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "("}}}],
+            {**ok, "response_format": {"type": "json_schema",
+                                       "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            {**ok, "tools": [{"type": "function",
+                              "function": {"name": "f", "parameters": {"type": "string", "pattern": "("}}}],
              "tool_choice": "required"}]
 
 
@@ -288,6 +290,7 @@ async def soak_server(url: str, headers: dict[str, str], prompts: Sequence[list[
             await asyncio.sleep(2.0)
         report.answered_after = after.label == "200"
     if report.kill:
-        report.kill["answered_after_kill"] = sum(1 for e in report.ended if e.label == "200" and e.start > report.kill["at_s"])
+        report.kill["answered_after_kill"] = sum(1 for e in report.ended
+                                                 if e.label == "200" and e.start > report.kill["at_s"])
     return report
 

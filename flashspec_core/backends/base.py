@@ -111,7 +111,8 @@ class TargetRunner(Protocol):
 
     def score_step(self, sequences: Sequence[Sequence[int]], needs: Sequence[int],
                    drafts: Sequence[Sequence[int] | None], active: Sequence[bool],
-                   while_waiting: WhileWaiting | None = None) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
+                   while_waiting: WhileWaiting | None = None
+                   ) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
         """One forward (a graph replay) for rows of different draft lengths and settings: each
         active row b comes to hold sequences[b]. Where drafts[b] is None the row gets the logits
         after its last needs[b] tokens ([needs[b], V], logits[b]); where drafts[b] is its draft

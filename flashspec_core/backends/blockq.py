@@ -236,7 +236,8 @@ def library() -> ctypes.CDLL | None:
         return load(path)
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
-        warnings.warn(f"the GGUF block kernel could not be built ({detail}); the fp32 kernels run instead", stacklevel=2)
+        warnings.warn(f"the GGUF block kernel could not be built ({detail}); the fp32 kernels run instead",
+                      stacklevel=2)
         return None
 
 

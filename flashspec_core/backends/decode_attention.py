@@ -94,7 +94,8 @@ def _split_kernel(q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor,  # q [B,
                   stride_kr: tl.tensor, stride_kh: tl.tensor, stride_ks: tl.tensor, stride_r: tl.tensor,
                   stride_pb: tl.tensor, stride_pw: tl.tensor, scale: tl.tensor,
                   NKV: tl.tensor, GW: tl.tensor, W: tl.tensor, D: tl.tensor, S: tl.tensor, SIZE: tl.tensor,
-                  NS: tl.tensor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr, IEEE: tl.constexpr) -> None:
+                  NS: tl.tensor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
+                  IEEE: tl.constexpr) -> None:
     """One split of one (row, kv head) for one block of packed query rows: the unnormalised
     output, running max and sum over the split's visible slots (max -inf, sum 0 when none are)."""
     split = tl.program_id(0).to(tl.int64)

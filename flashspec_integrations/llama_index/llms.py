@@ -165,7 +165,8 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
             text = to_prompt(prompt)
         elif not formatted and self._uses_chat_template():
             turns = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
-            text, templated = render_prompt(self.get_engine().tokenizer, [*turns, {"role": "user", "content": prompt}]), True
+            text, templated = render_prompt(self.get_engine().tokenizer,
+                                            [*turns, {"role": "user", "content": prompt}]), True
         return plan_text(self.get_engine(), text, max_new, sampling, stops, decision, templated)
 
     def _run(self, req: CallPlan) -> Outcome:

@@ -28,12 +28,14 @@ APP_NAME = "flashspec"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas (one GPU each where there are GPUs)")
-    parser.add_argument("--target", help="target model: a folder, .gguf file or cached HF id (default: the embedded model)")
+    parser.add_argument("--target",
+                        help="target model: a folder, .gguf file or cached HF id (default: the embedded model)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     parser.add_argument("--model-name", help="the model id clients send (default: the target's name)")
     parser.add_argument("--router-store", help="SQLite file of the router statistics the replicas share")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="rows the engine decodes together; more wait for a slot")
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="rows the engine decodes together; more wait for a slot")
     parser.add_argument("--memory-fraction", type=float, default=MEMORY_FRACTION,
                         help="share of the memory free at a replica's start its rows' caches may use (fewer rows "
                              "where --max-batch-size would not fit; replicas sharing a GPU split it)")
@@ -52,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             limits.add_argument(flag, nargs="+", metavar="DOMAIN", help=field.description)
         else:
             kind = float if field.annotation is float else int
-            limits.add_argument(flag, type=kind, help=(field.description or "") + ("" if shown is None else f" (default {shown})"))
+            limits.add_argument(flag, type=kind,
+                                help=(field.description or "") + ("" if shown is None else f" (default {shown})"))
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -137,7 +140,8 @@ def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None 
         import ray
         from ray import serve
     except ImportError as exc:
-        raise ValueError(f"serve needs Ray Serve ({exc}); install it with: pip install 'flashspec-agents[serve]'") from exc
+        raise ValueError(f"serve needs Ray Serve ({exc}); "
+                         "install it with: pip install 'flashspec-agents[serve]'") from exc
 
     from flashspec_integrations.serve.deployment import ServeSettings, application
 
@@ -159,7 +163,8 @@ def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None 
         print(f"warning: {replicas} replicas of {gpus_per_replica:g} GPU but {resources['GPU']:g} GPUs; "
               "the rest wait for a GPU (and this call with them)")
     cpus = 1.0 if gpus else resources.get("CPU", 1) / replicas
-    config = ServeSettings(device=device, threads=None if gpus else max(1, int(cpus)), api_key=None if key is None else SecretStr(key), **settings)
+    config = ServeSettings(device=device, threads=None if gpus else max(1, int(cpus)),
+                           api_key=None if key is None else SecretStr(key), **settings)
     serve.start(http_options={"host": host, "port": port})
     app = application(config, replicas, cpus, gpus_per_replica if gpus else 0)
     _run_within(lambda: serve.run(app, name=APP_NAME, route_prefix="/"), ready_timeout_s)

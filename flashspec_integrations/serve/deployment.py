@@ -59,7 +59,8 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    target: str | None = Field(None, description="target model: a folder, .gguf file or cached HF id; None: the embedded default")
+    target: str | None = Field(None, description="target model: a folder, .gguf file or cached HF id; "
+                                                  "None: the embedded default")
     model_name: str | None = Field(None, description="the id clients send as `model`; default: the target's name")
     device: str | None = Field(None, description="None: the replica's GPU if Ray gave it one, else the CPU")
     router_store: str | None = Field(None, description="the shared router ledger (SQLite); None: the default store")
@@ -228,7 +229,8 @@ class FlashSpecServer:
             async for piece in self.engine.astream(plan.prompt_ids, self._options(plan, timeout)):
                 yield piece
 
-    async def _events(self, plan: CallPlan, cid: str, include_usage: bool, ticket: Ticket, rid: str) -> AsyncIterator[str]:
+    async def _events(self, plan: CallPlan, cid: str, include_usage: bool, ticket: Ticket,
+                      rid: str) -> AsyncIterator[str]:
         """Server-sent events: the role, content or tool-call deltas, the finish (with the
         `flashspec` field), usage if asked, then [DONE]. A failure mid-stream, or the deadline
         passing, is sent as an `error` event (the status line has gone out already), never a
@@ -251,7 +253,8 @@ class FlashSpecServer:
                     info = self._info(plan, piece.stats)
                     yield _sse(protocol.chunk(cid, self.model_name, {}, finish, flashspec=info))
             if include_usage:
-                yield _sse(protocol.chunk(cid, self.model_name, None, usage=protocol.usage(len(plan.prompt_ids), tokens)))
+                yield _sse(protocol.chunk(cid, self.model_name, None,
+                                          usage=protocol.usage(len(plan.prompt_ids), tokens)))
         except TimeoutError:
             yield _sse(self.admission.deadline_error().body())
         except Exception as exc:  # reported to the client, which must not wait on it

@@ -31,7 +31,8 @@ def resolve_api_key(configured: str | None) -> str | None:
     """The key the server requires: `configured`, else $FLASHSPEC_API_KEY, else None (no key)."""
     key = configured if configured is not None else os.environ.get(API_KEY_ENV)
     if key is not None and not key.strip():
-        raise ValueError(f"api_key: an empty key would let every client in; set a secret or leave it unset ({API_KEY_ENV})")
+        raise ValueError(f"api_key: an empty key would let every client in; "
+                         f"set a secret or leave it unset ({API_KEY_ENV})")
     return key
 
 

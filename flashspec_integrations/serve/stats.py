@@ -139,7 +139,8 @@ class SharedRouterStats:
         return {"warm_steps": self.warm_steps, "peer_steps": self.peer_steps}
 
 
-def share_router(engine: SpecEngine, path: str | Path | None, interval: float = 2.0, algorithm: str = "thompson") -> SharedRouterStats:
+def share_router(engine: SpecEngine, path: str | Path | None, interval: float = 2.0,
+                 algorithm: str = "thompson") -> SharedRouterStats:
     """Give `engine` a bandit router over its arms that writes to and merges from the ledger at
     `path` (None: the default store beside the converted weights)."""
     free = {name: d for name, d in engine.drafts.items() if d.deterministic}

@@ -87,7 +87,8 @@ def _response_format(req: ChatCompletionRequest) -> dict | None:
         return None
     if fmt.type == "json_object":
         return {"type": "json_object"}
-    return {"type": "json_schema", "json_schema": {"schema": None if fmt.json_schema is None else fmt.json_schema.schema_}}
+    return {"type": "json_schema",
+            "json_schema": {"schema": None if fmt.json_schema is None else fmt.json_schema.schema_}}
 
 
 def _decide(req: ChatCompletionRequest, facts: StepContext) -> DomainDecision:
