@@ -200,7 +200,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         xs, colour = [r["concurrency"] for r in pts], f"C{i}"
         ax1.plot(xs, [r["tok_per_s"] for r in pts], marker="o", color=colour, label=f"{replicas} replica(s)")
         ax2.plot(xs, [r["p50_s"] for r in pts], marker="o", color=colour, label=f"{replicas} replica(s) p50")
-        ax2.plot(xs, [r["p99_s"] for r in pts], marker="x", color=colour, linestyle="--", label=f"{replicas} replica(s) p99")
+        ax2.plot(xs, [r["p99_s"] for r in pts], marker="x", color=colour, linestyle="--",
+                 label=f"{replicas} replica(s) p99")
     for ax, label in ((ax1, "output tokens/s"), (ax2, "latency (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
@@ -229,7 +230,8 @@ def main() -> None:
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
     parser.add_argument("--requests", type=int, default=8, help="requests per level (at least the concurrency)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="every step's budget (the dev workload's own when 0)")
+    parser.add_argument("--max-new-tokens", type=int, default=32,
+                        help="every step's budget (the dev workload's own when 0)")
     parser.add_argument("--warmup", type=int, default=8, help="untimed requests after each deployment")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
     parser.add_argument("--retries", type=int, default=1, help="retries of a failed request (openai's default is 2)")
@@ -237,8 +239,10 @@ def main() -> None:
     parser.add_argument("--kill-concurrency", type=int, default=8)
     parser.add_argument("--kill-requests", type=int, default=48)
     parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--gpus-per-replica", type=float, default=1.0, help="with --device cuda: 0.5 puts 2 replicas on one GPU")
-    parser.add_argument("--steps-file", default=None, help="JSON list of dev-workload steps (a GPU host without ShareGPT)")
+    parser.add_argument("--gpus-per-replica", type=float, default=1.0,
+                        help="with --device cuda: 0.5 puts 2 replicas on one GPU")
+    parser.add_argument("--steps-file", default=None,
+                        help="JSON list of dev-workload steps (a GPU host without ShareGPT)")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--out", default="bench_out/serve")
     args = parser.parse_args()
@@ -272,7 +276,8 @@ def main() -> None:
                           args.gpus_per_replica)
             asyncio.run(run_level(base, take(args.warmup), replicas, min(4, args.warmup), args.timeout, args.retries))
             for c in levels:
-                level = asyncio.run(run_level(base, take(max(args.requests, c)), replicas, c, args.timeout, args.retries))
+                level = asyncio.run(run_level(base, take(max(args.requests, c)), replicas, c, args.timeout,
+                                              args.retries))
                 rows.append({"phase": "steady", **level.row(), "error_samples": level.errors[:3],
                              "retried_samples": level.retried[:3]})
                 print(table(rows[-1:]).splitlines()[-1], flush=True)

@@ -87,7 +87,8 @@ def main() -> None:
                              "'all' for the whole pool")
     parser.add_argument("--no-hints", action="store_true", help="classify every step (no adapter hints)")
     parser.add_argument("--gguf", default=None,
-                        help="a GGUF file to run as the target, e.g. a Q4_K_M of the default model (default: the embedded one)")
+                        help="a GGUF file to run as the target, e.g. a Q4_K_M of the default model "
+                             "(default: the embedded one)")
     parser.add_argument("--out", default="bench_out/workload")
     args = parser.parse_args()
 
