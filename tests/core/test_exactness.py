@@ -198,7 +198,8 @@ def _drafts(kind: str, tiny_target, tiny_draft_model, backend: str = "torch"):
 
 
 def _engine_pvalues(tiny_target, tiny_draft_model, kind: str, gamma: int, sampling_name: str, replicate: int,
-                    calls: int = 1, prompt: list[int] = PROMPT, backend: str = "torch") -> tuple[float, float, SpecEngine]:
+                    calls: int = 1, prompt: list[int] = PROMPT,
+                    backend: str = "torch") -> tuple[float, float, SpecEngine]:
     """G-test p-values of the engine's first token and first two tokens over N_ENGINE rows.
 
     Rows run with max_new_tokens = γ + 1, so the first step drafts a full γ, and with the stop

@@ -160,7 +160,8 @@ def test_forbids_nothing_says_when_the_mask_would_change_nothing(tok):
         assert constraint.forbids_nothing(paths, active) == unchanged, (paths, active)
         seen.add(unchanged)
     assert seen == {True, False}
-    assert constraint.forbids_nothing([[], []], [True, False]) and not constraint.forbids_nothing([[], []], [True, True])
+    assert (constraint.forbids_nothing([[], []], [True, False])
+            and not constraint.forbids_nothing([[], []], [True, True]))
 
 
 def ascii_engine(drafts=(), router=None, seed: int = 2) -> SpecEngine:

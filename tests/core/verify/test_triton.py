@@ -84,7 +84,8 @@ SMALL = itertools.product((17, 1000), (1, 3, 8), (1, 4, 8), (0.0, 0.7, 1.3), (Fa
 LARGE = itertools.product((4096,), ((1, 8), (3, 4), (8, 1)), (0.0, 0.7, 1.3), (False, True))
 MATRIX = [
     pytest.param(bsz, gamma, vocab, temperature, model, DTYPES[i % 3],
-                 id=f"V{vocab}-B{bsz}-g{gamma}-T{temperature}-{'model' if model else 'onehot'}-{str(DTYPES[i % 3])[6:]}")
+                 id=f"V{vocab}-B{bsz}-g{gamma}-T{temperature}-{'model' if model else 'onehot'}"
+                    f"-{str(DTYPES[i % 3])[6:]}")
     for i, (vocab, bsz, gamma, temperature, model) in enumerate(
         list(SMALL) + [(v, b, g, t, m) for v, (b, g), t, m in LARGE]
     )
