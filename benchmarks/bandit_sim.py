@@ -30,11 +30,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 from flashspec_core.arms import NO_DRAFT, Arm
-from flashspec_core.records import StepRecord  # noqa: E402
-from flashspec_core.routing import UCB1, BanditRouter, ThompsonSampling  # noqa: E402
+from flashspec_core.records import StepRecord
+from flashspec_core.routing import UCB1, BanditRouter, ThompsonSampling
 
 RATES = (0.30, 0.70, 0.50)
 PAPER = {"UCB1": 100.2, "Thompson (Beta)": 18.9}

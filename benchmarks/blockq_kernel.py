@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import random_blocks  # noqa: E402  (the tests' maker of random blocks)
+from helpers import random_blocks  # the tests' maker of random blocks
 
-from flashspec_core.backends import blockq  # noqa: E402
-from flashspec_core.backends.calibration import machine_line  # noqa: E402
+from flashspec_core.backends import blockq
+from flashspec_core.backends.calibration import machine_line
 
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 WIDTHS = (1, 2, 3, 5, 9, 17)

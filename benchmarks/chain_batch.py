@@ -4,8 +4,8 @@ The chain is the LCEL RAG chain of examples/langchain_rag_chain.py (offline retr
 documents -> retrieval-synthesis prompt -> ChatFlashSpec -> text). Sequential invokes decode one
 question at a time; `chain.batch` submits every question's call at once, and the calls decode side
 by side in the engine's running batch ("rows": the most rows one decode step held). Greedy, so both
-must give the same answers (column "same"). One untimed warm-up call first (weights, caches); then each mode `--repeats` times,
-alternating, and the fastest run of each is reported.
+must give the same answers (column "same"). One untimed warm-up call first (weights, caches); then
+each mode `--repeats` times, alternating, and the fastest run of each is reported.
 
     FLASHSPEC_CACHE_DIR=/tmp/fscache python benchmarks/chain_batch.py [--max-tokens 48] [--repeats 2]
 """
@@ -25,10 +25,10 @@ from langchain_core.callbacks import BaseCallbackHandler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from langchain_rag_chain import build_chain, build_retriever  # noqa: E402
+from langchain_rag_chain import build_chain, build_retriever
 
-from flashspec_core.backends.calibration import cpu_model  # noqa: E402
-from flashspec_integrations.langchain import ChatFlashSpec  # noqa: E402
+from flashspec_core.backends.calibration import cpu_model
+from flashspec_integrations.langchain import ChatFlashSpec
 
 QUESTIONS = [
     "How long does the Aurora kettle take to boil water?",

@@ -221,7 +221,8 @@ def main() -> None:
     dtype = str(engine._target.model.dtype).removeprefix("torch.")
     kind = "short-prompt agent requests" if args.short_prompts else "agent requests"
     title = (f"{len(work)} {kind}, greedy, budgets {min(j.max_new_tokens for j in work)}-{longest}; {device}; {dtype}; "
-             f"max_batch {args.max_batch}; prefill_chunk {args.prefill_chunk}; engine start and warm-up {statistics.median(warmups):.1f} s (median of {len(warmups)})")
+             f"max_batch {args.max_batch}; prefill_chunk {args.prefill_chunk}; "
+             f"engine start and warm-up {statistics.median(warmups):.1f} s (median of {len(warmups)})")
     print(title)
     print(f"{'mode':<16}{'tokens':>8}{'s':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  same")
     for r in rows:

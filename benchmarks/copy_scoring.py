@@ -96,7 +96,7 @@ def main() -> None:
             rows.append({"domain": domain, "arm": str(arm), "real": tokens / seconds / plain,
                          "estimate_plain_ran": believed[NONE].get(domain, {}).get(str(arm)),
                          "estimate_arm_ran": believed[arm].get(domain, {}).get(str(arm))})
-    fmt = lambda x: f"{x:8.2f}x" if x is not None else f"{'-':>9}"  # noqa: E731
+    fmt = lambda x: f"{x:8.2f}x" if x is not None else f"{'-':>9}"
     lines = [machine_line(),
              f"workload={args.workload}, {args.steps} steps, greedy, max_new_tokens={args.max_new_tokens}; "
              f"speed-ups over plain decoding, tokens per second of step time; {time.time() - start:.0f} s",

@@ -61,7 +61,8 @@ def main() -> None:
     print(f"{'threads':>7} {'linear':<8}" + "".join(f"{f'n={n}':>9}" for n in TOKENS) + f"{'n=5 / n=1':>11}")
     for r in rows:
         ms = r["ms"]
-        print(f"{r['threads']:>7} {r['model']:<8}" + "".join(f"{ms[n]:>9.1f}" for n in TOKENS) + f"{ms[5] / ms[1]:>11.2f}")
+        print(f"{r['threads']:>7} {r['model']:<8}" + "".join(f"{ms[n]:>9.1f}" for n in TOKENS)
+              + f"{ms[5] / ms[1]:>11.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu_linear.json").write_text(json.dumps(rows, indent=1))

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> dict:
     target = load_target(None)
     drafts = [PromptLookupDraft()] + [d for d in shipped_drafts(target) if not args.drafts or d.name in args.drafts]
     gammas = [int(g) for g in args.gammas.split(",")]
-    engines = {"none": SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), verify_backend="torch", backend="hf")}
+    engines = {"none": SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), verify_backend="torch",
+                                  backend="hf")}
     engines |= {f"{d.name}@{g}": SpecEngine(target, [d], router=FixedRouter(Arm(d.name, g)), verify_backend="torch",
                                            backend="hf")
                for d in drafts for g in ([args.lookup_gamma] if d.name == "prompt_lookup" else gammas)}
@@ -110,7 +111,8 @@ def summarise(totals) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| domain | configuration | tok/s | speedup vs HF generate | identical | mean accepted length | α | c | verify cost (× one plain token) |",
+    lines = ["| domain | configuration | tok/s | speedup vs HF generate | identical | mean accepted length | α | c "
+             "| verify cost (× one plain token) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(result["rows"], key=lambda r: (r["domain"], -r["speedup"])):
         extra = (f"{r['accept_len']:.2f} | {r['alpha']:.3f} | {r['c']:.3f}" if "alpha" in r else "– | – | –")
@@ -132,7 +134,8 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(domains)
     for i, domain in enumerate(domains):
-        ax.bar([a + i * width for a in range(len(arms))], [speed.get((arm, domain), 0) for arm in arms], width, label=domain)
+        ax.bar([a + i * width for a in range(len(arms))], [speed.get((arm, domain), 0) for arm in arms], width,
+               label=domain)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([a + width * (len(domains) - 1) / 2 for a in range(len(arms))], arms, rotation=30, ha="right")
     ax.set_ylabel("speedup over plain HF generate")
@@ -159,7 +162,8 @@ def main() -> None:
     parser.add_argument("--gammas", default="2,4")
     parser.add_argument("--lookup-gamma", type=int, default=3, help="γ of prompt lookup (HF and engine)")
     parser.add_argument("--drafts", default="", help="comma list of shipped draft names (default: all)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default; 1 on a busy shared CPU)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: torch's default; 1 on a busy shared CPU)")
     parser.add_argument("--out", default="bench_out/drafts")
     parser.add_argument("--update-cards", action="store_true", help="write the results into the shipped model cards")
     parser.add_argument("--from-json", help="re-render table, plot and cards from an earlier drafts.json; run nothing")
@@ -176,8 +180,8 @@ def main() -> None:
         from flashspec_core.distill.card import update_card_section
 
         command = "python benchmarks/drafts.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in (("prompts", args.prompts), ("max_new_tokens", args.max_new_tokens),
-                                                         ("gammas", args.gammas)))
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in (("prompts", args.prompts), ("max_new_tokens", args.max_new_tokens), ("gammas", args.gammas)))
         for card in WEIGHTS_DIR.glob("*.md"):
             update_card_section(card, "Measured in the engine (CPU)", card_section(result, card.stem, command))
 

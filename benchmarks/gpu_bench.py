@@ -146,7 +146,7 @@ def main() -> None:
     target = load_model(None, device="cuda", dtype=torch.bfloat16)
     tok = target.tokenizer
     probe = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)))
-    encode = lambda step: probe.encode([step.messages], step.max_new_tokens)[0]  # noqa: E731
+    encode = lambda step: probe.encode([step.messages], step.max_new_tokens)[0]
     warm_ids, step_ids = [encode(s) for s in warm], [encode(s) for s in steps]
 
     runners, warmups, breakdowns = {}, {}, {}
@@ -276,7 +276,8 @@ def report(results, steps, warmups, breakdowns, out: Path, args, logs) -> None:
             if rows:
                 n = len(rows)
                 other = sum(r["wall_ms"] - r["prefill_ms"] - r["steps_ms"] - r["host_ms"] for r in rows) / n
-                parts.append(f"{d} {sum(r['prefill_ms'] for r in rows) / n:.1f}/{sum(r['steps_ms'] for r in rows) / n:.1f}"
+                parts.append(f"{d} {sum(r['prefill_ms'] for r in rows) / n:.1f}"
+                             f"/{sum(r['steps_ms'] for r in rows) / n:.1f}"
                              f"/{other:.1f}; {sum(len(r['arms']) for r in rows)}")
         print(f"{key:<30}" + "   ".join(parts))
     (out / "results.json").write_text(json.dumps({"table": table, "breakdown": breakdowns, "requests": logs,

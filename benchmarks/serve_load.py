@@ -54,7 +54,7 @@ class Level:
 
     def row(self) -> dict:
         lat = sorted(self.latencies)
-        pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")  # noqa: E731
+        pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")
         ok = len(self.latencies)
         first = sorted(self.firsts)
         return {"stream": self.stream, "ttft_p50_s": first[len(first) // 2] if first else None,
@@ -101,7 +101,8 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict) -> dict | s
     """A streamed request read to its end: a body shaped as the plain response's (usage, the
     `flashspec` field) plus `first_s`, the seconds to the first content, or what went wrong."""
     start, first, data = time.perf_counter(), None, {}
-    async with client.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as res:
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url, json=streamed) as res:
         if res.status_code != 200:
             return f"HTTP {res.status_code}: {(await res.aread())[:200]!r}"
         async for line in res.aiter_lines():
@@ -265,7 +266,8 @@ def main() -> None:
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
     parser.add_argument("--requests", type=int, default=8, help="requests per level (at least the concurrency)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="every step's budget (the dev workload's own when 0)")
+    parser.add_argument("--max-new-tokens", type=int, default=32,
+                        help="every step's budget (the dev workload's own when 0)")
     parser.add_argument("--warmup", type=int, default=8, help="untimed requests after each deployment")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
     parser.add_argument("--retries", type=int, default=1, help="retries of a failed request (openai's default is 2)")
@@ -273,9 +275,12 @@ def main() -> None:
     parser.add_argument("--kill-concurrency", type=int, default=8)
     parser.add_argument("--kill-requests", type=int, default=48)
     parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--gpus-per-replica", type=float, default=1.0, help="with --device cuda: 0.5 puts 2 replicas on one GPU")
-    parser.add_argument("--steps-file", default=None, help="JSON list of dev-workload steps (a GPU host without ShareGPT)")
-    parser.add_argument("--stream", default="no", help="no, yes, or both: steady levels streamed (SSE), plain, or each")
+    parser.add_argument("--gpus-per-replica", type=float, default=1.0,
+                        help="with --device cuda: 0.5 puts 2 replicas on one GPU")
+    parser.add_argument("--steps-file", default=None,
+                        help="JSON list of dev-workload steps (a GPU host without ShareGPT)")
+    parser.add_argument("--stream", default="no",
+                        help="no, yes, or both: steady levels streamed (SSE), plain, or each")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--out", default="bench_out/serve")
     args = parser.parse_args()
@@ -310,8 +315,8 @@ def main() -> None:
                           args.gpus_per_replica)
             asyncio.run(run_level(base, take(args.warmup), replicas, min(4, args.warmup), args.timeout, args.retries))
             for stream, c in ((stream, c) for stream in modes for c in levels):
-                level = asyncio.run(run_level(base, take(max(args.requests, c)), replicas, c, args.timeout, args.retries,
-                                              stream=stream))
+                level = asyncio.run(run_level(base, take(max(args.requests, c)), replicas, c, args.timeout,
+                                              args.retries, stream=stream))
                 rows.append({"phase": "steady", **level.row(), "error_samples": level.errors[:3],
                              "retried_samples": level.retried[:3]})
                 print(table(rows[-1:]).splitlines()[-1], flush=True)

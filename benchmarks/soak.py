@@ -205,14 +205,16 @@ def main() -> None:
     serve.add_argument("--port", type=int, default=8766)
     serve.add_argument("--max-in-flight", type=int, default=4, help="per replica; past it a 429")
     serve.add_argument("--request-timeout", type=float, default=30.0, help="the server's deadline (a 504 past it)")
-    serve.add_argument("--hang", type=float, default=300.0, help="the client's limit: a request not answered by then is hung")
+    serve.add_argument("--hang", type=float, default=300.0,
+                       help="the client's limit: a request not answered by then is hung")
     serve.add_argument("--kill-at", type=float, default=0.33, help="kill a replica at this share of the run (0: never)")
     serve.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the replicas may take to start")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = dev_workload(n_steps=64, seed=args.seed, max_new_tokens=args.max_tokens)
-    prompts = [step.messages for step in steps] if args.target == "engine" else [openai_messages(s.messages) for s in steps]
+    prompts = ([step.messages for step in steps] if args.target == "engine"
+               else [openai_messages(s.messages) for s in steps])
     if args.target == "engine":
         title, result, sampler = engine_soak(args, prompts)
     else:

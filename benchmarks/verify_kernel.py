@@ -148,8 +148,8 @@ def sweep(gen: torch.Generator) -> None:
                 lambda: verify_triton(s["logits"], s["drafts"], s["q"], sp, s["uniforms"], block=block,
                                       tiles=tiles, check_finite=False), rep=30, return_mode="median") * 1e3
             mark = " (auto)" if (block, tiles) == auto else ""
-            print(f"| {'model' if model else 'onehot'} | {bsz} | {vocab} | {gamma} | {block}, {tiles}{mark} | {us:.1f} |",
-                  flush=True)
+            print(f"| {'model' if model else 'onehot'} | {bsz} | {vocab} | {gamma} | {block}, {tiles}{mark} "
+                  f"| {us:.1f} |", flush=True)
 
 
 def profile_host() -> None:

@@ -87,7 +87,8 @@ def main() -> None:
                              "'all' for the whole pool")
     parser.add_argument("--no-hints", action="store_true", help="classify every step (no adapter hints)")
     parser.add_argument("--gguf", default=None,
-                        help="a GGUF file to run as the target, e.g. a Q4_K_M of the default model (default: the embedded one)")
+                        help="a GGUF file to run as the target, e.g. a Q4_K_M of the default model "
+                             "(default: the embedded one)")
     parser.add_argument("--out", default="bench_out/workload")
     args = parser.parse_args()
 
@@ -99,7 +100,7 @@ def main() -> None:
         raise SystemExit(f"--backends llama.cpp needs llama-cpp-python: {llama_cpp.INSTALL}")
     target = load_target(args.gguf)
     encoder = SpecEngine(target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), backend="hf", calibrate=False)
-    encode = lambda s: encoder.encode([s.messages], s.max_new_tokens)[0]  # noqa: E731
+    encode = lambda s: encoder.encode([s.messages], s.max_new_tokens)[0]
     ids, warm_ids = [encode(s) for s in steps], [encode(s) for s in warmup]
 
     stock = load_model(args.gguf).model if args.gguf else stock_default_model()

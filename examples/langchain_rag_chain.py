@@ -40,7 +40,8 @@ QUESTIONS = ["How long does the Aurora kettle take to boil water?", "How often s
 CHAT_TURN = "Say hello to a new customer in one short sentence."
 
 PROMPT = ChatPromptTemplate.from_messages([
-    ("system", "You are a support assistant. Answer the question based only on the following context.\n\nContext:\n{context}"),
+    ("system", "You are a support assistant. Answer the question based only on the following context.\n\n"
+               "Context:\n{context}"),
     ("human", "Question: {question}"),
 ])
 

@@ -44,7 +44,8 @@ def main(base_url: str, api_key: str | None = None, max_tokens: int = 48) -> dic
     where = llm.structured_predict(Landmark, PromptTemplate("Where is {landmark}?"), landmark="the Eiffel tower")
     # The `flashspec` field of a response: the call's domain, the arms its steps used, the replica.
     raw = OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Write a Python function fibonacci(n)."}], max_tokens=16, temperature=0)
+        model=MODEL, messages=[{"role": "user", "content": "Write a Python function fibonacci(n)."}], max_tokens=16,
+        temperature=0)
     stats = raw.model_extra["flashspec"]
     print("chat:    ", reply.message.content)
     print("stream:  ", streamed)

@@ -53,12 +53,12 @@ class Flusher:
                 after, self._after = self._after, []
             try:
                 self._flush()
-            except Exception:  # noqa: BLE001 - the statistics stay queued; the answers go out
+            except Exception:  # the statistics stay queued; the answers go out
                 self.failures += 1
                 logger.warning("writing the router's statistics failed; they stay queued for a later write",
                                exc_info=True)
             for then in after:
                 try:
                     then()
-                except Exception:  # noqa: BLE001 - one caller's failure is not the next one's
+                except Exception:  # one caller's failure is not the next one's
                     logger.exception("handing over an answer failed")

@@ -1,17 +1,12 @@
 """How many rows decode together and how many tokens each row's cache may hold, from the memory there is.
 
-Every row of the running batch holds a KV cache of up to its request's prompt plus new tokens,
-and its steps' logits. Sized from a constant, a batch of long rows on a small device runs out of
-memory mid-request, after the caller was told the request was accepted. So the engine plans once,
-at construction: of the memory free then (after the weights are loaded: `free_memory`), it may
-use `memory_fraction` (the rest is headroom for activations and workspaces no plan counts); each
-row costs its cache at the full context (`kv_bytes_per_token` times the context and the runner's
-slack slots) and its steps' logits (`step_bytes`). The rows are the requested `max_batch`, cut to
-what that budget holds. When not even one row holds the full context, one row runs and holds what
-the budget gives it: a request that needs more is refused when it is submitted, never mid-decode.
-
-The plan changes only how many rows run side by side and how long a row may grow, never what a
-row computes: the output is the same whatever it decides.
+The engine plans once, at construction: of the memory free then (after the weights are loaded:
+`free_memory`) it may use `memory_fraction` (the rest is headroom for activations and workspaces);
+each row costs its cache at the full context (`kv_bytes_per_token` times the context and the
+runner's slack slots) and its steps' logits (`step_bytes`). The rows are the requested `max_batch`,
+cut to what that budget holds; when not even one row holds the full context, one row runs with what
+the budget gives it, and a request that needs more is refused when submitted, never mid-decode.
+The plan never changes what a row computes. Why: docs/backends.md, "Memory".
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ def _is_messages(obj: Any) -> TypeGuard[Sequence[dict]]:
 
 
 def _is_ids(obj: Any) -> TypeGuard[Sequence[int]]:
-    return isinstance(obj, (list, tuple)) and len(obj) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in obj)
+    return (isinstance(obj, (list, tuple)) and len(obj) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in obj))
 
 
 def is_batch(prompt: Any) -> bool:

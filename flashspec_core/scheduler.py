@@ -1,34 +1,12 @@
 """Iteration-level scheduling: requests join the running batch between steps and leave it when done.
 
-One thread owns the device. Each turn of its loop it admits waiting requests into free slots (a
-slot is a runner row; a new row takes the free slot whose cache shares the longest prefix with its
-prompt, so an agent's next step reuses its last one's cache), feeds one piece of each new prompt,
-runs one decode step of every prefilled row (`step.Stepper`: each row with its own arm and
-settings), hands each request's new text to its handle, and retires rows that finished, were
-cancelled or ran out of time. A long prompt is fed in pieces, one piece per turn, so the rows
-already decoding wait for at most one piece between their steps. On CUDA graphs every new prompt
-gets a piece of `prefill_chunk` tokens each turn (a GPU computes rows side by side). Without them
-(a CPU, where a forward costs the tokens it computes) a turn feeds one budget of tokens in all, to
-the earliest admitted requests first (several short prompts whole, or one piece of a long one, of
-each prompt of a batch call), in the same ragged forward as the decoding rows' step (one read of
-the weights for both); a smaller `prefill_chunk` shortens a running stream's longest gaps at
-some cost to everyone's rate (`pieces.py`).
-
-Callers never touch the device: they submit a `Request` and read its `RequestHandle`. The queue of
-waiting requests is bounded; a full queue refuses with `EngineBusy` at once, so overload is an
-answer, not an unbounded wait. A queued request that is cancelled leaves the queue at once, and
-one whose deadline passes at the next turn: a dead entry never holds a place. The batch grows
-through `buckets` as rows join, and when it has drained (no row running) it shrinks back to what
-the rows admitted then need, so a lone request after a burst steps a batch of one again (the
-caches of the slots cut off are dropped; they are reused only by prompts sharing their prefix).
-
-Failure policy: whatever raises, every request ends (a result or an error) and the loop serves
-on. A step that fails is retried row by row (`_isolate`), and a row that fails alone ends its own
-request with the error; a row that finished inside the failed step emits nothing more. A part of
-the engine's bookkeeping that fails for a row (a draft's `begin`/`end`, the router's `update`)
-ends that row's request with an `EngineFault` naming it. The router's statistics are written to
-its store by another thread (flusher.py), never this one, and a finished request's answer is
-handed over once they are; a failed write keeps them queued for the next.
+One thread owns the device. Each turn it admits waiting requests into free slots (the free slot
+whose cache shares the longest prefix with the prompt), feeds a piece of each new prompt
+(`pieces.py`), runs one decode step of every prefilled row (`step.Stepper`), hands each request's
+new text to its handle and retires rows that finished, were cancelled or ran out of time. Callers
+submit a `Request` and read its `RequestHandle`; a full queue refuses with `EngineBusy` at once.
+Failure policy: whatever raises, every request ends (a result or an error) and the loop serves on;
+a failed step is retried row by row, a row that fails alone ends its own request. docs/design.md.
 """
 from __future__ import annotations
 
@@ -68,7 +46,8 @@ class Scheduler:
     """The loop that owns the device: admits, prefills, steps and retires rows (see the module doc)."""
 
     def __init__(self, stepper: Stepper, runner: TargetRunner, drafts: dict[str, DraftSource], router: Router,
-                 max_rows: int = MAX_ROWS, max_queue: int = MAX_QUEUE, prefill_chunk: int | None = PREFILL_CHUNK) -> None:
+                 max_rows: int = MAX_ROWS, max_queue: int = MAX_QUEUE,
+                 prefill_chunk: int | None = PREFILL_CHUNK) -> None:
         if max_rows < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1; got {max_rows} and {max_queue}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -165,7 +144,7 @@ class Scheduler:
                 try:
                     self._admit(admitted)
                     self._turn()
-                except Exception as exc:  # noqa: BLE001 - a bug must not leave callers waiting forever
+                except Exception as exc:  # a bug must not leave callers waiting forever
                     self._recover(exc, admitted)
         finally:
             with self._cond:
@@ -207,7 +186,7 @@ class Scheduler:
             for name, draft in self.drafts.items():
                 try:
                     draft.begin([row.prompt])
-                except Exception as exc:  # noqa: BLE001 - the row's request ends; the others go on
+                except Exception as exc:  # the row's request ends; the others go on
                     self._end_request(row.request, EngineFault.of(f"draft {name!r} (begin)", exc))
                     break
 
@@ -228,7 +207,8 @@ class Scheduler:
     def _turn(self) -> None:
         """One turn: end what must end, feed a piece of each new prompt, step the decoding rows."""
         now = time.monotonic()
-        ending = {id(r.request): r.request for r in self._rows() if r.request.handle.cancelled or r.request.expired(now)}
+        ending = {id(r.request): r.request for r in self._rows()
+                  if r.request.handle.cancelled or r.request.expired(now)}
         for request in ending.values():
             self._end_request(request, self._ended(request, now))
         slots = len(self._slots)
@@ -244,7 +224,7 @@ class Scheduler:
         before = [len(r.output.token_ids) for r in ready]
         try:
             self.stepper.step(ready, slots, Pieces.of(feeding, slots, piece) if beside else None)
-        except Exception as exc:  # noqa: BLE001 - find the row that fails; the others go on
+        except Exception as exc:  # find the row that fails; the others go on
             logger.warning("a step of %d rows failed (%r); stepping them one at a time", len(ready), exc)
             self.runner.reset(slots)
             if beside:
@@ -263,7 +243,7 @@ class Scheduler:
                 continue
             try:
                 self._deliver(row, row.output.token_ids[start:])
-            except Exception as exc:  # noqa: BLE001 - this row's request ends; the others go on
+            except Exception as exc:  # this row's request ends; the others go on
                 self._end_request(row.request, EngineFault.of("handing the row's output to its request", exc))
 
     def _prefill(self, feeding: list[Row], slots: int, piece: int | None) -> None:
@@ -271,14 +251,14 @@ class Scheduler:
         fails alone ends its request."""
         try:
             self.stepper.prefill(feeding, slots, piece)
-        except Exception:  # noqa: BLE001 - find the request whose input fails; the others go on
+        except Exception:  # find the request whose input fails; the others go on
             self.runner.reset(slots)  # a failed forward may leave half a step in the cache
             for row in feeding:
                 if self._slots[row.slot] is not row:
                     continue
                 try:
                     self.stepper.prefill([row], slots, piece)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     self.runner.reset(slots)
                     self._end_request(row.request, exc)
 
@@ -291,7 +271,7 @@ class Scheduler:
                 continue
             try:
                 self.stepper.step([row], slots)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self.runner.reset(slots)
                 self._end_request(row.request, exc)
 
@@ -341,7 +321,7 @@ class Scheduler:
         for name, draft in self.drafts.items():
             try:
                 draft.end([row.prompt], [row.output.token_ids])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 faults.append(EngineFault.of(f"draft {name!r} (end)", exc))
         faults.append(self.stepper.learn_row(row))
         return next((f for f in faults if f is not None), None)
@@ -365,13 +345,13 @@ class Scheduler:
         for request in requests.values():
             try:
                 self._end_request(request, fault)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 request.handle.fail(fault)
         self._slots = [None] * len(self._slots)
         self._warm.clear()
         try:
             self.runner.reset(len(self._slots))
-        except Exception:  # noqa: BLE001 - the next turn's forward fails, and ends its own rows
+        except Exception:  # the next turn's forward fails, and ends its own rows
             logger.exception("resetting the runner after a failed turn failed too")
 
     def _shut_down(self) -> None:

@@ -178,11 +178,11 @@ class Stepper:
         for name, draft in self.drafts.items():
             try:
                 draft.bind_constraint(constraint)
-            except Exception as exc:  # noqa: BLE001 - see the docstring
+            except Exception as exc:  # see the docstring
                 return EngineFault.of(f"draft {name!r} (bind_constraint, before the router learned a step)", exc)
         try:
             self.router.update(record)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return EngineFault.of("the router (update, learning a finished step)", exc)
         return None
 

@@ -1,13 +1,11 @@
 """Per-row output text: EOS, max_new_tokens and stop strings spanning several tokens.
 
 A row's text is decoded when read: each step for a row with stop strings or a streaming reader,
-else once, when it finishes. Decoding all output tokens every step costs each row time in
-proportion to its length, which at many rows a step is more host time than the step's GPU work;
-so where the tokenizer decodes by concatenation (`decodes_by_concatenation`) only the tokens after
-the last whole character are decoded again, and the text is the same string a full decode gives.
-Other tokenizers decode everything each time. Stop strings cut the text exactly before their
-first occurrence; streamed text holds back any tail that could still grow into a stop string,
-and any incomplete UTF-8 character.
+else once, when it finishes. Where the tokenizer decodes by concatenation
+(`decodes_by_concatenation`) only the tokens after the last whole character are decoded again, and
+the text is the same string a full decode gives; other tokenizers decode everything each time.
+Stop strings cut the text exactly before their first occurrence; streamed text holds back any tail
+that could still grow into a stop string, and any incomplete UTF-8 character.
 """
 from __future__ import annotations
 

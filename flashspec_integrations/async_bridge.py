@@ -1,14 +1,12 @@
 """Iterate a blocking engine stream from a coroutine without blocking the event loop.
 
-Decoding is CPU/GPU-bound and holds no await points, so iterating it inside a coroutine would
-freeze every other task (an agent's tool calls, a server's other requests) for the whole
-generation. A stream gets a producer thread of its own that hands items to the loop through a
-queue (a long stream should not occupy one of the loop's few default executor workers; the thread
-mostly waits on the engine's request handle, while the engine's scheduler thread decodes). The
-producer runs in a copy of the caller's context variables, so run configs, instrumentation tags
-and template hints set by the caller are seen there, and it turns the engine's chunks into the
-framework's. (Non-streaming async calls need no thread: they await the request's handle,
-`calls.arun_calls`.)
+A stream gets a producer thread of its own that hands items to the loop through a queue (not one
+of the loop's few default executor workers, which a long stream would hold); the thread mostly
+waits on the engine's request handle while the engine's scheduler thread decodes. The producer
+runs in a copy of the caller's context variables, so run configs, instrumentation tags and
+template hints set by the caller are seen there, and it turns the engine's chunks into the
+framework's. Non-streaming async calls need no thread: they await the request's handle
+(`calls.arun_calls`). Why: docs/adapters.md, "Concurrent calls".
 """
 from __future__ import annotations
 

@@ -88,7 +88,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from flashspec_workloads.sharegpt import sharegpt_conversations
 
     opts = DistillOptions(**{f.name: getattr(args, f.name) for f in fields(DistillOptions)})
-    summary = run_distill(opts, conversations=lambda: sharegpt_conversations(split=None, domain=None, starts_only=False))
+    summary = run_distill(opts,
+                          conversations=lambda: sharegpt_conversations(split=None, domain=None, starts_only=False))
     print(json.dumps(summary, default=str))
     return 0
 

@@ -1,14 +1,12 @@
 """The framework run context of one model call -> the domain the router should file it under.
 
-Shared by the LangChain and LlamaIndex adapters, so it knows neither framework: each reads its own
-objects (bound tools, messages, run metadata, tags) into a plain `StepContext`, and
-`decide_domain` turns it into the `domain` or `hint` of the engine's `RequestOptions`. First match
-wins: an explicit domain (`explicit_domain`, run metadata key `flashspec_domain`, a
-`flashspec_domain:<label>` tag); `json` for a forced tool call or structured output; `tool/result`
-right after a tool result, `tool` with tools bound or a tool result in the history; `react`;
-`rag`; else no hint (the engine's classifier). The agent node is recorded in
-`DomainDecision.node`, and is a sub-key of the hint only with `domain_per_node=True`. Why these
-rules: docs/adapters.md, "Domains".
+Shared by both adapters, so it knows neither framework: each reads its own objects (bound tools,
+messages, run metadata, tags) into a plain `StepContext`, and `decide_domain` turns it into the
+`domain` or `hint` of the engine's `RequestOptions`. First match wins: an explicit domain
+(`explicit_domain`, run metadata key `flashspec_domain`, a `flashspec_domain:<label>` tag); `json`
+for a forced call or structured output; `tool/result` right after a tool result, `tool` with tools
+bound or a tool result in the history; `react`; `rag`; else no hint (the engine's classifier). The
+agent node (`DomainDecision.node`) is a sub-key only with `domain_per_node=True`. docs/adapters.md.
 """
 from __future__ import annotations
 

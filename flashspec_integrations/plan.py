@@ -56,8 +56,9 @@ class ChatRequest:
     tool dicts. response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema":
     {"schema": ...}} (None or {"type": "text"}: free text). stop: the caller's stop strings (the
     plan adds the reply's own). parallel_tool_calls: None allows several calls unless a call is
-    forced (LangChain's "any" is one call), True several even then, False one. render: a custom prompt format (messages and shown tools -> text
-    to tokenize with the tokenizer's special tokens); None is the target's chat template.
+    forced (LangChain's "any" is one call), True several even then, False one. render: a custom
+    prompt format (messages and shown tools -> text to tokenize with the tokenizer's special
+    tokens); None is the target's chat template.
     react_prefix: written before a ReAct step's reply (None: ReAct steps are not special)."""
 
     messages: Sequence[Mapping[str, Any]]

@@ -1,16 +1,12 @@
 """Chat messages (OpenAI form) -> the target's chat template, with tools, calls and tool results.
 
-Both adapters convert their framework's messages to OpenAI-form dicts (LangChain through
-langchain-core's `convert_to_openai_messages`) and render them here, so one conversation is one
-prompt whichever framework sent it.
-
-When the target's template renders tools itself (its source mentions `tools`), the dicts and the
-tool schemas go through `apply_chat_template(tools=...)` as they are. The default model's template
-has no tool support, so the fallback renders the Hermes/Qwen convention most small instruct models
-have seen: the tool schemas and the call format in the system message (`TOOLS_HEADER`, the wording
-Qwen's template uses), assistant calls as `<tool_call>{json}</tool_call>` blocks, and tool results
-as a user turn of `<tool_response>` blocks. `tool_calls.parse_tool_calls` reads the same format
-back, so what a model reads in its history is what it is asked to write.
+Both adapters convert their framework's messages to OpenAI-form dicts and render them here, so one
+conversation is one prompt whichever framework sent it. A template that renders tools itself (its
+source mentions `tools`) gets the dicts and tool schemas through `apply_chat_template(tools=...)`.
+Otherwise the Hermes/Qwen convention is rendered: the tool schemas and the call format in the
+system message (`TOOLS_HEADER`), assistant calls as `<tool_call>{json}</tool_call>` blocks, tool
+results as a user turn of `<tool_response>` blocks. `tool_calls.parse_tool_calls` reads the same
+format back, so what a model reads in its history is what it is asked to write.
 """
 from __future__ import annotations
 
@@ -25,7 +21,8 @@ TOOLS_HEADER = (
     "You may call one or more functions to assist with the user query.\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n"
     "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
 )
 JSON_HEADER = "Reply with one JSON object only, no other text{schema}."
 

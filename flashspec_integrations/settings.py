@@ -2,8 +2,9 @@
 
 `ChatFlashSpec`, LangChain's `FlashSpecLLM` and LlamaIndex's `FlashSpecLLM` all inherit these, so
 `target=`, `drafts=`, `max_tokens=` (or `max_new_tokens=`), `temperature=`, `domain=`, `timeout=` ...
-read the same in either framework, take the same call keywords (`check_call_kwargs`), serialise the same (everything but a ready `engine` object), and
-resolve their engine through the same process-wide cache (`engines.engine_for`).
+read the same in either framework, take the same call keywords (`check_call_kwargs`), serialise the
+same (everything but a ready `engine` object), and resolve their engine through the same
+process-wide cache (`engines.engine_for`).
 """
 from __future__ import annotations
 

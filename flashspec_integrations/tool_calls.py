@@ -1,19 +1,12 @@
 """Tool calls read back for both adapters and the server: one lenient parser, one streamer.
 
-Calls are written in the Hermes/Qwen format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-(`prompts.py` asks for it; `tool_choice.py` decides what a reply is decoded under). Both adapters
-read replies with `parse_tool_calls` (streams with `ToolCallStreamer`) and turn the
-framework-neutral `ParsedCall`s into their own objects (LangChain `tool_calls` and
-`invalid_tool_calls`, LlamaIndex `ToolCallBlock`s), so a reply means the same in either framework.
-
-A small model writes JSON imperfectly, so the parser is lenient where the intent is clear and
-honest where it is not. Lenient: code fences, trailing commas, single quotes and bare keys (through
-`dirtyjson`, the repairing parser llama-index-core ships), Python literals, missing closing
-brackets before `</tool_call>`, `parameters`/`args`/`input` for `arguments`, arguments given as a
-JSON string, OpenAI's `{"function": {...}}` nesting, a tool name in the wrong case. Honest: a call
-cut off by the token limit, a call without a name, a tool that is not bound, arguments that are not
-an object, and (given the tools' parameters) an argument the tool does not declare all come back as
-invalid calls with the reason, never as valid ones, in every adapter alike.
+Calls are written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (`prompts.py`;
+`tool_choice.py` decides what a reply is decoded under) and read with `parse_tool_calls` (streams:
+`ToolCallStreamer`) into framework-neutral `ParsedCall`s, so a reply means the same everywhere.
+Lenient where the intent is clear (fences, trailing commas, single quotes, bare keys via
+`dirtyjson`, Python literals, missing closing brackets, `parameters`/`args`/`input`, arguments as a
+JSON string, OpenAI's `function` nesting, a name's case); honest where it is not: a call cut off,
+nameless, of an unbound tool, or with non-object or undeclared arguments is invalid, with a reason.
 """
 from __future__ import annotations
 

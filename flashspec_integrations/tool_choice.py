@@ -1,14 +1,12 @@
 """What a reply with tools in play is decoded under, for both adapters and the server: the tool
 choice, the grammar, the stop strings, and a forced call's opening for engines without grammars.
 
-The grammar a reply is decoded under (`reply_constraint`, passed as `json_schema=` to engines
-whose `constrains` is true, as the real engine's is: `flashspec_core/constrained`): a call forced to one tool (its
-name, or "any"/"required"/True with one tool bound, LlamaIndex's `tool_required`) is decoded under
-the call's JSON schema and comes out as a bare call object; where the model chooses ("auto") or
-must call one of several tools ("required"), under a structural tag: free text until the model
-opens a call in its template's format, then a valid call of a bound tool. Either way every call
-that opens parses. Engines without `json_schema=` (test doubles, custom engines) get a forced
-call's opening written for them (`forced_prefix`) and their free output parsed.
+`reply_constraint` gives the grammar, passed as `json_schema=` to engines whose `constrains` is
+true (the real engine's is): a call forced to one tool (its name, or "any"/"required"/True with one
+tool bound, LlamaIndex's `tool_required`) is decoded under the call's JSON schema, a bare call
+object; "auto", or "required" among several tools, under a structural tag (free text until a call
+opens, then a valid call of a bound tool). Every call that opens parses. Engines without
+`json_schema=` get a forced call's opening written for them (`forced_prefix`), output parsed.
 """
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
 """Agent-like workloads from real traffic: independent requests, or agent loops sharing a prefix.
 
-Unlike the short, hand-written dev stream (`flashspec_workloads.dev`), these streams' text is real
-and their shapes are those of agent pipelines:
-
-- chat and code: first prompts (independent) or whole multi-turn conversations (loop) from
-  ShareGPT's dev split, real questions and real follow-ups with their real earlier answers;
-- rag: a retrieved context of 1k+ tokens of real user-pasted text (`passages`), rendered as
-  LangChain, LlamaIndex or a numbered-documents prompt (`rag`), with extractive questions; a loop
-  asks several questions over the same context, each earlier answer quoted in the history;
-- tool: hand-written OpenAI function schemas and episodes (`tools`); a loop is one episode, step
-  k holding the first k calls and their results; knowledge-base episodes carry a real document
-  in their results, so the prefix shared across steps holds system prompt, tools and document.
-
-`kind="independent"`: every step is its own request, domains in shuffled rounds. `kind="loop"`:
-episodes of 2–4 steps (a tool episode: its calls plus one), each step's prompt extending the
-one before it. Every source is split by `passages.holdout_of` (tool episodes by their `split`),
-so `split="tune"` and `split="heldout"` never share a conversation, passage or episode. The same
-arguments always give the same stream.
+Domains: chat and code (ShareGPT dev first prompts, or whole conversations with their real earlier
+answers), rag (a retrieved context of 1k+ tokens of real pasted text, `passages`, rendered as
+LangChain, LlamaIndex or numbered documents, `rag`, with extractive questions) and tool
+(hand-written function schemas and episodes, `tools`). `kind="independent"`: every step its own
+request, domains in shuffled rounds; `kind="loop"`: episodes of 2–4 steps, each prompt extending
+the one before. `split="tune"` and `split="heldout"` never share a conversation, passage or episode
+(`passages.holdout_of`). The same arguments always give the same stream. See docs/workloads.md.
 """
 from __future__ import annotations
 

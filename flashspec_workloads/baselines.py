@@ -2,10 +2,9 @@
 
 - `hf_generate`: transformers' `generate` (greedy) on a stock copy of the model.
 - `LlamaCppGreedy`: llama-cpp-python's own `Llama.generate` on the same GGUF file, greedy, flash
-  attention on (as the engine's llama.cpp runner, so the two compute the same logits), the prompt
-  prefix shared with the previous call reused as `Llama.generate` does. What CPU users run.
-- `LlamaCppGreedy(prompt_lookup=k)`: the same with llama-cpp-python's own speculative mode,
-  `LlamaPromptLookupDecoding`.
+  attention on (as the engine's llama.cpp runner), reusing the prompt prefix shared with the
+  previous call as `Llama.generate` does. What CPU users run.
+- `LlamaCppGreedy(prompt_lookup=k)`: the same with llama-cpp-python's `LlamaPromptLookupDecoding`.
 
 Every runner maps (prompt token ids, max new tokens) to the new token ids, stopping after EOS.
 """

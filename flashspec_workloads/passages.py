@@ -1,18 +1,11 @@
 """Real long text for retrieval steps, and questions whose answers copy from it.
 
-Retrieval-augmented steps are where copy drafts win, and only if the context is long and the
-answer really is in it. The text must be real (a context written for the benchmark is shorter,
-cleaner and more repetitive than what users paste), and it must not shift between installs, so
-it comes from ShareGPT's dev split, not from documentation inside installed packages (whose
-text changes with every package version). ShareGPT users paste articles, transcripts, policy
-pages, study notes and blog posts into the first turn: every user turn of 1,500+ characters of
-English prose (no code) in the dev split is one passage. About 145 of them exist; they are
-split again into 'tune' and 'heldout' halves (`holdout_of`), so what a router or classifier was
-tuned on never scores it.
-
-A question picks one sentence of one passage and asks for it in two ways that keep the answer a
-copy: by a distinctive key in it (a name or a number that occurs once in the whole context) or
-by its opening words. Standard library only.
+Every user turn of 1,500+ characters of English prose (no code) in ShareGPT's dev split is one
+passage; passages are split again into 'tune' and 'heldout' halves (`holdout_of`), so what a router
+or classifier was tuned on never scores it. A question picks one sentence of one passage and asks
+for it in a way that keeps the answer a copy: by a distinctive key in it (a name or a number that
+occurs once in the whole context) or by its opening words. Standard library only. Why this text:
+docs/workloads.md.
 """
 from __future__ import annotations
 

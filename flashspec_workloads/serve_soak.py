@@ -1,25 +1,12 @@
 """A seeded soak of an OpenAI-compatible server over HTTP (`flashspec-agents serve`).
 
-The HTTP counterpart of `soak.py` (which soaks an engine in process), with the same settings,
-stop strings and schema: callers on one event loop send one request after another, each of a
-kind drawn in order from the seed, until the time is up or a number of requests has been sent:
-
-- `plain`, `stream`: an answer, plain or streamed (greedy or sampled, stop strings, a domain);
-- `schema`, `tools`: a `response_format` JSON schema, or tools under `tool_choice` auto/required;
-- `abandon`: a stream its client leaves after a few chunks (the connection is closed);
-- `disconnect`: a plain request whose client gives up after a random 0.05-3 s (its own deadline);
-- `bad`: malformed input the server must refuse with a 4xx (not JSON, wrong types, out-of-range
-  values, an unknown model, field or role, a broken schema);
-- `oversized`: a body past the server's size limit, a prompt past the context window, too many
-  messages or stop strings (413 or 400).
-
-Every request has a client-side limit (`hang_s`); one that reaches it counts as hung. A request
-ends `clean` when it is answered (200; a stream ends with `[DONE]` and no server error event),
-refused with a 4xx, 429, 503 or 504 whose body has OpenAI's error shape, or left by its own client
-(`abandon`, `disconnect`). Anything else (a 500, a 502 from the proxy, a cut connection, an
-unshaped body, a bad request answered 200) is not, and is reported with its time, so that the
-failures a killed replica causes (`kill_at_s`: the replica that answered most is SIGKILLed; the
-window lasts until a replica that was not there before answers) are told from the rest.
+The HTTP counterpart of `soak.py`: callers on one event loop send one request after another, each
+of a kind drawn from the seed (`plain`, `stream`, `schema`, `tools`, `abandon`, `disconnect`, `bad`,
+`oversized`), until the time or the request count is up; one unanswered after `hang_s` is hung. A
+request is `clean` when answered (a stream ending in `[DONE]` with no error event), refused with a
+4xx, 429, 503 or 504 in OpenAI's error shape, or left by its own client; anything else is reported
+with its time, so the failures a killed replica causes (`kill_at_s`) are told from the rest. The
+kinds and what counts: docs/workloads.md, "Soaks".
 """
 from __future__ import annotations
 
@@ -54,8 +41,10 @@ def _malformed(model: str, messages: list[dict]) -> list[bytes | dict]:
             {**ok, "temperature": -1}, {**ok, "top_p": 0}, {**ok, "max_tokens": 0}, {**ok, "n": 3},
             {**ok, "model": "no-such-model"}, {**ok, "surprise": True}, {**ok, "domain": "../../etc"},
             {**ok, "messages": [{"role": "wizard", "content": "hi"}]}, {**ok, "stop": ""},
-            {**ok, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
-            {**ok, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "("}}}],
+            {**ok, "response_format": {"type": "json_schema",
+                                       "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            {**ok, "tools": [{"type": "function",
+                              "function": {"name": "f", "parameters": {"type": "string", "pattern": "("}}}],
              "tool_choice": "required"}]
 
 
@@ -301,6 +290,7 @@ async def soak_server(url: str, headers: dict[str, str], prompts: Sequence[list[
             await asyncio.sleep(2.0)
         report.answered_after = after.label == "200"
     if report.kill:
-        report.kill["answered_after_kill"] = sum(1 for e in report.ended if e.label == "200" and e.start > report.kill["at_s"])
+        report.kill["answered_after_kill"] = sum(1 for e in report.ended
+                                                 if e.label == "200" and e.start > report.kill["at_s"])
     return report
 

@@ -1,18 +1,12 @@
 """A seeded soak of an engine: many callers, random settings, cancels, deadlines and bad input.
 
-Each caller thread sends one request after another until the time is up, each of a kind drawn
-from the seed: plain or streamed, greedy or sampled, with stop strings and a domain or not, a
-JSON schema, a stream its caller abandons after a few chunks, a request cancelled while it may
-still be queued, a deadline too short to finish, and input the engine must refuse (no tokens to
-generate, a negative temperature, a budget past the context). Every request must end: with a
-result, or with the error its kind expects. What the report counts:
-
-- `outcomes`: requests by how they ended (`ok`, `cancelled`, `deadline`, `busy`, `bad_input`, or
-  an unexpected exception's type name);
-- `hung`: requests still unanswered `hang_s` after the time was up (must be 0);
-- `running`, `queued`: rows in the batch and requests in the queue once every caller is done
-  (both must be 0: a slot or a queue place that outlives its request is a leak);
-- resident memory at start and end.
+Each caller thread sends one request after another until the time is up, each of a kind drawn from
+the seed (plain or streamed, greedy or sampled, stop strings, a domain, a JSON schema, an abandoned
+stream, a cancel while queued, a deadline too short, input the engine must refuse). Every request
+must end, with a result or the error its kind expects. The report counts `outcomes` by how requests
+ended, `hung` ones (unanswered `hang_s` after the time was up: must be 0), `running` rows and
+`queued` requests once every caller is done (both must be 0: anything else is a leak), and resident
+memory at start and end. The kinds in full: docs/workloads.md, "Soaks".
 """
 from __future__ import annotations
 
@@ -178,7 +172,7 @@ def soak(engine: SoakEngine, prompts: Sequence[Any], seconds: float, callers: in
                 outcome = _one(engine, rng.choice(prompts), kind, settings, rng, hang_s)
             except TimeoutError:
                 outcome = "hung"
-            except Exception as exc:  # noqa: BLE001 - counted: the report says what failed
+            except Exception as exc:  # counted: the report says what failed
                 outcome = type(exc).__name__
             with lock:
                 report.requests += 1

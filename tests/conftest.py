@@ -15,9 +15,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # `import helpers` from any test folder
 
-from helpers import one_thread, tiny_llama, tiny_loaded  # noqa: E402
+from helpers import one_thread, tiny_llama, tiny_loaded
 
-from flashspec_core.models import CACHE_ENV  # noqa: E402
+from flashspec_core.models import CACHE_ENV
 
 
 def pytest_configure(config: pytest.Config) -> None:

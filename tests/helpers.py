@@ -287,7 +287,7 @@ def check_exact(run, label: str = "") -> None:
     if min(first) >= ALPHA:
         return
     second = run(1)
-    shown = lambda ps: ", ".join(f"{p:.2e}" for p in ps)  # noqa: E731
+    shown = lambda ps: ", ".join(f"{p:.2e}" for p in ps)
     assert min(second) >= ALPHA, (
         f"{label}: G-tests reject on two independent samples: p = {shown(first)} then {shown(second)}"
     )

@@ -26,4 +26,4 @@ def run_blocks(blocks: list[str], name: str, url: str | None = None) -> None:
     for i, block in enumerate(blocks):
         if url is not None:
             block = block.replace(SERVER_URL, url)
-        exec(compile(block, f"{name} python block {i + 1}", "exec"), namespace)  # noqa: S102
+        exec(compile(block, f"{name} python block {i + 1}", "exec"), namespace)

@@ -17,7 +17,8 @@ def test_ci_runs_the_readmes_test_command_verbatim():
     demo, tests = _setup_commands()[:2]
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python3 -m venv")]
     assert ci == [tests]
-    assert demo.endswith("flashspec-agents demo") and tests.endswith("ruff check . && mypy && python -m pytest -q"), "static checks first: seen in seconds"
+    assert demo.endswith("flashspec-agents demo")
+    assert tests.endswith("ruff check . && mypy && python -m pytest -q"), "static checks first: seen in seconds"
 
 
 def test_both_commands_take_torchs_cpu_build_from_its_own_index():

@@ -27,7 +27,8 @@ def ragged_walk(model, runner, rows: int, seed: int, steps: int = 12) -> None:
     ragged.hidden = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
         for step in range(steps):
-            seqs = [s[:max(1, len(s) - rng.randint(0, 3))] + [rng.randrange(vocab) for _ in range(rng.choice([0, 1, 4, 30]))]
+            seqs = [s[:max(1, len(s) - rng.randint(0, 3))]
+                    + [rng.randrange(vocab) for _ in range(rng.choice([0, 1, 4, 30]))]
                     for s in seqs]
             needs = [min(len(s), rng.choice([0, 1, 1, 3, 6])) for s in seqs]
             needs[step % rows] = max(needs[step % rows], 1)  # at least one row feeds

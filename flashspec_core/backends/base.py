@@ -3,12 +3,10 @@
 A runner holds the KV cache of a batch of rows and keeps it in step with each row's token
 sequence: the caller says which tokens each row should hold (`forward_to`), and the runner works
 out what its cache already holds (the longest common prefix), rolls back what a rejected draft
-left and feeds the rest. That is how a rejected draft is undone and how a new request reuses the
-previous one's prefix.
-
-The members with bodies are defaults for abilities only some runners have (graph replays,
-measured kernels); a runner subclasses `TargetRunner` and overrides what it does, so the decode
-loop calls every member without asking first.
+left and feeds the rest, so a rejected draft is undone and a new request reuses the previous
+one's prefix. The members with bodies are defaults for abilities only some runners have (graph
+replays, measured kernels): a runner subclasses `TargetRunner` and overrides what it does, so the
+decode loop calls every member without asking first.
 """
 from __future__ import annotations
 
@@ -113,7 +111,8 @@ class TargetRunner(Protocol):
 
     def score_step(self, sequences: Sequence[Sequence[int]], needs: Sequence[int],
                    drafts: Sequence[Sequence[int] | None], active: Sequence[bool],
-                   while_waiting: WhileWaiting | None = None) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
+                   while_waiting: WhileWaiting | None = None
+                   ) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
         """One forward (a graph replay) for rows of different draft lengths and settings: each
         active row b comes to hold sequences[b]. Where drafts[b] is None the row gets the logits
         after its last needs[b] tokens ([needs[b], V], logits[b]); where drafts[b] is its draft

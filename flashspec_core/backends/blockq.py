@@ -1,21 +1,12 @@
-"""Linear layers read from a GGUF file's blocks (4- to 8-bit, or F16/BF16/F32 values), computed in fp32:
-the target's own weights.
+"""Linear layers read from a GGUF file's blocks (4- to 8-bit, or F16/BF16/F32 values), computed in fp32.
 
-Why: on a CPU a decode step is bound by the bytes of weights it reads. The default model ships as
-a GGUF file whose layers are Q4_1 blocks (and its tied embedding Q8_0), and llama.cpp's Q4_K_M
-of it mixes Q5_0, Q8_0, Q4_K and Q6_K; transformers de-quantises them into an fp32 copy 4-5x
-larger, which every step then streams from memory (about half of a step of the default model).
-The fp32 weights are exactly the blocks' values (d*q + m or d*(q - offset) in fp32; a K-quant's
-scales multiplied out exactly), so a kernel that multiplies by those values straight from the blocks computes
-the same fp32 function of the same weights; only the order of its sums differs, as it does
-between MKL's one-row and many-row kernels. F16 and BF16 tensors (an F16 file, or those a
-quantized file keeps) widen to fp32 exactly, so the kernel reads them as they are, 2 bytes a weight. `gguf_weights.attach` checks, per layer, that the
-blocks de-quantise to the model's weights bit for bit before any layer may use them.
-
-The kernel (`blockq.c`) is compiled on first use on the machine that runs it (`-march=native`,
-so the AVX-512 or AVX2 path this CPU has) into the cache folder, keyed by the source and the CPU;
-without a C compiler the kernel is simply not offered and the calibration times the others. It
-joins torch's OpenMP runtime (the same libgomp), with torch's thread count.
+The blocks de-quantise exactly to the model's fp32 weights (d*q + m or d*(q - offset); a K-quant's
+scales multiplied out exactly; F16 and BF16 widen exactly), so multiplying by them straight from
+the blocks computes the same fp32 function of the same weights, only the order of its sums differs.
+`gguf_weights.attach` checks, per layer, that the blocks de-quantise to the model's weights bit for
+bit before any layer may use them. The kernel (`blockq.c`) is compiled on first use for this CPU
+(`-march=native`) into the cache folder, keyed by the source and the CPU, and joins torch's OpenMP
+runtime and thread count; without a C compiler it is not offered. Why: docs/backends.md.
 """
 from __future__ import annotations
 
@@ -245,7 +236,8 @@ def library() -> ctypes.CDLL | None:
         return load(path)
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
-        warnings.warn(f"the GGUF block kernel could not be built ({detail}); the fp32 kernels run instead", stacklevel=2)
+        warnings.warn(f"the GGUF block kernel could not be built ({detail}); the fp32 kernels run instead",
+                      stacklevel=2)
         return None
 
 

@@ -1,15 +1,12 @@
 """A CPU linear layer whose cost barely grows with the number of rows, so verifying γ+1 tokens pays.
 
-fp32 `F.linear` on a few rows streams the weight once per row; the same weight reordered once into
-oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, as torch.compile's CPU backend
-packs frozen linears) is read once per call and split over the cores. Same dot products, another
-kernel: results move by float rounding only. Whether it pays depends on the CPU, so the swap only
-installs the choice; the kernel a forward of a given width runs is measured per machine
-(`backends/calibration.py`) and read by every swapped layer from one shared `KernelChoice`.
-
-The packed copy is one more copy of each swapped weight, rebuilt when the weight is replaced or
-modified in place; autograd, or a module cast or moved off the CPU, takes `F.linear`. Only plain
-fp32 CPU `nn.Linear`s are swapped, where this torch build has oneDNN. Figures: BENCHMARKS.md.
+fp32 `F.linear` on a few rows streams the weight once per row; reordered once into oneDNN's blocked
+layout (`torch.ops.mkldnn._reorder_linear_weight`) it is read once per call and split over the
+cores: the same dot products, results moved by float rounding only. The swap only installs the
+choice; the kernel a forward of a given width runs is measured per machine (`calibration.py`) and
+read by every swapped layer from one shared `KernelChoice`. The packed copy is rebuilt when the
+weight is replaced or modified in place; autograd, or a module cast or moved off the CPU, takes
+`F.linear`. Only plain fp32 CPU `nn.Linear`s are swapped, where this torch build has oneDNN.
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """A Llama-family target on the CPU over a static KV cache, attending only over the live slots.
 
-Why: transformers' `DynamicCache` appends each step's keys and values with `torch.cat`, so every
-decode step copies the whole cache of every layer, a large part of a step after a long prompt.
-Here the cache is `StaticLlama`'s preallocated [B, H_kv, S, D] per layer: a step writes its keys
-and values in place, and attention reads each row's live slice [:, :, :L] (L = 1 + the largest
-position fed) as a view. Rolling back is moving a row's length; the cache doubles when a request
-needs more.
-
-Every forward is one ragged pass (`ragged.py`): the active rows' new tokens (a draft, a single
-token, a prompt piece) side by side with no padding, so a step of many rows reads the weights once
-and costs the tokens it computes. The bookkeeping (rows, prefix reuse across requests, rollback,
-growth) is `StaticRows`, shared with the CUDA-graph runner; the layers are the model's own
-submodules, its nn.Linear layers swapped for `PackedLinear` as in `hf.CachedModel`, and the
-calibration picks the kernel by the tokens a forward feeds. Models `StaticLlama` does not support
-keep `hf.CachedModel`.
+The cache is `StaticLlama`'s preallocated [B, H_kv, S, D] per layer: a step writes its keys and
+values in place, attention reads each row's live slice as a view, rolling back is moving a row's
+length, and the cache doubles when a request needs more. Every forward is one ragged pass
+(`ragged.py`) of the active rows' new tokens, with no padding. The row bookkeeping (prefix reuse,
+rollback, growth) is `StaticRows`, shared with the CUDA-graph runner; the layers are the model's
+own, its nn.Linear layers swapped for `PackedLinear` as in `hf.CachedModel`, each width's kernel
+the calibration's. Models `StaticLlama` does not support keep `hf.CachedModel`. Why: docs/backends.md.
 """
 from __future__ import annotations
 

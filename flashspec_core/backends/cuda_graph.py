@@ -1,13 +1,12 @@
 """A target on CUDA: static KV cache, one CUDA graph per (batch, width), greedy verify in the graph.
 
-The forward runs over `StaticLlama`'s fixed buffers, replayed from a graph (an eager forward of a
-small model is its kernel launches). A step copies ids and positions into the graph's inputs,
-replays, and in greedy mode the same graph takes the argmax at every position and counts the
-accepted prefix, so the host reads back [n_accepted, tokens...] per row. A chunk no decode graph
-holds (a prompt, a catch-up) replays the graph of PREFILL_WIDTH piece by piece; rows' host
-records (prefix reuse, rollback by length, growth) are `StaticRows'`. The last SCRATCH slots of
-each row are where graphs are warmed and captured, so no row holds a token there. On the CPU the
-same class runs eagerly (the tests). Why and how: docs/backends.md.
+The forward runs over `StaticLlama`'s fixed buffers, replayed from a graph. A step copies ids and
+positions into the graph's inputs, replays, and in greedy mode the same graph takes the argmax at
+every position and counts the accepted prefix, so the host reads back [n_accepted, tokens...] per
+row. A chunk no decode graph holds (a prompt, a catch-up) replays the graph of PREFILL_WIDTH piece
+by piece; rows' host records (prefix reuse, rollback by length, growth) are `StaticRows'`. The
+last SCRATCH slots of each row are where graphs are warmed and captured, so no row holds a token
+there. On the CPU the same class runs eagerly (the tests). Why and how: docs/backends.md.
 """
 from __future__ import annotations
 
@@ -222,7 +221,8 @@ class GraphedModel(StaticRows, TargetRunner):
             return False
         return all((len(c) - 1) % self.prefill_width + 1 >= keep_logits for c, a in zip(chunks, active) if a)
 
-    def _prefill_in_pieces(self, chunks: Sequence[Sequence[int]], active: Sequence[bool], keep_logits: int) -> torch.Tensor:
+    def _prefill_in_pieces(self, chunks: Sequence[Sequence[int]], active: Sequence[bool],
+                           keep_logits: int) -> torch.Tensor:
         """Feed the chunks prefill_width tokens at a time, each piece one replay (padded where a
         row's piece is short or empty); return [B, keep_logits, V], each active row's logits taken
         from the replay of its own last piece (inactive rows: zeros)."""
@@ -264,7 +264,8 @@ class GraphedModel(StaticRows, TargetRunner):
     @torch.inference_mode()
     def score_step(self, sequences: Sequence[Sequence[int]], needs: Sequence[int],
                    drafts: Sequence[Sequence[int] | None], active: Sequence[bool],
-                   while_waiting: WhileWaiting | None = None) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
+                   while_waiting: WhileWaiting | None = None
+                   ) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
         """One greedy graph replay for rows of different draft lengths and settings (see the
         `TargetRunner` contract); None when no warmed width holds the longest row's feed (the
         rows were then only rolled back to what their caches hold).
@@ -284,7 +285,8 @@ class GraphedModel(StaticRows, TargetRunner):
             if graph_width is None:
                 return None
             in_graph = [a and d is not None and len(c) == len(d) + 1 for a, d, c in zip(active, drafts, chunks)]
-            graph = self._replay(chunks, graph_width, [d if d is not None and ok else [] for d, ok in zip(drafts, in_graph)])
+            graph = self._replay(chunks, graph_width,
+                                 [d if d is not None and ok else [] for d, ok in zip(drafts, in_graph)])
             logits: list[torch.Tensor | None] = [  # [need, V] each, copied before the next replay
                 graph.logits[b, len(c) - needs[b]:len(c)].clone() if active[b] and not in_graph[b] else None
                 for b, c in enumerate(chunks)]

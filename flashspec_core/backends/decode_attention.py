@@ -1,14 +1,12 @@
 """Attention of a few new tokens per row over a static KV cache, split along the keys (Triton).
 
-A graphed step attends over every slot of a fixed-size cache. Here the slots are cut into splits
-of one size, one program per (split, row, head, block of queries), and a program reads only the
-slots its queries can see (a query at position p sees slots 0..p of its row), so the work follows
-each row's length inside one fixed graph. A second kernel merges the splits' partial softmax sums
+The slots are cut into splits of one size, one program per (split, row, head, block of queries)
+reading only the slots its queries can see (0..p of its row for a query at p), so the work follows
+each row's length inside one fixed graph; a second kernel merges the splits' partial softmax sums
 (flash decoding) in the layout the output projection reads. A query's result is the same bits
-whatever else the step feeds: one compiled kernel for every shape, splits of one size, unseen
-slots add exact zeros. Rows are read through an index (`rows`): no gather, no mask. Scores and
-sums in fp32; probabilities rounded to the cache's dtype before the product with V. Runs on
-CUDA, or on the CPU under TRITON_INTERPRET=1 (the tests). Why: docs/backends.md.
+whatever else the step feeds (one kernel for every shape, unseen slots add exact zeros). Rows are
+read through an index (`rows`): no gather, no mask. Scores and sums in fp32, probabilities rounded
+to the cache's dtype before the product with V. CUDA, or the CPU under TRITON_INTERPRET=1 (tests).
 """
 from __future__ import annotations
 
@@ -96,7 +94,8 @@ def _split_kernel(q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor,  # q [B,
                   stride_kr: tl.tensor, stride_kh: tl.tensor, stride_ks: tl.tensor, stride_r: tl.tensor,
                   stride_pb: tl.tensor, stride_pw: tl.tensor, scale: tl.tensor,
                   NKV: tl.tensor, GW: tl.tensor, W: tl.tensor, D: tl.tensor, S: tl.tensor, SIZE: tl.tensor,
-                  NS: tl.tensor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr, IEEE: tl.constexpr) -> None:
+                  NS: tl.tensor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
+                  IEEE: tl.constexpr) -> None:
     """One split of one (row, kv head) for one block of packed query rows: the unnormalised
     output, running max and sum over the split's visible slots (max -inf, sum 0 when none are)."""
     split = tl.program_id(0).to(tl.int64)

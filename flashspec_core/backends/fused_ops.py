@@ -1,23 +1,12 @@
 """Triton kernels that merge the small element-wise steps of a Llama layer, for CUDA-graph replay.
 
-Why: replayed from a graph, a small model's forward costs about one fixed slot per kernel,
-whatever the kernel does, and the element-wise glue between the matrix products (residual adds,
-norms, the rotation, the cache writes, the gate) was most of a layer's kernels. Here each group
-of glue is one kernel:
-
-* `add_rms_norm`: the residual add and the next RMSNorm (`rms_norm` for the first layer);
-* `rope_and_cache`: the rotation of q and k (after Qwen3's per-head norms, when given), the K/V
-  cache writes and the query layout the grouped attention call takes;
-* `silu_mul`: SiLU of the gate times the up projection.
-
-Numerics are transformers' op for op, so a fused forward rounds as the HF forward does: every
-intermediate that torch would store in the model's dtype is rounded to that dtype here too
-(LlamaRMSNorm: fp32 statistics, normalised value cast to the input dtype, then times the weight;
-the rotation: q*cos and rotate_half(q)*sin each rounded, then their sum). What still differs is
-summation order in the norm's mean and the libm behind rsqrt / exp (a few ulps of fp32).
-
-The kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before Triton is imported;
-the tests do that). `usable(device)` says which. Inputs must have a contiguous last dimension.
+`add_rms_norm` (the residual add and the next RMSNorm; `rms_norm` for the first layer),
+`rope_and_cache` (the rotation of q and k, after Qwen3's per-head norms when given, the K/V cache
+writes and the query layout the grouped attention call takes) and `silu_mul` (SiLU(gate) * up).
+Every intermediate torch would store in the model's dtype is rounded to it here too, so a fused
+forward rounds as the HF forward does, but for the summation order of the norm's mean and the libm
+behind rsqrt and exp. They run on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before Triton
+is imported); `usable(device)` says which. Inputs need a contiguous last dimension. Why: docs/backends.md.
 """
 from __future__ import annotations
 

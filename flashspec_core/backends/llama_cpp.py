@@ -1,15 +1,11 @@
 """A target whose forward runs in llama.cpp (through `llama-cpp-python`) on the GGUF file as is.
 
-Why: on a CPU, decoding is bound by the bytes of weights read per token, and llama.cpp reads a
-quantised GGUF file at its own width where transformers reads a de-quantised copy; it is also what
-CPU users run already (Ollama, LM Studio). Figures: BENCHMARKS.md.
-
 The runner keeps the `TargetRunner` contract (base.py). Rows are llama.cpp sequence ids; one
 `llama_decode` call evaluates every row's new tokens (the draft path included) with logits at each
 position asked for, and rollback is `llama_memory_seq_rm` by sequence position, as llama.cpp's own
 speculative example does. Tokens go in by id, so the engine's tokenizer and chat template apply
 unchanged. The target law is llama.cpp's: greedy output equals llama.cpp's own greedy decoding of
-the same file (tested), which can differ from transformers' at near-ties.
+the same file (tested), which can differ from transformers' at near-ties. Why: docs/backends.md.
 """
 from __future__ import annotations
 
@@ -348,7 +344,7 @@ def _quiet_logs(lc: ModuleType) -> None:
         return
 
     @lc.llama_log_callback
-    def _drop(level: int, text: bytes, user_data: int | None) -> None:  # noqa: ARG001 - the C signature
+    def _drop(level: int, text: bytes, user_data: int | None) -> None:  # the C signature
         return None
 
     _logs["callback"] = _drop  # keep a reference: C holds only the pointer

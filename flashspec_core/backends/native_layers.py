@@ -1,18 +1,12 @@
 """A `StaticLlama`'s layer stack in one native call, where every layer runs from GGUF blocks.
 
-Why: with its products read from blocks (`blockq.py`), a one-token forward of the default model
-spends more time in the ~30 small torch ops per layer around the products, and the Python
-calling them, than in the products themselves. `decode_layers.c` runs the whole stack (norms, q|k|v,
-rotation and cache writes, attention over the live slots, o, gate|up, SiLU, down, residual adds)
-in one OpenMP region over the same blocks and the same cache tensors, in fp32, step for step as
-transformers computes it (its docstring says where the rounding may differ). The embedding, the
-rotary cos and sin (transformers' own, whatever the rope scaling) and the LM head stay in torch.
-
-Which widths it runs is the calibration's measurement (`StaticCachedModel` offers it as the kernels
-NATIVE and NATIVE_4ROW, its products in tiles of 1 and of 4 rows), like any other kernel. It takes
-Llama-family models (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its per-head q/k
-norms) whose seven projections per layer are all blocks, with no bias on o or the MLP, and whose
-MLP is SiLU-gated; the others keep the torch forward.
+`decode_layers.c` runs every layer (norms, q|k|v, rotation and cache writes, attention over the
+live slots, o, gate|up, SiLU, down, residual adds) in one OpenMP region over the blocks of
+`blockq.py` and the same cache tensors, in fp32, step for step as transformers computes it; the
+embedding, transformers' rotary cos and sin and the LM head stay in torch. Which widths it runs is
+the calibration's (kernels NATIVE and NATIVE_4ROW: products in tiles of 1 and of 4 rows). It takes
+Llama-family models (Qwen2's q/k/v biases and Qwen3's q/k norms included, no other bias) whose
+seven projections per layer are all blocks, with a SiLU-gated MLP; others keep the torch forward.
 """
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """One forward of ragged rows over a `StaticLlama`'s cache: the CPU runner's forward.
 
-A CPU forward costs the tokens it computes, and its matrix products cost reading the weights once
-per call whatever the number of tokens. So a step of many rows (one row's draft, another's single
-token, a new request's prompt piece) is fed as one sequence of T tokens in B segments, each
-segment a row's new tokens, with no padding: every product reads the weights once for all of
-them, and attention runs per run of alike segments over each row's live slots only.
-
-With a `NativeLayers` (every projection from GGUF blocks) the whole layer stack is one native call
-(`decode_layers.c` takes the same segments); otherwise the model's own submodules run in torch, as
-`StaticLlama` calls them, with the attention masks built here.
+A step's rows (one row's draft, another's single token, a new request's prompt piece) are fed as
+one sequence of T tokens in B segments, each segment a row's new tokens, with no padding: every
+matrix product reads the weights once for all of them (a CPU forward costs the tokens it
+computes), and attention runs per run of alike segments over each row's live slots only. With a
+`NativeLayers` (every projection from GGUF blocks) the whole layer stack is one native call
+(`decode_layers.c` takes the same segments); otherwise the model's own submodules run in torch,
+as `StaticLlama` calls them, with the attention masks built here.
 """
 from __future__ import annotations
 

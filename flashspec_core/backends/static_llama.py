@@ -1,30 +1,12 @@
 """The forward of a Llama-family HF model over a static KV cache, in a shape CUDA graphs can replay.
 
-Why not transformers' own forward: a graph replays fixed kernels on fixed buffers, so nothing in
-the forward may sync with the host, allocate by data or change shape; transformers' mask builders
-and cache classes differ between releases (5.17 on the GPU host, 5.24 here) in exactly those
-respects. This forward calls the model's own submodules (norms, projections, MLP, rotary
-embedding and its `apply_rotary_pos_emb`), so each number is computed as transformers computes
-it, and owns only the parts that must be static: the cache tensors and the attention mask.
-
-Layout: one K and one V tensor per layer, [B, H_kv, S, D], where row b holds its sequence at
-positions 0..len_b - 1 (no holes: a row's tokens are written at their own positions). A query at
-position p attends to slots 0..p of its row; slots past a row's length hold stale values that
-no query of that row can see, so rolling back is moving the row's length (the runner's job), and
-growing the cache (`resize`) copies it into larger tensors.
-
-`fuse=True` (the CUDA-graph runner's setting) trades transformers' op-for-op arithmetic for fewer
-kernels, since a replayed graph costs about one microsecond-scale slot per kernel whatever its
-size: q, k and v come from one matrix product over concatenated weights (and gate and up from
-another), the rotation runs once over q and k together, the norms are `F.rms_norm`, and grouped
-query heads are packed as extra query rows of their key/value head so one fused attention kernel
-takes them (steps up to SPLIT_WIDTH tokens wide: `decode_attention`'s kernels, which read only the
-slots each row's queries see). Same function, other rounding (tests/core/backends compares both with transformers).
-Where Triton runs (CUDA, or the CPU under TRITON_INTERPRET=1) the glue between the matrix
-products is `fused_ops`' kernels: each residual add happens inside the next norm's kernel (the
-layer loop carries x and the next block's normed input), the rotation, the cache writes and the
-query packing are one kernel, and so is SiLU(gate) * up; a layer is then ~10 kernels, not ~25.
-Those kernels round as transformers does; elsewhere (no Triton) the same path runs torch ops.
+It calls the model's own submodules (norms, projections, MLP, rotary embedding), so each number is
+computed as transformers computes it, and owns only what must be static: the cache tensors and
+the attention mask. One K and one V tensor per layer, [B, H_kv, S, D]; row b holds its sequence at
+positions 0..len_b - 1 and a query at p attends to slots 0..p of its row, so rolling back is moving
+the row's length (the runner's job) and growing (`resize`) copies into larger tensors. `fuse=True`
+(the CUDA-graph runner's) is the same function in fewer kernels (`decode_attention` up to
+SPLIT_WIDTH tokens, `fused_ops` where Triton runs), other rounding. Why: docs/backends.md.
 """
 from __future__ import annotations
 

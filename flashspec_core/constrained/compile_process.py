@@ -1,13 +1,12 @@
 """Grammar compiles that can be stopped: each runs in a worker process, killed once past its limit.
 
-xgrammar cannot interrupt a compile and Python cannot stop a thread, so a compile given a time
-limit (`compile_json_schema(..., timeout_s=)`) runs in one of a few worker processes
-(compile_worker.py). Its caller waits at most the limit, a wait for a free worker included; a
-compile still running then is killed with its process, and a fresh worker takes its place. A
-finished compile sends its grammar back serialized (xgrammar's JSON form), so the grammar that
-passed the limit is the one decoded under, never compiled again. Workers are fresh interpreters
-(`python -m`), not forks (spawn and fork server would rerun a Ray replica's main module); each
-takes compiles only once it says it is ready, and keeps its own xgrammar cache.
+A compile given a time limit (`compile_json_schema(..., timeout_s=)`) runs in one of a few worker
+processes (compile_worker.py). Its caller waits at most the limit, a wait for a free worker
+included; a compile still running then is killed with its process, and a fresh worker takes its
+place. A finished compile sends its grammar back serialized (xgrammar's JSON form), so the grammar
+that passed the limit is the one decoded under, never compiled again. Workers are fresh
+interpreters (`python -m`), not forks; each takes compiles only once it says it is ready, and keeps
+its own xgrammar cache. Why: docs/constrained.md, "Defaults and limits".
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Per-request grammar state: mask the target's logits along a draft path, commit verified tokens.
 
-Exactness. The constrained model is "mask the target's logits to -inf where the grammar forbids,
-then sample as usual" (constrained autoregressive decoding). Speculation keeps exactly that law if
-the verifier sees, at every position of the draft path, the logits masked by the grammar state
-*after the draft tokens before it*: the matcher walks the draft, fills one mask per position and
-rolls back. A draft token the grammar forbids then has p = 0 and is rejected (and the residual it
-leaves is inside the grammar), so the positions after it never matter and stay unmasked. Only
-verified tokens are committed to the matcher. Nothing here depends on the draft's q, so exactness
-holds for any draft, masked or not.
-
-A row's matcher follows the row's output; `cursor()` positions it at an earlier context (the
-router scores drafts after the fact on the previous step's context) and restores it on exit.
+The verifier sees, at every position of the draft path, the target's logits masked by the grammar
+state after the draft tokens before it: the matcher walks the draft, fills one mask per position
+and rolls back. A forbidden draft token has p = 0 and is rejected (its residual lies inside the
+grammar), so the positions after it stay unmasked. Only verified tokens are committed. Nothing
+depends on the draft's q, so the law of grammar-masked decoding holds for any draft (see
+docs/constrained.md). A row's matcher follows the row's output; `cursor()` positions it at an
+earlier context (the router scores drafts after the fact) and restores it on exit.
 """
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
 """The grammar-forced draft: propose the tokens the grammar forces from the row's current state.
 
-In a forced tool call most of the output is not the model's choice: `{"name": "`, the tool name,
-property keys, separators, closing brackets and the final EOS are fixed by the schema. This draft
-proposes them (xgrammar's jump-forward tokens, then any token that is the only one the grammar
-allows) and, where the grammar leaves a choice (a string value, a number), optionally continues
-with a prompt-lookup copy filtered by the grammar: arguments are often quoted from the request.
-
-It is deterministic (one-hot q, no side effects), so the router can also score it after the fact.
-It needs the request's Constraint: the engine hands it over through `bind_constraint`; with no constraint bound it
-proposes nothing and the step is plain decoding. Exactness never depends on this draft: the
-target's logits are masked and verified as for any other draft.
+It proposes xgrammar's jump-forward tokens, then any token that is the only one the grammar allows
+(`{"name": "`, the tool name, property keys, separators, closing brackets, the final EOS) and,
+where the grammar leaves a choice (a string value, a number), optionally a prompt-lookup copy
+filtered by the grammar. It is deterministic (one-hot q, no side effects), so the router can also
+score it after the fact. It needs the request's Constraint, handed over by the engine through
+`bind_constraint`; with none bound it proposes nothing and the step is plain decoding. Exactness
+never depends on it: the target's logits are masked and verified as for any other draft.
 """
 from __future__ import annotations
 

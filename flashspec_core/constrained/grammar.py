@@ -3,11 +3,10 @@
 xgrammar (why: docs/constrained.md, "Why xgrammar"), compiled per (tokenizer, schema) and cached in
 at most `DEFAULT_CACHE_LIMIT_BYTES` per tokenizer (`set_cache_limit`). JSON is compiled compact
 (`", "` and `": "`, no free whitespace) and strict (nothing beyond the schema); the stop tokens are
-the engine's EOS ids, so EOS is allowed exactly where the grammar accepts. Compile time grows
-steeply with a schema's shape, so a caller that takes schemas from others passes `timeout_s`: the
-compile then runs in a worker process (compile_process.py), killed past the limit (a ValueError)
-or sent back compiled. Structural tags (xgrammar's `StructuralTag` in its JSON form; tool_tags.py
-builds them) compile here too, with the same settings for every JSON schema inside.
+the engine's EOS ids, so EOS is allowed exactly where the grammar accepts. Given `timeout_s` the
+compile runs in a worker process (compile_process.py), killed past the limit (a ValueError) or sent
+back compiled. Structural tags (xgrammar's `StructuralTag` in its JSON form; tool_tags.py builds
+them) compile here too, with the same settings for every JSON schema inside.
 """
 from __future__ import annotations
 

@@ -5,9 +5,8 @@ properties, tools without parameters) so that "every forced call parses and vali
 something. `forced_call_messages` renders one as chat messages the default model understands.
 
 Every string has a `maxLength` and every array a `maxItems`, as a careful API schema would: the
-grammar guarantees the syntax of whatever the model writes, not that a small model stops writing
-(greedy SmolLM2-135M repeats itself inside an unbounded string until the token budget runs out).
-With bounds, each call completes within a known budget.
+grammar guarantees the syntax of whatever the model writes, not that a small model stops writing;
+with bounds, each call completes within a known budget (docs/constrained.md, "Defaults and limits").
 """
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
 """Tool calls the model chooses to make: free text until a call opens, then a valid call.
 
-    engine.generate(messages, json_schema=tool_tags(tools))     # tool_choice "auto"
-
-`tool_tags(tools, style)` builds xgrammar's structural tag (its JSON form) for a reply that may
-call `tools`: the text is free until the model writes the style's trigger (`<tool_call>` in the
-Hermes style), then the grammar allows one of the tools' names and arguments valid under that
-tool's parameters schema, then the call's end, then free text again (or nothing more when one call
-is allowed). `as_grammar` compiles it (the JSON schemas inside compact and strict, as a forced
-call's); the engine decodes under it as under any grammar: the law of grammar-masked decoding of
-the target. Outside a call the mask forbids no token except those that would complete the trigger
-into something no call begins with, so text that never writes the trigger decodes as it does with
-no grammar at all.
-
-The styles are the call formats of chat templates, with the begin and end strings xgrammar's
-built-in structural tags use for the same families (`get_model_structural_tag`; a test keeps them
-equal): Hermes (`<tool_call>` blocks: Qwen 2.5 and 3, Hermes, SmolLM3, and the adapters' own tool
-prompt for templates without tool support) and Llama 3.1+ (a bare `{"name", "parameters"}`
-object). `style_for_template` reads a chat template and says which one it writes, or raises.
+`tool_tags(tools, style)` builds xgrammar's structural tag (its JSON form) for a reply that may call
+`tools` (tool_choice "auto"): free text until the style's trigger, then one of the tools' names
+with arguments valid under its parameters schema, the call's end, and free text again (or nothing
+more when one call is allowed). Text that never writes the trigger decodes as with no grammar.
+Styles: Hermes (`<tool_call>` blocks) and Llama 3.1+ (a bare `{"name", "parameters"}` object), with
+xgrammar's own begin and end strings for those families; `style_for_template` says which one a chat
+template writes, or raises. The mask outside a call and the styles' templates: docs/constrained.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The distillation pipeline: prompts -> target continuations -> trained draft -> weights and model card.
 
 `flashspec-agents distill` runs it with ShareGPT's conversations. Each stage can be cut short or
-reused: `--export-prompts` tokenises the conversations where the dataset is installed and stops (for a GPU host without it), `--data` caches the target's continuations so a
+reused: `--export-prompts` tokenises the conversations where the dataset is installed and stops
+(for a GPU host without it), `--data` caches the target's continuations so a
 second draft (a specialist) trains on the same text without regenerating it, `--resume` continues
 from the checkpoint, and `--time-budget` / `--gen-time` bound the wall-clock time of a run.
 """
@@ -39,7 +40,8 @@ def _continuations(opts: DistillOptions, loaded: LoadedModel, prompts: TokenSet,
     start = time.perf_counter()
     out = continue_prompts(loaded.model, dev, sample_fraction=0.0, **common)
     left = None if opts.gen_time is None else max(1.0, opts.gen_time - (time.perf_counter() - start))
-    gen = continue_prompts(loaded.model, train_prompts, sample_fraction=opts.sample_fraction, time_budget=left, **common)
+    gen = continue_prompts(loaded.model, train_prompts, sample_fraction=opts.sample_fraction, time_budget=left,
+                           **common)
     for s, d, sp, p in zip(gen.seqs, gen.domains, gen.splits, gen.prompt_lens):
         out.append(s, d, sp, p)
     return out
@@ -104,13 +106,15 @@ def run_distill(opts: DistillOptions, loaded: LoadedModel | None = None,
         "name": opts.name, "target": Path(loaded.name).stem if loaded.name.endswith(".gguf") else loaded.name,
         "domain": opts.domain,
         "architecture": {"num_layers": opts.layers, "hidden_size": model.config.hidden_size, "init_layers": init_layers,
-                         "head_size": len(vocab_ids), "parameters": sum(v.numel() for v in network.trainable_state().values()),
+                         "head_size": len(vocab_ids),
+                         "parameters": sum(v.numel() for v in network.trainable_state().values()),
                          "file_bytes": weights.stat().st_size, "dtype": "bfloat16"},
         "data": {"domain": opts.domain, "train_rows": len(train_rows), "max_prompt_tokens": opts.max_prompt_tokens,
                  "gen_tokens": opts.gen_tokens, "sample_fraction": opts.sample_fraction,
                  "train_tokens": sum(1 for _ in train_rows.continuation_tokens()), "dev_rows": len(dev_rows)},
         "training": {"steps": result.steps, "seconds": result.seconds, "device": _device_name(device),
-                     "batch_size": opts.batch_size, "lr": opts.lr, "init_from": Path(opts.init_from).name if opts.init_from else None,
+                     "batch_size": opts.batch_size, "lr": opts.lr,
+                     "init_from": Path(opts.init_from).name if opts.init_from else None,
                      "history": result.history},
         "evaluation": evaluation,
     }

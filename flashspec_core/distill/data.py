@@ -99,7 +99,8 @@ class TokenSet:
     def load(cls, path: str | os.PathLike) -> TokenSet:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"path: token file {str(path)!r} does not exist; make one with `flashspec-agents distill --export-prompts`")
+            raise ValueError(f"path: token file {str(path)!r} does not exist; "
+                             "make one with `flashspec-agents distill --export-prompts`")
         with np.load(path, allow_pickle=False) as z:
             tokens, lengths = z["tokens"], z["lengths"]
             ends = np.cumsum(lengths)
@@ -115,7 +116,8 @@ def _turn_prompts(messages: list[dict[str, str]], max_turns: int) -> list[list[d
 
 def encode_within(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], vocab: int,
                   max_tokens: int) -> list[int] | None:
-    """Chat-template ids of `messages`, dropping earlier turns until they fit; None if even the last turn alone does not."""
+    """Chat-template ids of `messages`, dropping earlier turns until they fit; None if even the last
+    turn alone does not."""
     system = [m for m in messages[:1] if m["role"] == "system"]
     body = messages[len(system):]
     for start in range(0, len(body), 2):  # keep user/assistant alternation: drop whole exchanges

@@ -51,7 +51,8 @@ def evaluate_draft(
     The head of each row is the trained subset united with that row's prompt tokens, as in the engine.
     """
     device = network.vocab_ids.device
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     order = [i for i in range(len(rows)) if len(rows.seqs[i]) > rows.prompt_lens[i]]
     for start in range(0, len(order), batch_size):

@@ -106,7 +106,8 @@ class DraftNetwork(nn.Module):
         if init_layers is not None:
             if len(init_layers) != num_layers or any(not 0 <= i < len(target_layers) for i in init_layers):
                 raise ValueError(
-                    f"init_layers must name {num_layers} target layers in [0, {len(target_layers)}); got {list(init_layers)!r}")
+                    f"init_layers must name {num_layers} target layers in [0, {len(target_layers)}); "
+                    f"got {list(init_layers)!r}")
             for mine, theirs in zip(self.lm.model.layers, init_layers):
                 mine.load_state_dict(target_layers[theirs].state_dict())
             self.lm.model.norm.load_state_dict(target.model.norm.state_dict())
@@ -120,7 +121,8 @@ class DraftNetwork(nn.Module):
         """Score the target-head rows `ids` (sorted, unique, [K']) from now on; no copy of the target is kept."""
         w = self._out_weight
         ids = ids.to(w.device)
-        self.lm.lm_head.weight = nn.Parameter(w.index_select(0, ids).to(self.lm.lm_head.weight.dtype), requires_grad=False)
+        self.lm.lm_head.weight = nn.Parameter(w.index_select(0, ids).to(self.lm.lm_head.weight.dtype),
+                                              requires_grad=False)
         self.lm.lm_head.out_features = int(ids.numel())
         self.head_ids = ids
 
@@ -165,7 +167,8 @@ def save_draft(
     return path
 
 
-def read_draft_file(path: str | Path, check: PreTrainedModel | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_draft_file(path: str | Path,
+                    check: PreTrainedModel | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors and metadata of a saved draft; ValueError if the file is not one.
 
     With `check`, raise IncompatibleDraft before reading the weights if they were made for
@@ -190,7 +193,8 @@ def compatibility_problem(meta: dict[str, str], fingerprint: torch.Tensor, targe
     """Why this draft cannot serve `target`, or None when it was trained for it. fingerprint: [FINGERPRINT_ROWS]."""
     for key in _SHAPE_KEYS:
         if meta.get(f"target_{key}") != str(getattr(target.config, key, "")):
-            return f"target {key} is {getattr(target.config, key, None)!r}, the draft expects {meta.get(f'target_{key}')!r}"
+            return (f"target {key} is {getattr(target.config, key, None)!r}, "
+                    f"the draft expects {meta.get(f'target_{key}')!r}")
     if meta.get("target_vocab") != str(target_vocab(target)):
         return f"target vocabulary is {target_vocab(target)}, the draft expects {meta.get('target_vocab')}"
     if not torch.allclose(embedding_fingerprint(target), fingerprint.float(), rtol=FINGERPRINT_RTOL):
@@ -198,7 +202,8 @@ def compatibility_problem(meta: dict[str, str], fingerprint: torch.Tensor, targe
     return None
 
 
-def load_draft(path: str | Path, target: PreTrainedModel, dtype: torch.dtype | None = None) -> tuple[DraftNetwork, dict[str, str]]:
+def load_draft(path: str | Path, target: PreTrainedModel,
+               dtype: torch.dtype | None = None) -> tuple[DraftNetwork, dict[str, str]]:
     """Rebuild a saved draft around `target` (ValueError if it was trained for another target)."""
     tensors, meta = read_draft_file(path, check=target)
     tensors.pop("fingerprint")

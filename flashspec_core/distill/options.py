@@ -40,7 +40,8 @@ class DistillOptions:
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
-            raise ValueError(f"name must be lowercase letters, digits and '_' (starting with a letter); got {self.name!r}")
+            raise ValueError(f"name must be lowercase letters, digits and '_' (starting with a letter); "
+                             f"got {self.name!r}")
         if self.domain not in ("all", "chat", "code"):
             raise ValueError(f"domain must be 'all', 'chat' or 'code'; got {self.domain!r}")
         if self.smoke:  # a few seconds on a CPU: proves the pipeline, trains nothing useful

@@ -80,7 +80,8 @@ def make_batch(data: TokenSet, rows: list[int], pad_token_id: int, max_len: int,
     return ids.to(device), attn.to(device), loss_mask.to(device), prompt_tokens
 
 
-def target_logprobs(target: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def target_logprobs(target: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor,
+                    loss_mask: torch.Tensor) -> torch.Tensor:
     """The target's log-probabilities at the masked positions. ids, attn, loss_mask: [B, T] -> [N, V] float32."""
     with torch.no_grad():
         hidden = target.model(input_ids=ids, attention_mask=attn).last_hidden_state[loss_mask]  # [N, H]
@@ -142,7 +143,8 @@ def train_draft(
     if not usable:
         raise ValueError("data: no row has a continuation to learn from; generate continuations first")
     device = network.vocab_ids.device
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
     usable.sort(key=lambda i: len(data.seqs[i]))
     batches = [usable[i:i + cfg.batch_size] for i in range(0, len(usable), cfg.batch_size)]
     params = network.trainable_parameters()

@@ -1,28 +1,12 @@
 """No repeated n-grams in the output, along draft paths: exact under speculation, safe under a grammar.
 
-A small model decoding greedily loops ("a cat is a cat, a cat is a cat, ..."), and inside a JSON
-string a grammar guarantees syntax but not an end, so a forced call runs out of tokens. The
-repetition penalty (penalty.py) also pushes down the JSON punctuation the grammar needs; banning a
-token that would complete an n-gram the output already holds (HF's `no_repeat_ngram_size`) breaks
-the loop and leaves single tokens alone. Two choices differ from HF `generate`:
-
-- Only the output counts, not the prompt: an agent's tool arguments are copied from the request
-  (names, ids, quoted text), and a ban that included the prompt would forbid exactly those copies.
-- The ban yields to the grammar. Under a JSON schema, tokens carrying JSON punctuation (quotes,
-  brackets, colons, commas) are exempt: the syntax repeats them by design (`": "` before every
-  value), and banning one makes the model spell the same structure with an odd token or keeps it
-  from closing a string; loops live in the words between them. And at a position where the ban
-  would forbid every token the grammar still allows, the position keeps its logits.
-
-Like the penalty, the ban of a position depends on its prefix, so each verify position gets the ban
-of its own path (output + draft[:j]); the verifier then tests the draft against exactly the
-distribution autoregressive decoding samples from. The ban is HF's `NoRepeatNGramLogitsProcessor`
-(the tests hold it to that), computed in float32 whatever the model's dtype, as HF `generate` does.
-
-HF's processor walks the output in Python at every call; here the output lives on the logits'
-device (`OutputTokens`, appended to each step) and all positions of all rows are banned by a few
-tensor ops with no host sync: every window of `size` tokens of the path is compared with each
-position's last size - 1 tokens, and the window's last token is banned where they match.
+A token that would complete an n-gram the output already holds is banned (HF's
+`NoRepeatNGramLogitsProcessor`, which the tests hold it to), with two differences: only the output
+counts, not the prompt; and under a JSON schema tokens carrying JSON punctuation are exempt, and a
+position where the ban would forbid every token the grammar allows keeps its logits. Each verify
+position gets the ban of its own path (output + draft[:j]), so speculation keeps the law; float32
+whatever the model's dtype, as HF `generate`. The output lives on the logits' device (`OutputTokens`)
+and a few tensor ops ban every position of every row, no host sync. Why: docs/design.md, "Processors".
 """
 from __future__ import annotations
 

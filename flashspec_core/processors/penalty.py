@@ -1,23 +1,12 @@
 """Repetition penalty along draft paths: HF's `repetition_penalty`, exact under speculation.
 
-Small models decoding greedily fall into loops ("a cat cat cat ..."), inside JSON strings too,
-where a grammar guarantees syntax but not an end. HF `generate`, llama.cpp and Ollama all offer
-the same remedy, the CTRL repetition penalty: the logit of every token already in the sequence
-(prompt included) is divided by the penalty when positive and multiplied by it when negative.
-
-The penalty of a position depends on its prefix, and in one verify pass the positions of a row
-follow different prefixes: position j scores the token after context + draft[:j]. Each position
-therefore gets the penalty of its own prefix (as the grammar mask does, constrained/constraint.py),
-so the verifier tests the draft against exactly the distribution that autoregressive decoding
-with the penalty samples from, and the output law is unchanged by speculation.
-
-The set of tokens seen so far lives on the logits' device (`SeenTokens`, [B, V] bool): built once
-from the prompts, and each step only the committed tokens are added. A step then costs device ops
-and an O(γ) host list of draft ids, not a walk over the whole sequence in Python.
-
-The penalty is computed in float32 whatever the model's dtype, as HF `generate` computes it (it
-casts the logits to float32 before any processor). In bfloat16, bf16 logits [24.0, 24.125] with
-both tokens seen and penalty 1.3 both round to 18.5 and greedy picks token 0; HF picks token 1.
+The CTRL penalty: the logit of every token already in the sequence (prompt included) is divided by
+the penalty when positive and multiplied by it when negative. Position j of a verify pass scores
+the token after context + draft[:j], so each position gets the penalty of its own prefix (as the
+grammar mask does) and the output law is unchanged by speculation. The seen tokens live on the
+logits' device (`SeenTokens`, [B, V] bool), built from the prompts and added to with each step's
+committed tokens. Computed in float32 whatever the model's dtype, as HF `generate` does. Why:
+docs/design.md, "Processors".
 """
 from __future__ import annotations
 

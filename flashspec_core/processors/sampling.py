@@ -2,15 +2,11 @@
 
 The target and every draft go through `logprobs_from_logits`, so the p the verifier tests against
 and the q a draft claims are processed identically: temperature on the logits before the softmax,
-then top-k, then top-p (nucleus) on what remains. The repetition penalty depends on the prefix,
-so the engine applies it to the target's logits along each draft path first (penalty.py), and
-so with the n-gram ban (ngram_ban.py).
-Temperature 0 means greedy: a one-hot distribution at the argmax (first index on ties, as
-`torch.argmax` and HF `generate` pick; a NaN logit is never the argmax).
-
-Everything here computes in float32 whatever the logits' dtype, as HF `generate` does (it casts
-the model's logits to float32 before any processor): in bfloat16, logits / T and the penalties
-round ties into existence (24.0 and 24.125 both become 18.5 under a penalty of 1.3).
+then top-k, then top-p (nucleus) on what remains. The prefix-dependent processors (penalty.py,
+ngram_ban.py) run before it, along each draft path. Temperature 0 means greedy: a one-hot
+distribution at the argmax (first index on ties, as `torch.argmax` and HF `generate` pick; a NaN
+logit is never the argmax). Everything computes in float32 whatever the logits' dtype, as HF
+`generate` does (lower precision rounds ties into existence: docs/design.md, "Processors").
 """
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """Multi-armed bandits over a handful of arms: UCB1 and Thompson sampling.
 
-Both keep the same sufficient statistics per arm (count, sum and sum of squares of rewards), so
-one state layout serves every algorithm, the store and the shared prior of the router. Rewards
-must already be normalised into [0, 1]; the router turns goodput into such a reward.
-
-Arms in `observed` are scored on every round whether played or not (the router's copy drafts
-and plain decoding, see router.py): pulling one buys no information, so neither algorithm
-explores them; they compete on their mean reward alone.
-
-Non-stationary streams (an agent moves on to a different kind of work) get either a discount
-factor (every update first multiplies all statistics by `discount`, so old evidence fades
-geometrically, as in discounted UCB / discounted Thompson sampling) or a sliding window (only the
-last `window` updates count). Full-information updates, where several arms are scored on the
-same round, go through `update_many` so that one round discounts once.
-
-Pure Python on purpose: with a few arms, list arithmetic beats NumPy's per-call overhead, and a
-router step must cost microseconds next to a decode step.
+Both keep the same sufficient statistics per arm (count, sum and sum of squares of rewards), so one
+state layout serves every algorithm, the store and the router's shared prior. Rewards must already
+be in [0, 1]. Arms in `observed` are scored every round whether played or not, so neither
+algorithm explores them: they compete on their mean alone. Non-stationary streams get a discount
+factor (every update first multiplies all statistics by `discount`) or a sliding window (only the
+last `window` updates count); `update_many` scores several arms on one round and discounts once.
+Pure Python, a few arms: microseconds a step. Why: docs/design.md, "The bandits".
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """Full-information scoring of deterministic drafts: what would a copy draft have emitted here?
 
-Prompt lookup and the suffix cache cost next to nothing to run and have no side effects, so the
-router asks each of them what it would have proposed and scores that against the tokens verified
-from there on, whichever arm ran.
-
-Each free arm is scored along the path its own steps would have taken through the request: its
-first step starts where the request's first decode step did, and each next one where the
-previous one would have ended (matched + 1 tokens later), so a long copy counts as the one step
-the arm would take over it, not once per token plain decoding visits. Under greedy decoding a
-deterministic draft's path is exactly the one it would have taken; under sampling it is the path
-through the tokens that were drawn, the same law.
-
-A step's proposal is scored once a mismatch shows or all of it has been verified; when the
-request moves on, a waiting proposal is scored against what was verified, never past the
-request's last token. Only finished steps are used (exactness invariant).
+The router asks each free arm (prompt lookup, the suffix cache: no side effects) what it would have
+proposed and scores that against the tokens verified from there on, whichever arm ran, along the
+path its own steps would have taken: its first step where the request's first decode step started,
+each next one where the previous would have ended (matched + 1 tokens later), so a long copy
+counts once. Under sampling that path runs through the tokens drawn, the same law. A proposal is
+scored once a mismatch shows or all of it is verified; when the request moves on, a waiting one is
+scored against what was verified, never past the last token. Only finished steps are used.
 """
 from __future__ import annotations
 

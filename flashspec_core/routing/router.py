@@ -4,10 +4,9 @@
 always among them. The reward is goodput, tokens emitted per second of step time (draft and
 verify), normalised per domain in units of plain decoding's goodput there and uncapped up to the
 γ + 1 tokens a step can emit. Deterministic drafts and plain decoding are scored after the fact on
-every step, along the path their own steps would have taken (copy_scoring.py), so they are never
-explored; a model draft's step also scores the same draft at every smaller γ. Only finished steps
-are used, never the current one (exactness invariant): `update` runs after the step's tokens are
-final. Why each choice: docs/design.md, "The router and its reward".
+every step (copy_scoring.py), so they are never explored; a model draft's step also scores the
+same draft at every smaller γ. Only finished steps are used (exactness invariant): `update` runs
+after the step's tokens are final. Why each choice: docs/design.md, "The router and its reward".
 """
 from __future__ import annotations
 

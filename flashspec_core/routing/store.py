@@ -1,30 +1,12 @@
 """Router statistics on disk (stdlib sqlite3), shared by every process on the machine.
 
-The store is an additive ledger: one row per (domain, arm) holding counters (pulls, reward sums,
-goodput and step-time sums) and one row per domain (steps, reward scale). Writers send
-increments, applied with an upsert that adds to what is there, so two processes routing at the
-same time both keep their counts instead of the last writer winning. Each update is one short
-`BEGIN IMMEDIATE` transaction in WAL mode: readers never block, writers wait (busy timeout)
-rather than fail, and a process killed mid-write loses at most that one uncommitted update
-(WAL with synchronous=NORMAL is durable against process crashes; only a power cut can drop
-the last few commits).
-
-Failure policy, chosen so that routing state can never stop generation:
-- a corrupt or unreadable file, or a SQLite file that is not a router store (tables or columns
-  that are not ours), is renamed to `<name>.corrupt-<time>-<pid>` (with its -wal and -shm files,
-  which must not be replayed into a fresh file), a warning names the new path, and a fresh store
-  starts at the original path; a half-made store (the version set, tables missing) is completed;
-- a write that finds the store locked past the timeout keeps its increments in memory and adds
-  them to the next write, which tries without waiting until one gets through (a warning says so
-  once): a busy moment in another process neither stalls every step nor loses the update;
-- a write that fails otherwise (a file made read-only, a full disk, a closed store) raises and
-  takes nothing, so its caller can send the same increments again later without counting any twice;
-- a read that fails is a cold start for `load` (a warning, no statistics) and an error for `read`,
-  whose callers merge what is new since their last read and must not take a failure for "empty";
-- a location that cannot be written (read-only directory, no permission) or a file written by a
-  newer schema gives a warning and an in-memory store for this process (`persistent` is False):
-  routing still learns, it just does not survive a restart. Set FLASHSPEC_CACHE_DIR or pass a
-  writable `path` to fix it.
+An additive ledger: counters per (domain, arm) and per domain; writers send increments, added by an
+upsert, so concurrent processes keep all their counts. Each update is one short `BEGIN IMMEDIATE`
+transaction in WAL mode: readers never block, writers wait, a killed process loses at most its
+uncommitted update. Failure policy (routing state never stops generation): a corrupt or foreign
+file is moved aside and a fresh store starts; a locked write keeps its increments for the next; any
+other failed write raises and takes nothing; a failed read is a cold start for `load`, an error for
+`read`; an unwritable location or a newer schema gives an in-memory store. Details: docs/design.md.
 """
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """The router's writes to its `RouterStore`, queued in memory and written when asked.
 
-Why queued: one SQLite transaction per decode step cost about a tenth of a CPU decode step, so
-each update's increments are summed per domain and written when `flush` is called: the engine's
+Each update's increments are summed per domain and written when `flush` is called: the engine's
 scheduler asks for it from a thread of its own (never the one that runs the device) every
-FLUSH_EVERY decode steps and when a request ends. Why a failed write keeps its increments:
-routing must never stop generation, and the statistics of the steps that did run must not be
-lost either; a write that fails (a locked or read-only file, a full disk) leaves what it was
-writing queued, a warning says so once, and the next flush writes it. `RouterStore.record`
-takes nothing when it fails, so sending the same increments again counts them once.
+FLUSH_EVERY decode steps and when a request ends. A write that fails (a locked or read-only file,
+a full disk) leaves what it was writing queued, a warning says so once, and the next flush writes
+it; `RouterStore.record` takes nothing when it fails, so the increments are counted once. Why:
+docs/design.md, "Router statistics on disk".
 """
 from __future__ import annotations
 
@@ -53,7 +51,7 @@ class StoreWriter:
                 steps, deltas, scale = pending[domain]
                 try:
                     self.store.record(domain, deltas, steps=steps, scale=scale)
-                except Exception as exc:  # noqa: BLE001 - statistics must never stop generation
+                except Exception as exc:  # statistics must never stop generation
                     with self._lock:  # this domain and those not tried yet go back, before newer updates
                         newer, self._queued = self._queued, pending
                         _merge(self._queued, newer)

@@ -109,4 +109,5 @@ def verify(
     return verify_torch(target_logits, draft_tokens, draft_probs, sampling, uniforms, generator)
 
 
-__all__ = ["BAD_INPUT", "PAD", "draw_seed", "kernel_samples", "pick_backend", "triton_usable", "verify", "verify_torch", "VERIFY_BACKENDS"]
+__all__ = ["BAD_INPUT", "PAD", "draw_seed", "kernel_samples", "pick_backend", "triton_usable", "verify", "verify_torch",
+           "VERIFY_BACKENDS"]

@@ -1,18 +1,12 @@
 """Greedy verification of rows of any draft lengths with one read of the device.
 
 Greedy speculation keeps the longest prefix of the draft that equals the target's argmax at each
-position, then the argmax after it (the recovered or bonus token): `verify_torch`'s greedy branch.
-That branch takes rows of one draft length and reads the device twice (its input check, then the
-caller's read of the result), so rows of k draft lengths cost 2k waits for the device. Here every
-row's positions are stacked into one [sum of (g+1), V] tensor, one `max` gives each position's
-argmax and whether its row of logits is usable, and the caller's one read of the step's results
-brings the argmaxes to the host, where the comparison with the drafts (host lists already) is a
-few integer tests per row.
-
-The law is the reference's: the argmax is the first index of the maximum (torch's `max` and
-`argmax` both pick it, as HF `generate` does), and a position whose logits hold NaN or +inf, or
-are all -inf, refuses its row as the reference does (`BAD_INPUT`), whether or not the draft got
-that far.
+position, then the argmax after it (the recovered or bonus token). Every row's positions are
+stacked into one [sum of (g+1), V] tensor; one `max` gives each position's argmax and whether its
+logits are usable, the caller's one read of the step's results brings them to the host, and the
+comparison with the drafts is a few integer tests per row. The law is the reference's: the first
+index of the maximum (as torch's `argmax` and HF `generate` pick), and a position whose logits hold
+NaN or +inf, or are all -inf, refuses its row (`BAD_INPUT`) whether or not the draft got that far.
 """
 from __future__ import annotations
 

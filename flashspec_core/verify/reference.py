@@ -1,18 +1,12 @@
 """The PyTorch reference for one verification step (speculative rejection sampling).
 
-For each row, draft token x_j (drawn from q_j) is accepted while log u_j < log p_j(x_j) - log q_j(x_j),
-i.e. with probability min(1, p/q). At the first rejection the recovered token is drawn from the
-residual max(0, p_j - q_j); if all γ are accepted the bonus token is drawn from p_γ. This keeps the
-output distributed exactly as the target's (Leviathan et al. 2023, Chen et al. 2023).
-
-A draft token with q = 0 is rejected: it could not have been drawn from q, so accepting it would
-break exactness. Greedy sampling degenerates to exact argmax matching.
-
-Input with no target law is refused with a ValueError, in greedy and sampling mode alike, as the
-Triton kernel refuses it: a NaN or +inf target logit, a row that is all -inf (-inf alone is
-legal: it marks a masked token), a draft token outside [0, V), a NaN or negative q. Without the
-check a NaN row reads as "no token has mass" and the inverse CDF falls back to token V-1, or
-argmax takes the NaN as the maximum: plausible-looking output from no distribution at all.
+Draft token x_j (drawn from q_j) is accepted while log u_j < log p_j(x_j) - log q_j(x_j), i.e. with
+probability min(1, p/q); at the first rejection the recovered token is drawn from the residual
+max(0, p_j - q_j), and after γ acceptances the bonus token from p_γ, so the output has exactly the
+target's law (Leviathan et al. 2023, Chen et al. 2023). A draft token with q = 0 is rejected (it
+could not have been drawn from q); greedy is exact argmax matching. Input with no target law is a
+ValueError in both modes, as in the Triton kernel: a NaN or +inf target logit, a row that is all
+-inf (-inf alone marks a masked token), a draft token outside [0, V), a NaN or negative q.
 """
 from __future__ import annotations
 

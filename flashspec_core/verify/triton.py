@@ -1,38 +1,12 @@
-"""Triton backend for `verify`: the whole verification step in one kernel launch.
+"""Triton backend for `verify`: the whole verification step in one kernel launch (triton_kernel.py).
 
-The kernel (triton_kernel.py) reads every target row once with an online log-sum-exp, tests the
-draft tokens in log space, and draws the recovered or bonus token by inverse CDF over the one
-stopping row. With shared `uniforms` it returns what `verify_torch` returns: the same acceptance
-rule, the same residual max(0, p - q) with the same fall-back to p when it has no mass, the same
-"first token with mass whose cumulative mass exceeds u * total" rule with that sum in float64 on
-both sides, the same temperature rounding. The only differences left are summation orders (the
-kernel's block sums against torch's): float32 in log Z, float64 in the inverse CDF, so a decision
-can flip only when a uniform lands within a few ulps of a boundary (~1e-16 of the mass for the
-recovered / bonus token).
-
-Not handled in the kernel, and sent to `verify_torch` instead (exact, slower): top-k and top-p.
-`supports` says False for dtypes, shapes and devices the kernel does not take, so `verify(...,
-backend="auto")` uses torch for those.
-
-NaN and +inf logits, rows that are all -inf and draft tokens outside [0, V) are detected inside
-the kernel, which then writes n_accepted = -1 and PAD tokens for that sequence (never plausible
-output). With `check_finite=True` (the default, and what `verify` uses) the wrapper turns that
-into a ValueError, which costs one host sync; during CUDA-graph capture the check is skipped (no
-sync is allowed there) and the poisoned outputs remain for the caller to see. -inf logits are
-legal: they mark masked tokens (grammar constraints), exactly as in the reference.
-
-Randomness without `uniforms`: Philox (tl.rand) keyed by a seed drawn from `generator` (on the
-device for a CUDA generator, so no sync) or from torch's default CPU generator, so a seeded
-generator reproduces its draws; sequences of one call are told apart by their index. With a seed
-per sequence (`seed` of shape [B], each drawn from that row's generator) the index is left out,
-so a row draws the same numbers whatever else the call verifies: an engine step verifies all its
-sampled rows of one setting in one launch, and each row samples what it would alone. A host seed
-would be frozen into a CUDA graph, so a call captured with one also mixes in a per-sequence step
-counter kept on the device: each replay draws anew.
-
-The counters live in one small workspace per device that the kernel resets itself: do not run two
-verify steps on one device concurrently on different streams, and call `verify_triton` once before
-capturing it in a CUDA graph (that allocates the workspace and compiles the kernel).
+With shared `uniforms` it returns what `verify_torch` returns (acceptance rule, residual and its
+fall-back, inverse CDF in float64, temperature rounding); only summation orders differ, so a
+decision flips only for a uniform within a few ulps of a boundary. Top-k and top-p go to
+`verify_torch`, and `supports` is False for what the kernel does not take. NaN or +inf logits, all
+-inf rows and draft tokens outside [0, V) give n_accepted = -1 and PAD; `check_finite=True` makes
+that a ValueError (one host sync, skipped under graph capture). One self-resetting workspace per
+device: no concurrent verifies on one device; call once before capture. docs/verify_kernel.md.
 """
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
 """The fused verification kernel: one launch, two phases, no host sync.
 
-Why two phases in one launch: the acceptance test at row j needs log Z_j over the whole vocabulary,
-and the recovered / bonus draw needs the residual mass of one row that is known only after the
-acceptance tests. Splitting V across many programs keeps HBM busy at small B; the programs then
-meet through per-sequence counters instead of a second launch:
-
-* phase 1, one program per (sequence b, row j, chunk c of V): online max / sum-exp of logits / T
-  (or the running argmax when greedy) over its chunk, written as a partial. The last program of
-  sequence b to finish (an atomic counter says which) combines the partials, gathers log p and
-  log q at the draft tokens, runs the acceptance tests, and publishes the stopping row.
-* phase 2, one program per (sequence b, tile t of V): waits for that row, computes the mass of the
-  residual max(0, p - q) (and of p) on its tile, summed in float64. The last one to finish runs
-  the inverse CDF over the tile masses, scans the one tile that holds the crossing (both in
-  float64, as sample_from_probs does), and writes the outputs.
-
-Programs take a ticket (an atomic counter) on entry and map the ticket, not their program id, to
-work: a phase-2 program only waits on work with lower tickets, and those programs are already
-running, so the wait cannot deadlock (the decoupled look-back argument). Under TRITON_INTERPRET the
-programs run one after another in ticket order, so the wait never spins.
-
-All counters are reset by the program that last uses them, so the workspace is ready for the next
-launch without a memset; that keeps the step one launch and graph-replayable.
+Phase 1, one program per (sequence b, row j, chunk of V): online max / sum-exp of logits / T (or
+the running argmax when greedy), written as a partial; the last program of b to finish combines
+them, runs the acceptance tests and publishes the stopping row. Phase 2, one program per (b, tile
+of V): waits for that row and sums the residual (or p) mass of its tile in float64; the last one
+runs the inverse CDF and writes the outputs. Programs map an atomic ticket, not their program id,
+to work and wait only on lower tickets, already running, so the wait cannot deadlock. Counters are
+reset by their last user: no memset, one graph-replayable launch. Why and how: docs/verify_kernel.md.
 """
 from __future__ import annotations
 
@@ -208,7 +194,8 @@ def verify_kernel(
 def _accept(b: tl.tensor, G: tl.tensor, V: tl.tensor, NC: tl.tensor, seq_logits: tl.tensor, stride_lg: tl.tensor,
             draft_ptr: tl.tensor, stride_db: tl.tensor, q_ptr: tl.tensor, stride_qb: tl.tensor,
             stride_qg: tl.tensor, u_ptr: tl.tensor, stride_ub: tl.tensor, seed_ptr: tl.tensor, seed: tl.tensor,
-            seed_stride: tl.tensor, use_step: tl.tensor, ws_b: tl.tensor, part_m: tl.tensor, part_s: tl.tensor, part_idx: tl.tensor,
+            seed_stride: tl.tensor, use_step: tl.tensor, ws_b: tl.tensor, part_m: tl.tensor, part_s: tl.tensor,
+            part_idx: tl.tensor,
             part_bad: tl.tensor, stop_f: tl.tensor, stop_i: tl.tensor, n_acc_ptr: tl.tensor, tokens_ptr: tl.tensor,
             temperature: tl.tensor, inv_t: tl.tensor, exp2_scale: tl.tensor, r1: tl.tensor,
             GP: tl.constexpr, NCP: tl.constexpr, GREEDY: tl.constexpr, ONE_HOT: tl.constexpr,

@@ -283,6 +283,6 @@ class ChatFlashSpec(LangChainParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        make = lambda: self._chunks(self._plan(messages, stop, run_manager, kwargs))  # noqa: E731
+        make = lambda: self._chunks(self._plan(messages, stop, run_manager, kwargs))
         async for chunk in self._arelay(make, run_manager):
             yield chunk

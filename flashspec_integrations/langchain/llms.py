@@ -112,6 +112,6 @@ class FlashSpecLLM(LangChainParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        make = lambda: self._chunks(self._call(prompt, stop, run_manager, kwargs))  # noqa: E731
+        make = lambda: self._chunks(self._call(prompt, stop, run_manager, kwargs))
         async for chunk in self._arelay(make, run_manager):
             yield chunk

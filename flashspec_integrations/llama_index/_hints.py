@@ -1,16 +1,12 @@
 """LlamaIndex's run context of one call -> `flashspec_integrations.domain_rules.StepContext` -> domain.
 
-The rules themselves (explicit domain, forced call -> json, tool results, tools, ReAct, RAG) live
-in the shared `domain_rules.decide_domain`, so both adapters file the same kind of step under the same
-label. This module only reads LlamaIndex's objects: the messages, the tools and tool choice of
-the call, the active instrumentation tags (`flashspec_domain` or `domain`), and the prompt
-template the call was formatted from.
-
-Templates: response synthesis (text_qa, refine, summary) is recognised from the template object
-itself, by LlamaIndex's `prompt_type` metadata or by the variables a synthesis template must have,
-so custom templates count too. `FlashSpecLLM.predict` and friends put that verdict in a context
-variable for the duration of the call; the shared text rules still catch the default templates
-when a prompt reaches `chat`/`complete` already formatted.
+The rules live in the shared `domain_rules.decide_domain`; this module only reads LlamaIndex's
+objects: the messages, the tools and tool choice of the call, the active instrumentation tags
+(`flashspec_domain` or `domain`), and the prompt template the call was formatted from. Response
+synthesis (text_qa, refine, summary) is recognised from the template object itself, by its
+`prompt_type` metadata or by the variables a synthesis template must have, so custom templates
+count too; `FlashSpecLLM.predict` and friends hold that verdict in a context variable for the call,
+and the shared text rules still catch default templates that reach `chat`/`complete` formatted.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Engine outcomes -> LlamaIndex responses, with token usage and FlashSpec statistics.
 
-Every finished response carries the same information in two places, because LlamaIndex code
-reads both: `raw` (a dict: `usage` in the OpenAI shape that TokenCountingHandler understands, and
-`flashspec` with the step domain, the arm of every step and the acceptance counts) and
-`additional_kwargs` (flat token counts plus `flashspec`). Streamed chunks before the last are
-marked `flashspec_partial` and carry no statistics yet: the engine reports them when it finishes.
-
-Tool calls go on the message twice as well: as `ToolCallBlock`s (what `get_tool_calls_from_response`
-and chat history read) and in `message.additional_kwargs["tool_calls"]` in OpenAI's shape, which is
-where llama-index-core's structured streaming (`process_streaming_objects`) looks for them. Streamed
-text deltas with tools in play go through the shared `ToolCallStreamer`, as LangChain's and the
-server's do: call markup never reaches a delta, and the calls come whole on the last chunk.
+Every finished response carries them in `raw` (`usage` in the OpenAI shape TokenCountingHandler
+reads, and `flashspec`: the step domain, each step's arm, acceptance counts) and in
+`additional_kwargs` (flat token counts plus `flashspec`); streamed chunks before the last are
+marked `flashspec_partial` and carry no statistics yet. Tool calls go on the message as
+`ToolCallBlock`s and in `additional_kwargs["tool_calls"]` in OpenAI's shape (where llama-index-core's
+structured streaming looks). Streamed text deltas with tools in play go through the shared
+`ToolCallStreamer`: call markup never reaches a delta, and the calls come whole on the last chunk.
 """
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """FlashSpecLLM for LlamaIndex: query engines, ReAct agents and function-calling agents.
 
-    from llama_index.core import Settings
     from flashspec_integrations.llama_index import FlashSpecLLM
-    Settings.llm = FlashSpecLLM()                  # the embedded default model, loaded on first use
+    Settings.llm = FlashSpecLLM()    # llama_index.core.Settings; the default model, loaded on first use
 
-One class serves both LlamaIndex contracts: it is a `CustomLLM` (completion model: `complete`,
-`stream_complete` and their async forms) and a `FunctionCallingLLM` (`chat_with_tools`,
-`get_tool_calls_from_response`, `tool_required`), so query engines, `ReActAgent` and
-`FunctionAgent` all take it. Its fields are the ones LangChain's `ChatFlashSpec` takes
-(`flashspec_integrations.settings`), `timeout` included, and so are its call keywords: one it
-does not take is a ValueError naming it, never silently ignored. Every call tells the engine what
-kind of step it is (see `_hints`), so the router picks drafts per step kind, and every response
-carries token usage and the engine's per-step statistics (see `_responses`). Every call is its own
-engine request, which joins the engine's running batch between decode steps (the scheduler,
-flashspec_core/scheduler.py), so concurrent calls decode side by side; async streams read the
-engine's chunks in a worker thread. Decoding never blocks the event loop.
+A `CustomLLM` (`complete`, `stream_complete`, async forms) and a `FunctionCallingLLM` (`chat_with_tools`,
+`get_tool_calls_from_response`, `tool_required`) with `ChatFlashSpec`'s fields and call keywords
+(`settings.py`; any other is a ValueError). Each call names its kind of step (`_hints`), returns usage
+and step statistics (`_responses`), and is its own request in the engine's running batch (the scheduler).
 """
 from __future__ import annotations
 
@@ -172,7 +164,8 @@ class FlashSpecLLM(FlashSpecFields, FunctionCallingLLM, CustomLLM):
             text = to_prompt(prompt)
         elif not formatted and self._uses_chat_template():
             turns = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
-            text, templated = render_prompt(self.get_engine().tokenizer, [*turns, {"role": "user", "content": prompt}]), True
+            text, templated = render_prompt(self.get_engine().tokenizer,
+                                            [*turns, {"role": "user", "content": prompt}]), True
         return plan_text(self.get_engine(), text, max_new, sampling, stops, decision, templated)
 
     def _run(self, req: CallPlan) -> Outcome:

@@ -1,10 +1,8 @@
 """Record the domain and the drafts of every FlashSpecLLM call through LlamaIndex instrumentation.
 
-An agent or a query engine makes several LLM calls per run, and which draft the router chose
-for each kind of step is the point of the engine, so users (and the examples) want a per-step
-log without threading anything through the framework. This is a LlamaIndex event handler: it
-listens to the LLM end events that `FlashSpecLLM`'s callbacks already emit and reads the FlashSpec
-statistics every finished response carries.
+A LlamaIndex event handler: it listens to the LLM end events that `FlashSpecLLM`'s callbacks
+already emit and reads the FlashSpec statistics every finished response carries, so a run of
+several LLM calls gives a per-step log without threading anything through the framework.
 
     with record_steps() as recorder:
         query_engine.query("...")

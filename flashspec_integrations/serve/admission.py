@@ -1,20 +1,12 @@
 """Back-pressure for one replica: a bounded number of requests in flight, each with a deadline.
 
 A request is admitted once its body is in (before it is parsed or planned) if fewer than `limit`
-are in flight on this replica; otherwise it is answered at once with a 429 and a `Retry-After`
-estimate, never queued without bound. An admitted request holds its `Ticket` until its reply
-(or its stream) ends, and must end by the ticket's deadline: past it the server stops waiting
-and answers 504 (a stream gets an error event and is closed, which stops its decode).
-
-Ray Serve's own queue sits in front (`max_ongoing_requests` per replica, `max_queued_requests`
-per proxy, a 503 past it); the deployment sets them a little above `limit` so that overload
-reaches this count and gets the 429. The engine's scheduler (a bounded queue with deadlines and
-cancellation inside the engine) can later take over what this module counts: `Admission` is
-the one place the server asks.
-
-`Retry-After` (on every 429 and 503 of the replica) is the time the requests waiting ahead take
-to drain at the rate requests have been completing lately (`DrainRate`): a client told to come
-back then finds a slot, rather than all of them retrying at once after a fixed second.
+are in flight on this replica, else answered at once with a 429 and a `Retry-After` estimate. An
+admitted request holds its `Ticket` until its reply (or stream) ends, and must end by the ticket's
+deadline: past it the server answers 504 (a stream gets an error event and is closed, which stops
+its decode). `Retry-After` (every 429 and 503 of the replica) is the time the requests ahead take
+to drain at the recent completion rate (`DrainRate`). The deployment sets Ray Serve's own queues a
+little above `limit` so that overload reaches this count. Why: docs/serve.md, "Exposing the server".
 """
 from __future__ import annotations
 

@@ -4,11 +4,9 @@
 
 Each replica gets one GPU when the cluster has GPUs, else an equal share of the CPUs (with as many
 torch threads). The process stays in the foreground; Ctrl-C shuts the deployment down. For a
-multi-host cluster use a Serve config file instead (docs/serve.md).
-
-The limits' flags (`--max-messages`, ...) are made from `limits.Limits`, whose fields say what
-each bounds and its default; binding beyond loopback without an API key prints a warning.
-With a loopback `--host` the Ray it starts listens on loopback too (`_init_loopback_ray`).
+multi-host cluster use a Serve config file instead (docs/serve.md). The limits' flags are made from
+`limits.Limits`; binding beyond loopback without an API key prints a warning, and with a loopback
+`--host` the Ray it starts listens on loopback too (`_init_loopback_ray`).
 """
 from __future__ import annotations
 
@@ -30,12 +28,14 @@ APP_NAME = "flashspec"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas (one GPU each where there are GPUs)")
-    parser.add_argument("--target", help="target model: a folder, .gguf file or cached HF id (default: the embedded model)")
+    parser.add_argument("--target",
+                        help="target model: a folder, .gguf file or cached HF id (default: the embedded model)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     parser.add_argument("--model-name", help="the model id clients send (default: the target's name)")
     parser.add_argument("--router-store", help="SQLite file of the router statistics the replicas share")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="rows the engine decodes together; more wait for a slot")
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="rows the engine decodes together; more wait for a slot")
     parser.add_argument("--memory-fraction", type=float, default=MEMORY_FRACTION,
                         help="share of the memory free at a replica's start its rows' caches may use (fewer rows "
                              "where --max-batch-size would not fit; replicas sharing a GPU split it)")
@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             limits.add_argument(flag, nargs="+", metavar="DOMAIN", help=field.description)
         else:
             kind = float if field.annotation is float else int
-            limits.add_argument(flag, type=kind, help=(field.description or "") + ("" if shown is None else f" (default {shown})"))
+            limits.add_argument(flag, type=kind,
+                                help=(field.description or "") + ("" if shown is None else f" (default {shown})"))
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -139,7 +140,8 @@ def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None 
         import ray
         from ray import serve
     except ImportError as exc:
-        raise ValueError(f"serve needs Ray Serve ({exc}); install it with: pip install 'flashspec-agents[serve]'") from exc
+        raise ValueError(f"serve needs Ray Serve ({exc}); "
+                         "install it with: pip install 'flashspec-agents[serve]'") from exc
 
     from flashspec_integrations.serve.deployment import ServeSettings, application
 
@@ -161,7 +163,8 @@ def start(replicas: int, port: int, host: str = "127.0.0.1", device: str | None 
         print(f"warning: {replicas} replicas of {gpus_per_replica:g} GPU but {resources['GPU']:g} GPUs; "
               "the rest wait for a GPU (and this call with them)")
     cpus = 1.0 if gpus else resources.get("CPU", 1) / replicas
-    config = ServeSettings(device=device, threads=None if gpus else max(1, int(cpus)), api_key=None if key is None else SecretStr(key), **settings)
+    config = ServeSettings(device=device, threads=None if gpus else max(1, int(cpus)),
+                           api_key=None if key is None else SecretStr(key), **settings)
     serve.start(http_options={"host": host, "port": port})
     app = application(config, replicas, cpus, gpus_per_replica if gpus else 0)
     _run_within(lambda: serve.run(app, name=APP_NAME, route_prefix="/"), ready_timeout_s)
@@ -179,7 +182,7 @@ def _run_within(run: Any, timeout_s: float | None) -> None:
     def deploy() -> None:
         try:
             run()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+        except BaseException as exc:  # re-raised on the caller's thread
             failed.append(exc)
 
     thread = threading.Thread(target=deploy, name="flashspec-deploy", daemon=True)

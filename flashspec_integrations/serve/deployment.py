@@ -1,23 +1,12 @@
 """The Ray Serve deployment: one engine per replica behind an OpenAI-compatible FastAPI app.
 
-Each replica loads the target once (on the GPU Ray gives it, else the CPU) and routes with its
-own router merged with the others' through the shared ledger (`stats`). Every request, streamed
-or not, joins the engine's running batch at its next step with its own settings and leaves it
-when done (the engine's scheduler); nothing waits for a batch to fill or to finish. A request's
-deadline and a client leaving end its row at the engine's next step. Ray restarts a replica
-whose process dies; the proxy sends new requests to the live ones meanwhile.
-
-Safe to expose (each piece in its own module): the API key, the body's size and the time it takes to
-arrive are checked by middlewares (`guards`), a request's limits before any heavy work (`limits`),
-planning runs off the event loop with a time limit (`planning`), each replica holds a bounded number
-of requests in flight, each with a deadline (`admission`), errors have OpenAI's shape and a 500 only
-a request id (`errors`), and the health check decodes a token when the engine is idle (`health`).
-
-`build_app(args)` is the application builder for Serve config files (`serve run config.yaml`,
-docs/serve.md); the CLI (`command.py`) calls it too.
-
-No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (`Request`)
-at run time, and Serve's ingress wrapper would leave postponed ones unresolved.
+Each replica loads the target once (on the GPU Ray gives it, else the CPU) and routes with its own
+router, merged with the others' through the shared ledger (`stats`). Every request joins the
+engine's running batch at its next step and leaves it when done; its deadline, or its client
+leaving, ends its row at the next step. What keeps an exposed server safe lives in modules of its
+own (`guards`, `limits`, `planning`, `turns`, `admission`, `errors`, `health`). `build_app(args)` is
+the application builder for Serve config files (docs/serve.md); the CLI calls it too. No postponed
+annotations here: FastAPI reads the handlers' (`Request`) at run time, through Serve's ingress wrapper.
 """
 import asyncio
 import contextlib
@@ -70,7 +59,8 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    target: str | None = Field(None, description="target model: a folder, .gguf file or cached HF id; None: the embedded default")
+    target: str | None = Field(None, description="target model: a folder, .gguf file or cached HF id; "
+                                                  "None: the embedded default")
     model_name: str | None = Field(None, description="the id clients send as `model`; default: the target's name")
     device: str | None = Field(None, description="None: the replica's GPU if Ray gave it one, else the CPU")
     router_store: str | None = Field(None, description="the shared router ledger (SQLite); None: the default store")
@@ -217,7 +207,7 @@ class FlashSpecServer:
                     assert isinstance(res, GenerationResult)  # one prompt: one result
             except TimeoutError:
                 return errors.respond(self.admission.deadline_error())
-            except Exception as exc:  # noqa: BLE001 - an OpenAI-style error for this request only
+            except Exception as exc:  # an OpenAI-style error for this request only
                 return errors.respond(errors.engine_error(exc, rid, self.admission.retry_after()))
         except APIError as exc:
             return errors.respond(exc)
@@ -239,7 +229,8 @@ class FlashSpecServer:
             async for piece in self.engine.astream(plan.prompt_ids, self._options(plan, timeout)):
                 yield piece
 
-    async def _events(self, plan: CallPlan, cid: str, include_usage: bool, ticket: Ticket, rid: str) -> AsyncIterator[str]:
+    async def _events(self, plan: CallPlan, cid: str, include_usage: bool, ticket: Ticket,
+                      rid: str) -> AsyncIterator[str]:
         """Server-sent events: the role, content or tool-call deltas, the finish (with the
         `flashspec` field), usage if asked, then [DONE]. A failure mid-stream, or the deadline
         passing, is sent as an `error` event (the status line has gone out already), never a
@@ -262,10 +253,11 @@ class FlashSpecServer:
                     info = self._info(plan, piece.stats)
                     yield _sse(protocol.chunk(cid, self.model_name, {}, finish, flashspec=info))
             if include_usage:
-                yield _sse(protocol.chunk(cid, self.model_name, None, usage=protocol.usage(len(plan.prompt_ids), tokens)))
+                yield _sse(protocol.chunk(cid, self.model_name, None,
+                                          usage=protocol.usage(len(plan.prompt_ids), tokens)))
         except TimeoutError:
             yield _sse(self.admission.deadline_error().body())
-        except Exception as exc:  # noqa: BLE001 - reported to the client, which must not wait on it
+        except Exception as exc:  # reported to the client, which must not wait on it
             yield _sse(errors.engine_error(exc, rid, self.admission.retry_after()).body())
         finally:
             await pieces.aclose()

@@ -1,13 +1,11 @@
 """Errors as OpenAI's clients expect them, and nothing of the server's insides in a reply.
 
-- Engine failures: a ValueError names the engine argument at fault, so it is a 400 naming the
-  request field (`engine_error`), with OpenAI's code `context_length_exceeded` when the prompt and
-  max_tokens do not fit what a row may hold; the engine's own back-pressure is a 429 with `Retry-After`
-  (its queue is full) or a 503 (it is shutting down), as clients and load balancers expect;
+- Engine failures: a ValueError naming an engine argument is a 400 naming the request field
+  (`engine_error`; `context_length_exceeded` when the prompt and max_tokens do not fit a row); the
+  engine's back-pressure is a 429 with `Retry-After` (queue full) or a 503 (shutting down);
   anything else is a 500.
-- A 500 (an engine failure, or any exception no handler caught) carries only a request id;
-  the exception and its traceback go to the replica's log under that id. The id is the one Ray
-  Serve's proxy puts in the `X-Request-ID` response header (a client may send its own).
+- A 500 carries only a request id (the `X-Request-ID` Ray Serve's proxy sets; a client may send its
+  own); the exception and its traceback go to the replica's log under that id.
 - Starlette's own errors (an unknown route, a wrong method) get OpenAI's error body too.
 """
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """The HTTP guards in front of every route: the API key, the body's size and time (ASGI middlewares).
 
-Both read their settings from the app's state (`app.state.api_key`, `.max_body_bytes`, `.body_timeout_s`),
-which each replica sets when it starts; unset, they let everything through. They answer in
-OpenAI's error shape, so the stock clients raise their usual exceptions
-(`openai.AuthenticationError` for a 401).
-
-- `APIKeyMiddleware`: every route but the health route needs `Authorization: Bearer <key>` (as
-  vLLM's and llama.cpp's `--api-key`); the key is compared in constant time. The key comes from
-  the `api_key` setting, else the replica's `FLASHSPEC_API_KEY` environment variable.
-- `BodyLimits`: a body over the limit is a 413; the body is read up to the limit (the
-  declared Content-Length is refused at once), never whole first. A body that has not all
-  arrived within the body timeout is a 408 and its connection is closed: Ray Serve's proxy hands
-  a request to a replica once its headers are in, so a client that stalls inside its body holds
-  one of the replica's places (Ray's `max_ongoing_requests`) until then, and neither uvicorn nor
-  Ray Serve bounds that wait. The body is read before the request is admitted (`admission`), so
-  a stalled one holds no in-flight slot and no engine row. What the app receives after the body
-  is the client's disconnect, logged as one INFO line naming the request id.
+Both read their settings from the app's state (`api_key`, `max_body_bytes`, `body_timeout_s`), set
+by each replica when it starts (unset, they let everything through), and answer in OpenAI's error
+shape. `APIKeyMiddleware`: every route but the health route needs `Authorization: Bearer <key>`
+(compared in constant time; the `api_key` setting, else the replica's `FLASHSPEC_API_KEY`).
+`BodyLimits`: a body over the limit is a 413, read only up to the limit (a declared Content-Length
+over it is refused at once); one not all in within the timeout is a 408 and its connection is
+closed. Bodies are read before admission, so a stalled one holds no slot. Why: docs/serve.md.
 """
 from __future__ import annotations
 
@@ -40,7 +31,8 @@ def resolve_api_key(configured: str | None) -> str | None:
     """The key the server requires: `configured`, else $FLASHSPEC_API_KEY, else None (no key)."""
     key = configured if configured is not None else os.environ.get(API_KEY_ENV)
     if key is not None and not key.strip():
-        raise ValueError(f"api_key: an empty key would let every client in; set a secret or leave it unset ({API_KEY_ENV})")
+        raise ValueError(f"api_key: an empty key would let every client in; "
+                         f"set a secret or leave it unset ({API_KEY_ENV})")
     return key
 
 
@@ -118,7 +110,7 @@ async def _from_client(receive: Receive) -> Message:
     once the proxy has dropped a request whose client left: that is the client's disconnect too."""
     try:
         return await receive()
-    except Exception:  # noqa: BLE001 - any failure of the channel: nobody is left to hear from
+    except Exception:  # any failure of the channel: nobody is left to hear from
         return {"type": "http.disconnect"}
 
 

@@ -1,15 +1,11 @@
 """A replica's health: it answers, and its engine decodes.
 
-Ray Serve calls the deployment's `check_health` every few seconds and restarts a replica that
-fails it or does not answer in time; `GET /health` (no key needed) runs the same check for a load
-balancer. The check:
-
-- while requests are in flight or the engine is decoding, the engine is busy and the replies
-  themselves show it works (each has a deadline): healthy without a decode, so a long batch
-  never gets its replica killed;
-- while idle, a one-token decode of a tiny prompt must finish within `timeout_s`: a wedged or
-  broken engine fails it. A success counts for `ttl_s`, so frequent probes cost one decode, and
-  concurrent probes share the one running.
+Ray Serve calls the deployment's `check_health` every few seconds and restarts a replica that fails
+it or does not answer in time; `GET /health` (no key needed) runs the same check for a load
+balancer. While requests are in flight or the engine is decoding, the replica is healthy without a
+decode (the replies show it works, each with a deadline), so a long batch never gets its replica
+killed. While idle, a one-token decode of a tiny prompt must finish within `timeout_s`, so a wedged
+or broken engine fails; a success counts for `ttl_s`, and concurrent probes share the one running.
 """
 from __future__ import annotations
 

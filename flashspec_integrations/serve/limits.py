@@ -1,22 +1,12 @@
 """What one request may ask of a replica, checked before any heavy work.
 
-Every limit has a default an exposed server can live with and a `flashspec-agents serve` flag
-(`--max-messages`, ...; the flags are made from the fields below) or a Serve config field
-(`limits:` under `args`). What the checks here refuse is a 400 naming the field and the limit
-(413 for the body), before the chat template, the tokenizer or the grammar compiler run:
-
-- the body's size and the time it takes to arrive (`guards.BodyLimits`, an ASGI middleware: it
-  reads at most the size limit; a 408 past the time limit);
-- counts: messages, tools, stop strings (and their length);
-- each JSON schema (`response_format` and every tool's `parameters`, and all of them together
-  when a call is forced over every tool): size as compact JSON and nesting depth, measured
-  without recursion (compile time grows steeply with size: BENCHMARKS.md);
-- the prompt's raw characters (message text and tool definitions) against
-  `max_prompt_tokens * prompt_chars_per_token`: a prompt longer than that cannot fit, so it is
-  refused before tokenizing; the token count itself is checked exactly after (`translate`);
-- `max_tokens` against the operator's cap;
-- the router domain a client names (`domain`, `metadata.flashspec_domain`) against the set the
-  router knows, so clients cannot create router state and ledger rows without bound.
+Every limit has a default an exposed server can live with, a `flashspec-agents serve` flag (made
+from the fields below) and a Serve config field (`limits:` under `args`). Past one, a request is a
+400 naming the field and the limit (413 for the body), before the chat template, the tokenizer or
+the grammar compiler run. Bounded: the body's size and arrival time (`guards.BodyLimits`); counts
+of messages, tools and stop strings; each JSON schema's compact size and nesting depth (measured
+without recursion); the prompt's raw characters before tokenizing (its tokens exactly, after);
+`max_tokens`; the router domains a client may name. The flags and why: docs/serve.md.
 """
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
 """Request planning off the event loop, with a time limit.
 
-Planning a request (`translate.plan_call`: the chat template, the prompt checks, the tokenizer,
-the schema compile) is CPU work: on the event loop it would stall every other request of the
-replica and its health check. It runs here on a few threads of its own; the caller waits at most
-`timeout_s`. A plan that started and ran past the limit is the request's doing (a 400: the
-limits keep it rare); one that could not start within the limit, because the threads were busy,
-is the server's (a 503 with the replica's Retry-After estimate, `admission`). Python cannot stop a running thread: a plan past its
-limit finishes in the background and its result is dropped. The schema compile, the one step
-that could run long, runs in a worker process killed at its own, shorter limit
-(`Limits.compile_timeout_s`, flashspec_core/constrained/compile_process.py), so it never keeps a
-planning thread past that.
+Planning a request (`translate.plan_call`: the chat template, the prompt checks, the tokenizer, the
+schema compile) runs on a few threads of its own, so it never stalls the replica's event loop or
+its health check; the caller waits at most `timeout_s`. A plan that ran past the limit is the
+request's doing (a 400); one that could not start within it, the threads being busy, is the
+server's (a 503 with Retry-After). A plan past its limit finishes in the background and its result
+is dropped; the schema compile, the one step that could run long, runs in a worker process killed
+at its own, shorter limit (`Limits.compile_timeout_s`, flashspec_core/constrained/compile_process.py).
 """
 from __future__ import annotations
 

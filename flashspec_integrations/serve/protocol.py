@@ -1,15 +1,12 @@
 """The OpenAI chat-completions wire format, as far as this server speaks it, and its errors.
 
-Requests are validated field by field before anything reaches the engine, so a bad request gets a
-400 naming the field (OpenAI's `{"error": {"message", "type", "param", "code"}}` body), never a
-500 from deep inside a decode. Types are strict (pydantic's strict mode), as OpenAI documents them:
-`"stream": "yes"`, `"temperature": "0.5"` or `"max_tokens": true` are refused, not coerced; the
-one widening kept is JSON's, an integer where a number is expected (`"temperature": 1`). Fields OpenAI defines but this server cannot honour (`n` > 1,
-`logprobs`, frequency or presence penalties) are refused by name rather than silently ignored;
-unknown fields are refused too, as OpenAI itself does. Two extra request fields: `domain` sets the
-router's domain for the call, and `metadata` is read for `flashspec_domain` and agent-node keys
-(`flashspec_integrations.domain_rules`). Responses carry an extra `flashspec` field with the call's
-router statistics; OpenAI clients keep unknown fields (`response.model_extra` in `openai`).
+Requests are validated field by field before anything reaches the engine: a bad one is a 400
+naming the field in OpenAI's `{"error": {...}}` body. Types are strict, as OpenAI documents them
+(`"stream": "yes"` is refused, not coerced); the one widening kept is JSON's, an integer where a
+number is expected. Fields this server cannot honour (`n` > 1, `logprobs`, frequency or presence
+penalties) and unknown fields are refused by name. Extra request fields: `domain` (the router's
+domain) and `metadata` (`flashspec_domain`, agent-node keys); responses carry an extra `flashspec`
+field with the call's router statistics (OpenAI clients keep it: `response.model_extra`).
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Router statistics shared by every replica: one SQLite ledger, merged into each router live.
 
-Each replica routes with its own `BanditRouter` (selection stays in-process, microseconds per
-step) and writes every update to the router store (`flashspec_core/routing/store.py`), an additive
-ledger that many processes write at once without losing counts and that survives a killed
-writer. Before a call, at most every `interval` seconds, a replica reads the ledger and absorbs
-what the others added since it last looked (`BanditRouter.absorb`): the ledger's totals minus
-what it had already seen minus its own writes. A new or restarted replica loads the ledger when
-its router is built, so it starts warm.
-
-Why the SQLite store and not a Ray actor: it already exists, is tested against concurrent writers
-and kill -9, keeps its state when every replica (or the whole cluster) restarts, and has no single
-process whose death loses statistics. Its limit: the replicas must share a local disk (SQLite's
-WAL does not work over network file systems), so on a multi-host cluster each host's replicas
-share one ledger and hosts learn separately (see docs/serve.md).
+Each replica routes with its own `BanditRouter` (selection stays in-process) and writes every update
+to the router store (`flashspec_core/routing/store.py`). Before a call, at most every `interval`
+seconds, a replica reads the ledger and absorbs what the others added since it last looked
+(`BanditRouter.absorb`: the ledger's totals minus what it had seen minus its own writes). A new or
+restarted replica loads the ledger when its router is built, so it starts warm. Replicas must share
+a local disk (SQLite's WAL does not work over network file systems). Why SQLite and not a Ray
+actor: docs/serve.md, "Router statistics shared by the replicas".
 """
 from __future__ import annotations
 
@@ -145,7 +139,8 @@ class SharedRouterStats:
         return {"warm_steps": self.warm_steps, "peer_steps": self.peer_steps}
 
 
-def share_router(engine: SpecEngine, path: str | Path | None, interval: float = 2.0, algorithm: str = "thompson") -> SharedRouterStats:
+def share_router(engine: SpecEngine, path: str | Path | None, interval: float = 2.0,
+                 algorithm: str = "thompson") -> SharedRouterStats:
     """Give `engine` a bandit router over its arms that writes to and merges from the ledger at
     `path` (None: the default store beside the converted weights)."""
     free = {name: d for name, d in engine.drafts.items() if d.deterministic}

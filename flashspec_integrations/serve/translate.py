@@ -1,13 +1,12 @@
 """A chat-completions request -> one engine call; the engine's output -> the reply.
 
-The call is planned by `flashspec_integrations.plan.plan_chat`, the code the LangChain and
-LlamaIndex adapters plan with, so a chain gets the same prompt, stops, domain, tool handling and
-grammar whether its model runs in-process or behind this endpoint. Here the request's fields
-become a `ChatRequest` (OpenAI defaults for sampling), the domain rule reads the `domain` field
-and `metadata["flashspec_domain"]`, and the plan's grammar is compiled first, in a worker process
-killed past the server's compile limit, so a schema that does not compile, or not in time, is a
-400 before any decoding (the engine compiles nothing itself). Tool calls are read back from the
-output, in full or as stream deltas (`tool_calls`).
+The call is planned by `flashspec_integrations.plan.plan_chat`, as the LangChain and LlamaIndex
+adapters plan theirs, so a chain gets the same prompt, stops, domain, tool handling and grammar
+whether its model runs in-process or behind this endpoint. The request's fields become a
+`ChatRequest` (OpenAI defaults for sampling), the domain rule reads `domain` and
+`metadata["flashspec_domain"]`, and the grammar is compiled first, in a worker process killed past
+the compile limit, so a schema that does not compile, or not in time, is a 400 before any decoding
+(the engine compiles nothing itself). Tool calls are read back from the output (`tool_calls`).
 """
 from __future__ import annotations
 
@@ -88,7 +87,8 @@ def _response_format(req: ChatCompletionRequest) -> dict | None:
         return None
     if fmt.type == "json_object":
         return {"type": "json_object"}
-    return {"type": "json_schema", "json_schema": {"schema": None if fmt.json_schema is None else fmt.json_schema.schema_}}
+    return {"type": "json_schema",
+            "json_schema": {"schema": None if fmt.json_schema is None else fmt.json_schema.schema_}}
 
 
 def _decide(req: ChatCompletionRequest, facts: StepContext) -> DomainDecision:

@@ -1,15 +1,12 @@
 """Each client's turn at the grammar compilers, so that one client's schemas cannot starve another's.
 
-A replica prepares requests on two planning threads and compiles schemas in two worker processes
-(`planning`, flashspec_core/constrained/compile_process.py); a slow schema holds one of each for up
-to `--compile-timeout-s`. A client sending slow schemas in parallel would hold them all, and every
-other client's request would wait for a thread or get a 503. Here one client has at most `limit`
-requests with a schema being prepared at once on a replica; its others wait their turn on the
-event loop, holding no thread and no worker, and one whose turn does not come within `timeout_s`
-is a 429 with Retry-After. Other clients' requests go on meanwhile.
-
-A client is its address as Ray Serve's proxy saw it. Behind a load balancer that hides the
-clients' addresses they are all one client: raise the limit there (`--max-compiles-per-client`).
+A replica prepares requests on two planning threads and compiles schemas in two worker processes,
+and a slow schema holds one of each for up to `--compile-timeout-s`. So one client has at most
+`limit` requests with a schema being prepared at once on a replica; its others wait their turn on
+the event loop, holding no thread and no worker, and one whose turn does not come within
+`timeout_s` is a 429 with Retry-After. A client is its address as Ray Serve's proxy saw it: behind
+a load balancer that hides the clients' addresses they are all one client, so raise the limit
+there (`--max-compiles-per-client`). Why: docs/serve.md, "Exposing the server".
 """
 from __future__ import annotations
 

@@ -130,9 +130,11 @@ def test_sampled_steps_on_graphs_cut_proposals_to_warmed_widths(tiny_target):
     runner.widths = (1, 3, 5)
     fed = []
     real = runner.verify_step
-    runner.verify_step = lambda contexts, drafts, *a, **k: (fed.append(len(drafts[0])), real(contexts, drafts, *a, **k))[1]
+    runner.verify_step = lambda contexts, drafts, *a, **k: (fed.append(len(drafts[0])),
+                                                            real(contexts, drafts, *a, **k))[1]
     for seed in range(6):
-        result = engine.generate([6, 6, 6, 6, 1], max_new_tokens=24, sampling=SamplingParams(temperature=1.0, seed=seed))
+        result = engine.generate([6, 6, 6, 6, 1], max_new_tokens=24,
+                                 sampling=SamplingParams(temperature=1.0, seed=seed))
         assert {r.drafted for r in result.stats.records} <= {0, 2, 4}
         assert {r.draft_lengths for r in result.stats.records} == {(0, 2, 4)}  # the router scores copies so
     assert set(fed) <= {0, 2, 4} and 4 in fed and 2 in fed

@@ -133,7 +133,7 @@ def two_tokens_via_verify(tab: Tables, sampling: SamplingParams, gamma: int, one
                           seed: int) -> tuple[np.ndarray, np.ndarray]:
     """The first two output tokens of n independent rows, one or two verify steps each."""
     gen = torch.Generator().manual_seed(seed)
-    as_q = lambda logits: torch.from_numpy(reference_probs(logits, sampling)).float()  # noqa: E731
+    as_q = lambda logits: torch.from_numpy(reference_probs(logits, sampling)).float()
     q1, q2, qf = as_q(tab.draft1[None])[0], as_q(tab.draft2), as_q(tab.filler[None])[0]
 
     def step(first_logits: torch.Tensor, q_first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +198,8 @@ def _drafts(kind: str, tiny_target, tiny_draft_model, backend: str = "torch"):
 
 
 def _engine_pvalues(tiny_target, tiny_draft_model, kind: str, gamma: int, sampling_name: str, replicate: int,
-                    calls: int = 1, prompt: list[int] = PROMPT, backend: str = "torch") -> tuple[float, float, SpecEngine]:
+                    calls: int = 1, prompt: list[int] = PROMPT,
+                    backend: str = "torch") -> tuple[float, float, SpecEngine]:
     """G-test p-values of the engine's first token and first two tokens over N_ENGINE rows.
 
     Rows run with max_new_tokens = γ + 1, so the first step drafts a full γ, and with the stop

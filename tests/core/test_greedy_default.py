@@ -2,7 +2,8 @@
 
 Ten prompts of different kinds × 96 tokens, for plain decoding and every draft source (prompt
 lookup at γ 1 and 8, the suffix cache at γ 4, an NF4 copy of the target as a model draft at γ 4). The HF
-reference runs once per prompt on a stock copy of the model, unpadded, and keeps its logits; the engine runs all prompts as one batch per arm. A
+reference runs once per prompt on a stock copy of the model, unpadded, and keeps its logits; the
+engine runs all prompts as one batch per arm. A
 divergence is accepted only where the reference's top-2 logit gap is below 1e-4 (an fp tie that
 batching or a different kernel order may break either way), and the test then says so in a warning.
 """

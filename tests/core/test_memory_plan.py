@@ -146,7 +146,8 @@ def test_when_not_even_one_row_fits_the_window_shrinks_and_names_memory_fraction
     fake_free(monkeypatch, free)
     engine = engine_over(tiny_target, max_batch=4)
     assert (engine.memory.rows, engine.context_window) == (1, 100)
-    with pytest.raises(ContextLengthError, match=r"max_new_tokens: .* 95 new tokens fit the 100 tokens .*memory_fraction"):
+    with pytest.raises(ContextLengthError,
+                       match=r"max_new_tokens: .* 95 new tokens fit the 100 tokens .*memory_fraction"):
         engine.submit([LONG_RUN], max_new_tokens=96)
     assert (engine.running, engine.queued) == (0, 0)
     result = engine.generate(LONG_RUN, max_new_tokens=95)

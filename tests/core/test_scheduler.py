@@ -102,7 +102,8 @@ def test_rows_of_one_penalty_are_penalized_together_each_as_alone(tiny_target, d
     batches: list[int] = []
     real = rows.penalize_rows
     monkeypatch.setattr(rows, "penalize_rows", lambda logits, *a: (batches.append(len(logits)), real(logits, *a))[1])
-    greedy, sampled = SamplingParams(repetition_penalty=2.0), SamplingParams(temperature=1.0, repetition_penalty=2.0, seed=5)
+    greedy, sampled = (SamplingParams(repetition_penalty=2.0),
+                       SamplingParams(temperature=1.0, repetition_penalty=2.0, seed=5))
     arm = FixedRouter(Arm("model", 4))
     alone = engine_over(tiny_target, arm, draft_model).generate(PROMPTS[3], max_new_tokens=20,
                                                                 sampling=sampled).token_ids

@@ -73,7 +73,7 @@ def outcomes(handles) -> list[object]:
             if "did not finish" in str(exc):
                 pytest.fail(f"a request was never answered: {exc}")
             out.append(exc)
-        except Exception as exc:  # noqa: BLE001 - the error is the outcome under test
+        except Exception as exc:  # the error is the outcome under test
             out.append(exc)
     return out
 

@@ -169,7 +169,8 @@ def test_greedy_step_in_the_graph_verifies_as_the_reference(model):
         ctx = [rng.randrange(VOCAB) for _ in range(rng.randint(4, 30))]
         # Drafts that agree with the target for a random prefix, then not.
         target = _fresh(model, ctx, 1).argmax(-1).tolist()
-        draft = [target[0] if rng.random() < 0.5 else (target[0] + 1) % VOCAB] + [rng.randrange(VOCAB) for _ in range(3)]
+        draft = ([target[0] if rng.random() < 0.5 else (target[0] + 1) % VOCAB]
+                 + [rng.randrange(VOCAB) for _ in range(3)])
         runner.reset(1)
         runner.forward_to([ctx[:-1]])  # the prefill: the step then feeds the last token + draft
         fused = runner.verify_step([ctx], [draft], [True], SamplingParams())

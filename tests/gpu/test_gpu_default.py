@@ -48,7 +48,8 @@ def test_graphed_greedy_equals_hf_generate(target, prompts, references, arm):
     drafts = [PromptLookupDraft(), SuffixCacheDraft(), *shipped_drafts(target)]
     if name == "suffix_cache":
         drafts[1].end(prompts, [tokens[:32] for tokens, _ in references])
-    engine = SpecEngine(target, drafts, router=FixedRouter(Arm(NO_DRAFT, 0) if name == "none" else Arm(name, int(gamma))))
+    engine = SpecEngine(target, drafts,
+                        router=FixedRouter(Arm(NO_DRAFT, 0) if name == "none" else Arm(name, int(gamma))))
     assert engine.backend == "cuda-graph"
     ties = []
     accepted = 0

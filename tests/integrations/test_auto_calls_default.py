@@ -43,7 +43,8 @@ def test_langchain(default_engine):
 
 def test_llama_index(default_engine):
     llm = FlashSpecLLM(max_tokens=96)
-    response = llm.chat_with_tools([t["function"] for t in TOOLS], chat_history=[ChatMessage(role="user", content=REQUEST)])
+    response = llm.chat_with_tools([t["function"] for t in TOOLS],
+                                   chat_history=[ChatMessage(role="user", content=REQUEST)])
     (selection,) = llm.get_tool_calls_from_response(response)
     check(selection.tool_name, selection.tool_kwargs)
     assert "<tool_call>" not in (response.message.content or "")

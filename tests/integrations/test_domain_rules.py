@@ -75,7 +75,8 @@ def test_prompt_checks_do_not_fire_on_plain_prose():
     assert is_rag_prompt("Context: the sky is green.\n\nQuestion: what colour is the sky?")
     assert not is_react_prompt("Thought: hmm. That is all.")
     assert is_react_prompt(REACT)
-    assert [normalize_role(r) for r in ["Human", "AI", "function", "developer"]] == ["user", "assistant", "tool", "system"]
+    assert ([normalize_role(r) for r in ["Human", "AI", "function", "developer"]]
+            == ["user", "assistant", "tool", "system"])
 
 
 @pytest.mark.parametrize("bad", ["", "  ", 3])

@@ -19,6 +19,7 @@ def test_all_lists_the_public_classes():
 def test_the_shared_modules_import_neither_framework():
     shared = ["domain_rules", "settings", "engines", "calls", "prompts", "tool_calls", "async_bridge", "hashing"]
     code = (f"import sys, importlib\nfor m in {shared!r}: importlib.import_module('flashspec_integrations.' + m)\n"
-            "print(sorted(k for k in sys.modules if k.split('.')[0] in ('langchain', 'langchain_core', 'llama_index')))")
+            "print(sorted(k for k in sys.modules "
+            "if k.split('.')[0] in ('langchain', 'langchain_core', 'llama_index')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -76,8 +76,8 @@ def test_one_engine_per_setting_for_every_instance_of_either_framework(monkeypat
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-@pytest.mark.parametrize("name, field, call, bad", [("repetition_penalty", 1.3, 1.1, 0.0), ("no_repeat_ngram_size", 3, 2, -1),
-                                                    ("top_p", 0.5, 0.7, 1.5)])
+@pytest.mark.parametrize("name, field, call, bad", [("repetition_penalty", 1.3, 1.1, 0.0),
+                                                    ("no_repeat_ngram_size", 3, 2, -1), ("top_p", 0.5, 0.7, 1.5)])
 def test_sampling_fields_and_call_keywords_reach_the_engine(cls, name, field, call, bad):
     engine = ScriptedEngine(["ok"])
     model = cls(engine=engine, **{name: field})

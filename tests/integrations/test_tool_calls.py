@@ -34,7 +34,8 @@ SPECS = [{"type": "function", "function": {"name": n, "parameters": {"type": "ob
         ("<tool_call>{'name': 'add', 'arguments': {'a': 1, 'ok': True}}</tool_call>", "add", {"a": 1, "ok": True}),
         ('<tool_call>{"name": "add", "parameters": {"a": 1}}</tool_call>', "add", {"a": 1}),
         ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 4}"}</tool_call>', "add", {"a": 4}),
-        ('<tool_call>{"function": {"name": "Lookup", "arguments": {"city": "Oslo"}}}</tool_call>', "lookup", {"city": "Oslo"}),
+        ('<tool_call>{"function": {"name": "Lookup", "arguments": {"city": "Oslo"}}}</tool_call>', "lookup",
+         {"city": "Oslo"}),
         ('```json\n{"name": "lookup", "arguments": {"city": "x"}}\n```', "lookup", {"city": "x"}),
         ('Calling it: {"name": "lookup", "arguments": {"city": "x"}} now.', "lookup", {"city": "x"}),
     ],
@@ -164,8 +165,10 @@ def test_both_adapters_read_one_reply_as_the_same_calls(reply):
     # forms can be written: test_one_plan.py).
     lc = ChatFlashSpec(engine=_free(ScriptedEngine([reply]))).bind_tools([add]).invoke("2+3?")
     li_llm = FlashSpecLLM(engine=_free(ScriptedEngine([reply])))
-    li = li_llm.get_tool_calls_from_response(li_llm.chat_with_tools([FunctionTool.from_defaults(_li_add, name="add")], user_msg="2+3?"))
-    assert [(c["name"], c["args"]) for c in lc.tool_calls] == [(s.tool_name, s.tool_kwargs) for s in li] == [("add", {"a": 2, "b": 3})]
+    li = li_llm.get_tool_calls_from_response(
+        li_llm.chat_with_tools([FunctionTool.from_defaults(_li_add, name="add")], user_msg="2+3?"))
+    assert ([(c["name"], c["args"]) for c in lc.tool_calls] == [(s.tool_name, s.tool_kwargs) for s in li]
+            == [("add", {"a": 2, "b": 3})])
 
 
 def test_an_argument_the_tool_does_not_declare_makes_the_call_invalid_in_both_adapters():

@@ -97,7 +97,7 @@ def row_local_dot(monkeypatch: pytest.MonkeyPatch) -> None:
     import numpy as np
     from triton.runtime import interpreter
 
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ARG001 - the builder's signature
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # the builder's signature
         acc_type = d.data.dtype
         products = a.data.astype(acc_type)[:, :, None] * b.data.astype(acc_type)[None, :, :]  # [M, K, N]
         return interpreter.TensorHandle(np.add.reduce(products, axis=1) + d.data, d.dtype.scalar)
@@ -136,7 +136,8 @@ def test_a_querys_result_is_the_same_bits_alone_and_beside_others(dtype, row_loc
 
 def test_positions_past_the_cache_read_inside_it():
     q, k, v, rows, positions = _case(1, 1, 2, 2, 16, 128, 1, torch.float32, seed=2)
-    positions[0] = torch.tensor([127, 400], device=DEVICE)  # a pad's position past the end: clamped, never out of bounds
+    # a pad's position past the end: clamped, never out of bounds
+    positions[0] = torch.tensor([127, 400], device=DEVICE)
     out = attend(q, k, v, rows, positions, 0.25)
     assert torch.isfinite(out).all()
     want = _reference(q, k, v, rows, torch.tensor([[127, 127]]), 0.25)

@@ -18,16 +18,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from transformers import LlamaConfig  # noqa: E402
-from transformers.activations import ACT2FN  # noqa: E402
-from transformers.models.llama.modeling_llama import (  # noqa: E402
+from transformers import LlamaConfig
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from flashspec_core.backends import fused_ops  # noqa: E402
+from flashspec_core.backends import fused_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

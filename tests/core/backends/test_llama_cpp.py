@@ -6,7 +6,8 @@ widths up to a verify pass compute what one-token decoding computes, bit for bit
 length (llama_cpp.py says what breaks it otherwise). So the engine, which scores the first token
 from the prompt's own forward and every later one from verify passes, must reproduce the greedy tokens of
 llama-cpp-python's own `Llama.generate` at temperature 0 (the prompt after the prefix its context
-already holds in one batch, then one token at a time), for every draft; and its sampling path must follow the law of llama.cpp's distributions.
+already holds in one batch, then one token at a time), for every draft; and its sampling path must
+follow the law of llama.cpp's distributions.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Each file here is written at test time by gguf-py: a tiny random model (2 layers
 Qwen3's default) whose projections are random blocks of the types a real file mixes (Q4_K, Q5_0,
 Q6_K, Q8_0, and F16 and BF16 tensors), or all F16 or BF16 (an unquantized file), with fp32 norms,
 Qwen2's q/k/v biases and Qwen3's per-head q/k norms (a Llama file's q and k rows are permuted, as
-llama.cpp's converter writes them, and transformers permutes them back). transformers loads it by de-quantising every tensor; the engine's runner attaches the
+llama.cpp's converter writes them, and transformers permutes them back). transformers loads it by
+de-quantising every tensor; the engine's runner attaches the
 file's blocks to every projection (bit for bit the loaded weights), runs its layers in
 `decode_layers.c`, and its greedy tokens must be transformers' `generate` on the same file, its
 logits generate's within fp32 rounding (a greedy token alone can survive a skipped bias).

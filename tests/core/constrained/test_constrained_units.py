@@ -172,7 +172,8 @@ def test_tool_call_schema_forces_the_name_first():
         tool_call_schema([{"type": "function", "function": {}}])
 
 
-TREE = {"type": "object", "properties": {"label": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}},
+TREE = {"type": "object", "properties": {"label": {"type": "string"},
+                                        "children": {"type": "array", "items": {"$ref": "#"}},
                                         "next": {"$ref": "#/$defs/link"}, "const": {"const": {"$ref": "#"}}},
         "required": ["label"], "additionalProperties": False,
         "$defs": {"link": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}}}

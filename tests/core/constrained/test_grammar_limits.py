@@ -37,7 +37,8 @@ ENDLESS = {"type": "object", "properties": {"a": {"type": "string", "pattern": "
 @pytest.fixture
 def compile_(default_target):
     eos = default_target.tokenizer.eos_token_id
-    return lambda s, **kw: compile_json_schema(s, default_target.tokenizer, vocab_size(default_target.model), [eos], **kw)
+    return lambda s, **kw: compile_json_schema(s, default_target.tokenizer, vocab_size(default_target.model), [eos],
+                                               **kw)
 
 
 @pytest.fixture

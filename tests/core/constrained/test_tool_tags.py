@@ -128,7 +128,7 @@ def test_free_text_is_never_masked_and_a_partial_trigger_is(tok):
     returns the logits unchanged); once the text ends in `<tool_call`, a token that would open the
     call wrongly is forbidden; inside the call the mask is the grammar's."""
     constraint = Constraint(grammar_of(tok, tool_tags(TOOLS)), [[0, 1], [0, 1]])
-    ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    ids = lambda text: tok(text, add_special_tokens=False).input_ids
     free = ids("a <b> {c} <tool_ca")  # ends inside the trigger: the last position is free still
     logits = torch.randn(2, len(free) + 1, len(tok))
     masked = constraint.mask_logits(logits, [free, free], [True, True])
@@ -160,7 +160,8 @@ def test_forbids_nothing_says_when_the_mask_would_change_nothing(tok):
         assert constraint.forbids_nothing(paths, active) == unchanged, (paths, active)
         seen.add(unchanged)
     assert seen == {True, False}
-    assert constraint.forbids_nothing([[], []], [True, False]) and not constraint.forbids_nothing([[], []], [True, True])
+    assert (constraint.forbids_nothing([[], []], [True, False])
+            and not constraint.forbids_nothing([[], []], [True, True]))
 
 
 def ascii_engine(drafts=(), router=None, seed: int = 2) -> SpecEngine:

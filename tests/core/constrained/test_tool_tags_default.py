@@ -79,7 +79,8 @@ def test_every_primed_call_is_valid_and_without_the_tag_they_are_not(plain):
 
 def test_speculation_under_the_tag_emits_plain_masked_greedy_tokens(default_target, plain):
     """(Every draft and the router: test_tool_tags.py, on a tiny model.)"""
-    engine = SpecEngine(default_target, [GrammarForcedDraft(), PromptLookupDraft()], router=FixedRouter(Arm("grammar", 8)))
+    engine = SpecEngine(default_target, [GrammarForcedDraft(), PromptLookupDraft()],
+                        router=FixedRouter(Arm("grammar", 8)))
     tools = bound(26)
     ids = prompt_ids(plain, TOOL_SUITE[26]["request"], tools, OPENED)
     spec = tool_tags(tools, opened=OPENED)  # parallel: free text and further calls may follow the first

@@ -148,7 +148,8 @@ def test_resume_continues_exactly_where_the_interrupted_run_stopped(target, cont
         train_draft(fresh(), target.model, train, cfg, EOS, checkpoint=tmp_path / "c.pt", progress=False)
     monkeypatch.setattr(train_module, "distill_loss", real_loss)
     resumed = fresh()
-    result = train_draft(resumed, target.model, train, cfg, EOS, checkpoint=tmp_path / "c.pt", resume=True, progress=False)
+    result = train_draft(resumed, target.model, train, cfg, EOS, checkpoint=tmp_path / "c.pt", resume=True,
+                         progress=False)
     assert result.steps == 6 and [h["step"] for h in result.history] == [3, 6]
     for key, value in straight.trainable_state().items():
         torch.testing.assert_close(resumed.trainable_state()[key], value)

@@ -26,18 +26,25 @@ PROMPTS = {
         "I feel anxious before presentations -> any tips to calm down?",
     ],
     "code": [
-        "```js\nconst xs = [3, 1, 2];\nxs.sort((a, b) => a - b);\nconsole.log(xs);\n```\nWhy does sort without a comparator give the wrong order for numbers?",
+        "```js\nconst xs = [3, 1, 2];\nxs.sort((a, b) => a - b);\nconsole.log(xs);\n```\n"
+        "Why does sort without a comparator give the wrong order for numbers?",
         "Implement a Rust function that returns the nth Fibonacci number iteratively.",
-        "def parse(line):\n    key, value = line.split('=')\n    return key.strip(), value.strip()\n\nThis crashes on lines without '='; fix it.",
-        "SELECT name, COUNT(*) FROM orders o JOIN users u ON u.id = o.user_id GROUP BY name;\nHow can I make this SQL query faster?",
+        "def parse(line):\n    key, value = line.split('=')\n    return key.strip(), value.strip()\n\n"
+        "This crashes on lines without '='; fix it.",
+        "SELECT name, COUNT(*) FROM orders o JOIN users u ON u.id = o.user_id GROUP BY name;\n"
+        "How can I make this SQL query faster?",
         "Traceback (most recent call last):\n  File \"app.py\", line 12, in <module>\n    main()\nKeyError: 'user'\n",
-        "public class Main {\n    public static void main(String[] args) {\n        System.out.println(\"hi\");\n    }\n}\nConvert this Java program to Kotlin.",
+        "public class Main {\n    public static void main(String[] args) {\n        System.out.println(\"hi\");\n"
+        "    }\n}\nConvert this Java program to Kotlin.",
     ],
     "tool": [
         '{"name": "search_flights", "arguments": {"from": "OSL", "to": "LIS", "date": "2025-06-01"}}',
         "<tool_call>\n{\"name\": \"get_stock_price\", \"arguments\": {\"ticker\": \"NVDA\"}}\n</tool_call>",
-        "Answer the question. You have access to the following tools:\ncalculator: evaluates arithmetic\nwiki: looks up articles\n\nQuestion: how tall is Mont Blanc?\nThought: I should look it up.\nAction: wiki\nAction Input: Mont Blanc\nObservation: 4,806 m",
-        '{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "send_email", "arguments": "{}"}}]}',
+        "Answer the question. You have access to the following tools:\ncalculator: evaluates arithmetic\n"
+        "wiki: looks up articles\n\nQuestion: how tall is Mont Blanc?\nThought: I should look it up.\n"
+        "Action: wiki\nAction Input: Mont Blanc\nObservation: 4,806 m",
+        '{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", '
+        '"function": {"name": "send_email", "arguments": "{}"}}]}',
     ],
     "json": [
         "Read the review below and output JSON with fields sentiment and score.\nReview: The soup was cold.",
@@ -46,9 +53,12 @@ PROMPTS = {
     ],
     "rag": [
         _DOCS + "\n\nQuestion: By how much did reservoir levels fall? Answer using only the documents above.",
-        "Context:\n" + "The Treaty of Westphalia (1648) ended the Thirty Years' War and reshaped the map of Europe. " * 60
+        "Context:\n"
+        + "The Treaty of Westphalia (1648) ended the Thirty Years' War and reshaped the map of Europe. " * 60
         + "\nWhat did the treaty end?",
-        "Use the provided passages to answer and cite the passage numbers.\n\n[1] Honeybees communicate through a waggle dance.\n[2] The dance encodes direction and distance.\n\nQ: How do bees share locations?",
+        "Use the provided passages to answer and cite the passage numbers.\n\n"
+        "[1] Honeybees communicate through a waggle dance.\n[2] The dance encodes direction and distance.\n\n"
+        "Q: How do bees share locations?",
     ],
     "math": [
         "Solve the system: 2x + y = 7 and x - y = 2.",

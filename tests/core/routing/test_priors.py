@@ -47,8 +47,9 @@ def test_model_drafts_presumed_slow_are_rarely_explored_where_they_do_not_pay():
             router.set_forward_costs({1: 0.04, 3: 0.06, 5: 0.08})
             if expected:
                 router.set_expected_goodput({a: 12.0 for a in arms})
-            total += sum(a != NONE for a in drive(router, "slow", 40, random.Random(seed),
-                                                  world={"slow": {NONE: (1.0, 0.04), **{a: (1.5, 0.09) for a in arms}}}))
+            total += sum(a != NONE for a in drive(
+                router, "slow", 40, random.Random(seed),
+                world={"slow": {NONE: (1.0, 0.04), **{a: (1.5, 0.09) for a in arms}}}))
         return total
 
     assert model_pulls(expected=False) >= 8

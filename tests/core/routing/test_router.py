@@ -346,7 +346,7 @@ def test_a_graph_capture_inside_a_step_is_charged_to_no_arm():
                                  verify_seconds=0.002 + capture, warmup_seconds=capture))
         router.update(StepRecord(domain="rag", arm=NGRAM, drafted=4, accepted=2, emitted=3, draft_seconds=0.0001,
                                  verify_seconds=0.0021 + capture, warmup_seconds=capture))
-    flat = lambda r: {(d, a, k): v for d, arms in r.summary().items()  # noqa: E731
+    flat = lambda r: {(d, a, k): v for d, arms in r.summary().items()
                       for a, row in arms.items() for k, v in row.items() if v is not None}
     assert flat(cold) == pytest.approx(flat(warm))
     assert cold._domains["rag"].verify_seconds(5) == pytest.approx(0.0021)

@@ -80,7 +80,8 @@ def sample_step(design: Design, rows: int, seed: int, backend: str, device: str 
         if design.one_hot:
             draft, probs = q.argmax(-1).expand(size, -1), None
         else:
-            draft = torch.stack([torch.multinomial(q[j], size, replacement=True, generator=gen) for j in range(gamma)], 1)
+            draft = torch.stack([torch.multinomial(q[j], size, replacement=True, generator=gen)
+                                 for j in range(gamma)], 1)
             probs = q.to(device).expand(size, -1, -1)
         uniforms = torch.rand(size, gamma + 1, generator=gen) if backend == "torch" else None
         seeds = torch.randint(0, 2**62, (size,), generator=gen).to(device) if per_row else None

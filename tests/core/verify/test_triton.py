@@ -14,12 +14,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from scipy import stats  # noqa: E402
+from scipy import stats
 
-from flashspec_core.processors.sampling import SamplingParams, probs_from_logits  # noqa: E402
-from flashspec_core.verify import verify  # noqa: E402
-from flashspec_core.verify.reference import PAD, verify_torch  # noqa: E402
-from flashspec_core.verify.triton import supports, verify_triton  # noqa: E402
+from flashspec_core.processors.sampling import SamplingParams, probs_from_logits
+from flashspec_core.verify import verify
+from flashspec_core.verify.reference import PAD, verify_torch
+from flashspec_core.verify.triton import supports, verify_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -84,7 +84,8 @@ SMALL = itertools.product((17, 1000), (1, 3, 8), (1, 4, 8), (0.0, 0.7, 1.3), (Fa
 LARGE = itertools.product((4096,), ((1, 8), (3, 4), (8, 1)), (0.0, 0.7, 1.3), (False, True))
 MATRIX = [
     pytest.param(bsz, gamma, vocab, temperature, model, DTYPES[i % 3],
-                 id=f"V{vocab}-B{bsz}-g{gamma}-T{temperature}-{'model' if model else 'onehot'}-{str(DTYPES[i % 3])[6:]}")
+                 id=f"V{vocab}-B{bsz}-g{gamma}-T{temperature}-{'model' if model else 'onehot'}"
+                    f"-{str(DTYPES[i % 3])[6:]}")
     for i, (vocab, bsz, gamma, temperature, model) in enumerate(
         list(SMALL) + [(v, b, g, t, m) for v, (b, g), t, m in LARGE]
     )

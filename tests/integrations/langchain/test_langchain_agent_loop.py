@@ -31,7 +31,8 @@ def get_weather(city: str) -> str:
 def weather_model(prompt: str) -> str:
     """Calls the tool until its result is in the prompt, then answers from it."""
     if "<tool_response>" not in prompt:
-        return 'Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        return ('Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                '</tool_call>')
     return "It is sunny and 24 C in Paris."
 
 
@@ -50,7 +51,8 @@ def raw_graph(model):
     return graph.compile()
 
 
-@pytest.mark.parametrize("build", [raw_graph, lambda m: create_agent(m, [get_weather])], ids=["StateGraph", "create_agent"])
+@pytest.mark.parametrize("build", [raw_graph, lambda m: create_agent(m, [get_weather])],
+                         ids=["StateGraph", "create_agent"])
 def test_unforced_agent_loop_calls_the_tool_and_finishes(build):
     CALLS.clear()
     engine = ScriptedEngine(weather_model)
@@ -61,7 +63,8 @@ def test_unforced_agent_loop_calls_the_tool_and_finishes(build):
     first, result, answer = messages[1], messages[2], messages[-1]
     assert isinstance(first, AIMessage) and first.tool_calls[0]["name"] == "get_weather"
     assert isinstance(result, ToolMessage) and result.tool_call_id == first.tool_calls[0]["id"]
-    assert isinstance(answer, AIMessage) and not answer.tool_calls and answer.content == "It is sunny and 24 C in Paris."
+    assert (isinstance(answer, AIMessage) and not answer.tool_calls
+            and answer.content == "It is sunny and 24 C in Paris.")
     # Never forced: each step may call or answer, under the structural tag of the bound tool's calls.
     assert len(engine.calls) == 2 and all(c["json_schema"]["format"]["triggers"] == ["<tool_call>"]
                                           and not c["json_schema"]["format"]["at_least_one"] for c in engine.calls)

@@ -134,7 +134,8 @@ def test_domain_precedence_and_agent_node():
     bound.invoke("x", config={"metadata": {"flashspec_domain": "Code"}})
     bound.invoke("x", domain="math", config={"metadata": {"flashspec_domain": "code"}})
     ChatFlashSpec(engine=engine, domain="rag").bind_tools([add]).invoke("x")
-    ChatFlashSpec(engine=engine, domain_per_node=True).bind_tools([add]).invoke("x", config={"metadata": {"langgraph_node": "agent"}})
+    ChatFlashSpec(engine=engine, domain_per_node=True).bind_tools([add]).invoke(
+        "x", config={"metadata": {"langgraph_node": "agent"}})
     assert [c["label"] for c in engine.calls] == ["tool", "code", "math", "rag", "tool/agent"]
     msg = bound.invoke("x", config={"metadata": {"langgraph_node": "agent"}})
     assert msg.response_metadata["flashspec"]["agent_node"] == "agent"
@@ -239,7 +240,8 @@ def test_batch_runs_side_by_side_in_the_engine_and_matches_single_calls(monkeypa
     alone = [model.invoke(p) for p in prompts]
     widths: list[int] = []
     real = engine._stepper.step
-    monkeypatch.setattr(engine._stepper, "step", lambda rows, slots, *feeding: (widths.append(len(rows)), real(rows, slots, *feeding))[1])
+    monkeypatch.setattr(engine._stepper, "step",
+                        lambda rows, slots, *feeding: (widths.append(len(rows)), real(rows, slots, *feeding))[1])
     together = model.batch(prompts)
     assert [m.content for m in together] == [m.content for m in alone]
     assert max(widths) >= 2, "the calls of a batch share the engine's decode steps"

@@ -20,8 +20,8 @@ from flashspec_integrations.langchain import ChatFlashSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
-import langchain_agent  # noqa: E402
-import langchain_rag_chain  # noqa: E402
+import langchain_agent
+import langchain_rag_chain
 
 
 class RecordingRouter(Router):

@@ -46,7 +46,8 @@ def test_batch_decodes_together_and_matches_single_calls(llm, monkeypatch):
     engine = llm.get_engine()
     widths: list[int] = []
     real = engine._stepper.step
-    monkeypatch.setattr(engine._stepper, "step", lambda rows, slots, *feeding: (widths.append(len(rows)), real(rows, slots, *feeding))[1])
+    monkeypatch.setattr(engine._stepper, "step",
+                        lambda rows, slots, *feeding: (widths.append(len(rows)), real(rows, slots, *feeding))[1])
     result = llm.generate(PROMPTS)
     assert [g[0].text for g in result.generations] == alone
     assert max(widths) >= 2  # the prompts shared the engine's decode steps

@@ -109,7 +109,8 @@ def test_tool_history_renders_calls_and_results_and_reads_as_tool_result():
     ]
     model.bind_tools([add]).invoke(history)
     prompt = engine.calls[0]["prompt"]
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>' in prompt
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
+            '</tool_call><|im_end|>') in prompt
     assert "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>" in prompt
     assert engine.calls[0]["label"] == "tool/result"
     # Anthropic-style list content with tool_use blocks renders the same way.
@@ -135,7 +136,8 @@ def test_a_template_with_tool_support_renders_tools_natively():
     engine.tokenizer.chat_template = (
         "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
         "{% for m in messages %}{{ m.role }}: {{ m.content }}"
-        "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}\n"
+        "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}({{ c.function.arguments | tojson }})"
+        "{% endfor %}\n"
         "{% endfor %}assistant:"
     )
     model = ChatFlashSpec(engine=engine)
@@ -171,7 +173,8 @@ def test_parallel_tool_calls_false_means_one_call():
     assert [c["args"] for c in one.tool_calls] == [{"a": 1, "b": 2}]
     # The grammar ends the reply after one call (no stop string: it would also cut a call whose
     # argument holds "</tool_call>"); a free reply stops where its call closes.
-    assert engine.calls[1]["json_schema"]["format"]["stop_after_first"] and "</tool_call>" not in engine.calls[1]["stop"]
+    assert (engine.calls[1]["json_schema"]["format"]["stop_after_first"]
+            and "</tool_call>" not in engine.calls[1]["stop"])
     free = UnconstrainedEngine([two])
     assert len(ChatFlashSpec(engine=free).bind_tools([add], parallel_tool_calls=False).invoke("x").tool_calls) == 1
     assert "</tool_call>" in free.calls[0]["stop"]

@@ -226,7 +226,8 @@ def test_callbacks_and_instrumentation_fire_for_every_method(llm):
 
 def test_system_prompt_goes_into_the_template(llm):
     with_system = FlashSpecLLM(engine=tiny_engine(), max_new_tokens=12, system_prompt="Be brief.")
-    expected = _engine_text(llm, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}])
+    expected = _engine_text(llm, [{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "hello there"}])
     assert with_system.complete("hello there").text == expected
 
 

@@ -86,7 +86,8 @@ def test_auto_calls_are_decoded_under_the_tools_structural_tag():
     reply = '<tool_call>\n{"name": "lookup", "arguments": {"city": "Oslo"}}\n</tool_call>'
     llm, engine = _tool_llm([reply])
     res = llm.chat_with_tools(TOOLS, user_msg="Oslo?")
-    assert [(s.tool_name, s.tool_kwargs) for s in llm.get_tool_calls_from_response(res)] == [("lookup", {"city": "Oslo"})]
+    assert ([(s.tool_name, s.tool_kwargs) for s in llm.get_tool_calls_from_response(res)]
+            == [("lookup", {"city": "Oslo"})])
     llm.chat_with_tools(TOOLS, user_msg="Oslo?", allow_parallel_tool_calls=True)
     llm.chat_with_tools(TOOLS, user_msg="Oslo?", tool_required=True)
     single, parallel, required = (c["json_schema"]["format"] for c in engine.calls)
@@ -139,13 +140,14 @@ def test_streamed_deltas_hold_no_call_markup():
     assert all("tool_call" not in c.message.content for c in chunks[:-1])
     assert [s.tool_kwargs for s in llm.get_tool_calls_from_response(chunks[-1])] == [{"city": "Oslo"}]
     plain, _ = _tool_llm(["No <b>tools</b> here."])
-    assert "".join(c.delta for c in plain.stream_chat([ChatMessage(role="user", content="hi")])) == "No <b>tools</b> here."
+    assert ("".join(c.delta for c in plain.stream_chat([ChatMessage(role="user", content="hi")]))
+            == "No <b>tools</b> here.")
 
 
 def test_tool_choice_none_hides_the_tools():
     llm, engine = _tool_llm(['<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'])
-    res = llm.chat(messages=[ChatMessage(role="user", content="hi")], tools=[t.metadata.to_openai_tool() for t in TOOLS],
-                   tool_choice="none")
+    res = llm.chat(messages=[ChatMessage(role="user", content="hi")],
+                   tools=[t.metadata.to_openai_tool() for t in TOOLS], tool_choice="none")
     assert "<tools>" not in engine.calls[0]["prompt"]
     assert not any(isinstance(b, ToolCallBlock) for b in res.message.blocks)
 
@@ -170,7 +172,8 @@ def test_history_renders_calls_and_results_as_the_instructions_describe():
     ]
     llm.chat(history, tools=[t.metadata.to_openai_tool() for t in TOOLS])
     prompt = engine.calls[0]["prompt"]
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>' in prompt
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n'
+            '</tool_call><|im_end|>') in prompt
     assert "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>" in prompt
     assert '{"name": "lookup", "arguments": {"city": "Oslo"}}' in prompt
 
@@ -185,7 +188,8 @@ def test_structured_predict_goes_through_a_forced_call():
     llm, engine = _tool_llm([PERSON_CALL])
     person = llm.structured_predict(Person, PromptTemplate("Extract the person: {text}"), text="Ada is 36.")
     assert person == Person(name="Ada", age=36)
-    assert engine.calls[0]["hint"] == "json" and engine.calls[0]["json_schema"]["properties"]["name"] == {"const": "Person"}
+    assert (engine.calls[0]["hint"] == "json"
+            and engine.calls[0]["json_schema"]["properties"]["name"] == {"const": "Person"})
 
 
 def test_streamed_structured_output_ends_with_the_fields_filled():

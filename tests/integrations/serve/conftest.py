@@ -39,8 +39,9 @@ def service(default_target, tmp_path_factory):
         try:
             url = start(2, _free_port(), router_store=str(ledger), sync_seconds=0.0, default_max_tokens=32,
                         api_key=API_KEY, max_in_flight=MAX_IN_FLIGHT, request_timeout_s=120.0,
-                        limits=Limits(max_tokens=MAX_TOKENS, domains=TEST_DOMAINS, body_timeout_s=BODY_TIMEOUT_S), ready_timeout_s=READY_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - one clear reason for every test of the folder
+                        limits=Limits(max_tokens=MAX_TOKENS, domains=TEST_DOMAINS, body_timeout_s=BODY_TIMEOUT_S),
+                        ready_timeout_s=READY_TIMEOUT_S)
+        except Exception as exc:  # one clear reason for every test of the folder
             pytest.fail(f"the test deployment (two CPU replicas of the default model) did not start: "
                         f"{type(exc).__name__}: {exc}", pytrace=False)
         yield url, ledger

@@ -19,7 +19,8 @@ def test_past_the_limit_a_request_gets_a_429_with_retry_after_and_a_freed_slot_a
     a, b = admission.admit(), admission.admit()
     with pytest.raises(APIError) as err:
         admission.admit()
-    assert err.value.status == 429 and "limit of 2 requests" in err.value.message and "--max-in-flight" in err.value.message
+    assert (err.value.status == 429 and "limit of 2 requests" in err.value.message
+            and "--max-in-flight" in err.value.message)
     assert int(err.value.headers["Retry-After"]) >= 1 and err.value.body()["error"]["type"] == "rate_limit_error"
     a.release()
     a.release()  # idempotent: a reply and its stream's end may both release

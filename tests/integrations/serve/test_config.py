@@ -8,13 +8,13 @@ import pytest
 yaml = pytest.importorskip("yaml")
 schema = pytest.importorskip("ray.serve.schema", reason="needs the 'serve' extra")
 
-from flashspec_integrations.serve.deployment import (  # noqa: E402
+from flashspec_integrations.serve.deployment import (
     DEPLOYMENT_NAME,
     ONGOING_HEADROOM,
     ServeSettings,
     build_app,
 )
-from flashspec_integrations.serve.limits import Limits  # noqa: E402
+from flashspec_integrations.serve.limits import Limits
 
 CONFIG = Path(__file__).resolve().parents[3] / "examples" / "serve_config.yaml"
 

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("ray", reason="needs the 'serve' extra")
-from flashspec_core.processors.sampling import SamplingParams  # noqa: E402
-from flashspec_core.results import StreamChunk  # noqa: E402
-from flashspec_integrations.domain_rules import DomainDecision  # noqa: E402
-from flashspec_integrations.plan import CallPlan  # noqa: E402
-from flashspec_integrations.serve.admission import Admission  # noqa: E402
-from flashspec_integrations.serve.deployment import FlashSpecServer  # noqa: E402
-from flashspec_integrations.serve.health import EngineActivity  # noqa: E402
+from flashspec_core.processors.sampling import SamplingParams
+from flashspec_core.results import StreamChunk
+from flashspec_integrations.domain_rules import DomainDecision
+from flashspec_integrations.plan import CallPlan
+from flashspec_integrations.serve.admission import Admission
+from flashspec_integrations.serve.deployment import FlashSpecServer
+from flashspec_integrations.serve.health import EngineActivity
 
 # The replica object is made without Ray's ingress set-up, whose wrapper has an async __del__.
 pytestmark = pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")

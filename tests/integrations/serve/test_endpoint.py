@@ -105,7 +105,8 @@ def test_llama_index_openai_like_unchanged(service):
 @pytest.mark.parametrize("body, status, param, words", [
     (b'{"model": "' + MODEL.encode() + b'", "messages": [', 400, None, "not valid JSON"),
     ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", "not served here"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", "greater than 0"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+     400, "max_tokens", "greater than 0"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      400, "response_format", "cannot compile"),
@@ -113,15 +114,23 @@ def test_llama_index_openai_like_unchanged(service):
         {"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": 5, "maximum": 1}}}],
       "tool_choice": "required"}, 400, "tools", "cannot compile"),
     ({"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice", "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     400, "tool_choice", "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", "n=1"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperatur": 1}, 400, "temperatur", "unrecognized"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6}, 400, "max_tokens", "at most 64"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 8150}], "max_tokens": 60}, 400, "max_tokens", "context window"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.005}, 400, "temperature", "at least 0.01"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "seed", "greater than or equal to 0"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 64}, 400, "seed", "less than 18446744073709551616"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "domain": "made-up"}, 400, "domain", "not a router domain"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperatur": 1},
+     400, "temperatur", "unrecognized"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6},
+     400, "max_tokens", "at most 64"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 8150}], "max_tokens": 60},
+     400, "max_tokens", "context window"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.005},
+     400, "temperature", "at least 0.01"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": -1},
+     400, "seed", "greater than or equal to 0"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 64},
+     400, "seed", "less than 18446744073709551616"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "domain": "made-up"},
+     400, "domain", "not a router domain"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "metadata": {"flashspec_domain": "x"}},
      400, "metadata.flashspec_domain", "not a router domain"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 1025}, 400, "messages", "at most 1024"),
@@ -148,7 +157,8 @@ def test_the_service_stays_up_after_bad_requests_and_the_client_sees_the_field(c
 def _by_replica(client, n: int, domain: str) -> dict[int, list[dict]]:
     seen: dict[int, list[dict]] = {}
     for i in range(n):
-        info = ask(client, f"Tell me fact number {i} about rivers.", domain=domain, max_tokens=8).model_extra["flashspec"]
+        info = ask(client, f"Tell me fact number {i} about rivers.", domain=domain,
+                   max_tokens=8).model_extra["flashspec"]
         seen.setdefault(info["pid"], []).append(info)
     return seen
 

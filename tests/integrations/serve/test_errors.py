@@ -6,11 +6,11 @@ import logging
 import pytest
 
 fastapi = pytest.importorskip("fastapi", reason="needs the 'serve' extra")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from flashspec_core.prompts import ContextLengthError  # noqa: E402
-from flashspec_core.scheduler import EngineBusy, EngineClosed  # noqa: E402
-from flashspec_integrations.serve import errors  # noqa: E402
+from flashspec_core.prompts import ContextLengthError
+from flashspec_core.scheduler import EngineBusy, EngineClosed
+from flashspec_integrations.serve import errors
 
 
 def make_client() -> TestClient:

@@ -18,8 +18,8 @@ from .conftest import MODEL
 pytest.importorskip("ray", reason="needs the 'serve' extra: pip install -e '.[serve]'")
 httpx = pytest.importorskip("httpx")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -29,8 +29,9 @@ CASES = 500  # about a minute against two CPU replicas
 # edges (JSON has no NaN nor infinity: json.dumps writes them anyway, as a careless client would).
 scalars = (st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.floats(allow_nan=True)
            | st.text(max_size=20) | st.sampled_from(["", " ", "\x00", "\ud800", "🦜" * 3, "\u202e", "﷽"]))
-json_values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
-                           max_leaves=12)
+json_values = st.recursive(
+    scalars, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    max_leaves=12)
 odd_text = st.text(st.characters(codec="utf-8"), max_size=60) | st.sampled_from(
     ["", "\n" * 5000, " " * 3000, "Context:\n" * 300, "\x00\x01", "😀" * 500, "a" * 20_000, "\ud83d"])
 HUGE = {"x" * (5 << 20)}  # past the body limit: a 413
@@ -53,7 +54,9 @@ schemas = st.one_of(
 )
 roles = st.sampled_from(["user", "system", "assistant", "developer", "tool", "function"]) | st.text(max_size=6)
 messages = st.fixed_dictionaries(
-    {"role": roles, "content": odd_text | st.none() | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": odd_text}), max_size=3)},
+    {"role": roles,
+     "content": odd_text | st.none() | st.lists(st.fixed_dictionaries(
+         {"type": st.sampled_from(["text", "image_url"]), "text": odd_text}), max_size=3)},
     optional={"name": st.text(max_size=10), "tool_call_id": st.text(max_size=10), "tool_calls": json_values},
 )
 message_lists = st.one_of(
@@ -61,8 +64,11 @@ message_lists = st.one_of(
     st.integers(900, 3000).map(lambda n: [{"role": "user", "content": "hi"}] * n),  # thousands
     json_values,
 )
-tools = st.lists(st.fixed_dictionaries({"type": st.just("function") | st.text(max_size=5), "function": st.fixed_dictionaries(
-    {"name": st.text(max_size=12)}, optional={"parameters": schemas, "description": odd_text})}) | json_values, max_size=3)
+tools = st.lists(st.fixed_dictionaries({"type": st.just("function") | st.text(max_size=5),
+                                        "function": st.fixed_dictionaries(
+                                            {"name": st.text(max_size=12)},
+                                            optional={"parameters": schemas, "description": odd_text})})
+                 | json_values, max_size=3)
 
 # The fields of a request and, for each, values right and wrong.
 FIELDS: dict[str, Any] = {
@@ -71,7 +77,9 @@ FIELDS: dict[str, Any] = {
     "tools": tools,
     "tool_choice": st.sampled_from(["auto", "none", "required", "any"]) | json_values,
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"]),
-                                              "json_schema": st.fixed_dictionaries({"name": st.text(max_size=5), "schema": schemas})}) | json_values,
+                                              "json_schema": st.fixed_dictionaries({"name": st.text(max_size=5),
+                                                                                    "schema": schemas})})
+                       | json_values,
     "stop": st.lists(odd_text, max_size=20) | odd_text | json_values,
     "max_tokens": st.integers(1, 3) | st.integers(-5, 10 ** 6) | json_values,
     "max_completion_tokens": st.integers(-2, 100) | json_values,
@@ -97,12 +105,14 @@ def bodies(draw: st.DrawFn) -> bytes:
         depth = draw(st.sampled_from([64, 1000, 100_000]))
         nest = "[" * depth + "]" * depth
         inside = [f'{{"model": "{MODEL}", "messages": {nest}}}',
-                  f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "metadata": {{"a": {nest}}}}}']
+                  f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], '
+                  f'"metadata": {{"a": {nest}}}}}']
         return draw(st.sampled_from([nest, *inside])).encode()
     if kind == "bytes":
         return draw(st.binary(max_size=200))
     if kind == "huge":
-        return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": draw(st.sampled_from(sorted(HUGE)))}]}).encode()
+        return json.dumps({"model": MODEL,
+                           "messages": [{"role": "user", "content": draw(st.sampled_from(sorted(HUGE)))}]}).encode()
     if kind == "json":
         return json.dumps(draw(json_values)).encode()
     body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}

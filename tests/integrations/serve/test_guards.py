@@ -9,15 +9,15 @@ import time
 import pytest
 
 starlette = pytest.importorskip("starlette", reason="needs the 'serve' extra")
-from starlette.applications import Starlette  # noqa: E402
-from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
-from starlette.routing import Route  # noqa: E402
-from starlette.testclient import TestClient  # noqa: E402
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
 
-from flashspec_integrations.serve import errors  # noqa: E402
-from flashspec_integrations.serve.command import exposure_warning  # noqa: E402
-from flashspec_integrations.serve.guards import APIKeyMiddleware, BodyLimits, resolve_api_key  # noqa: E402
+from flashspec_integrations.serve import errors
+from flashspec_integrations.serve.command import exposure_warning
+from flashspec_integrations.serve.guards import APIKeyMiddleware, BodyLimits, resolve_api_key
 
 KEY = "s3cret"
 BODY_TIMEOUT_S = 0.3

@@ -31,7 +31,8 @@ def tool(parameters: dict) -> dict:
 
 
 @pytest.mark.parametrize("body, limits, param, words", [
-    ({"messages": [{"role": "user", "content": "x"}] * 5}, Limits(max_messages=4), "messages", "5 given; this server takes at most 4 (--max-messages)"),
+    ({"messages": [{"role": "user", "content": "x"}] * 5}, Limits(max_messages=4), "messages",
+     "5 given; this server takes at most 4 (--max-messages)"),
     ({"tools": [tool({})] * 3}, Limits(max_tools=2), "tools", "--max-tools"),
     ({"stop": ["a", "b", "c"]}, Limits(max_stop=2), "stop", "--max-stop"),
     ({"stop": "abcdef"}, Limits(max_stop_chars=5), "stop", "--max-stop-chars"),
@@ -39,7 +40,8 @@ def tool(parameters: dict) -> dict:
     ({"max_completion_tokens": 65}, Limits(max_tokens=64), "max_completion_tokens", "--max-tokens"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": nested(20)}}}, Limits(),
      "response_format.json_schema.schema", "nests 41 levels deep; this server takes at most 32"),
-    ({"tools": [tool({"type": "object"}), tool(nested(20))]}, Limits(), "tools[1].function.parameters", "--max-schema-depth"),
+    ({"tools": [tool({"type": "object"}), tool(nested(20))]}, Limits(), "tools[1].function.parameters",
+     "--max-schema-depth"),
     ({"tools": [tool({"enum": ["x" * 100] * 30})] * 2, "tool_choice": "required"}, Limits(max_schema_bytes=5000),
      "tools", "a forced call (tool_choice 'required') is decoded under one schema"),
     ({"tools": [tool({"enum": ["x" * 100] * 100})]}, Limits(max_schema_bytes=5000), "tools[0].function.parameters",
@@ -63,7 +65,8 @@ def test_what_is_within_the_limits_passes():
                           tools=[tool(nested(15))], messages=[{"role": "user", "content": "x" * 800}]),
                   Limits(max_tokens=64, max_prompt_tokens=100), WINDOW)
     check_request(request(domain="mine"), Limits(domains=["Mine"]), WINDOW)  # the operator's own domain
-    assert Limits().prompt_tokens(WINDOW) == WINDOW - 1 and Limits(max_prompt_tokens=10 ** 6).prompt_tokens(WINDOW) == WINDOW - 1
+    assert (Limits().prompt_tokens(WINDOW) == WINDOW - 1
+            and Limits(max_prompt_tokens=10 ** 6).prompt_tokens(WINDOW) == WINDOW - 1)
 
 
 def test_schema_depth_needs_no_recursion():
@@ -97,7 +100,8 @@ def test_the_cli_flags_are_the_limits(capsys):
     from flashspec_integrations.cli import build_parser, main
     from flashspec_integrations.serve.command import limits_from
 
-    args = build_parser().parse_args(["serve", "--max-messages", "7", "--domains", "a", "b", "--compile-timeout-s", "0.5"])
+    args = build_parser().parse_args(["serve", "--max-messages", "7", "--domains", "a", "b",
+                                      "--compile-timeout-s", "0.5"])
     assert limits_from(args) == Limits(max_messages=7, domains=["a", "b"], compile_timeout_s=0.5)
     assert limits_from(build_parser().parse_args(["serve"])) == Limits()
     assert main(["serve", "--max-messages", "0"]) == 2

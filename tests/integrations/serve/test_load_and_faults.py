@@ -68,7 +68,8 @@ def test_overload_is_answered_with_429s_and_every_admitted_request_is_answered(s
         chat(f"Tell me fact number {i} about rivers.", "load-test", max_tokens=16, seed=i) for i in range(CLIENTS)]))
     seconds = time.monotonic() - start
     statuses = Counter(r.status_code for r in replies)
-    assert set(statuses) <= {200, 429}, {r.status_code: r.text[:300] for r in replies if r.status_code not in (200, 429)}
+    assert set(statuses) <= {200, 429}, {r.status_code: r.text[:300] for r in replies
+                                         if r.status_code not in (200, 429)}
     assert statuses[429] > 0 and statuses[200] >= MAX_IN_FLIGHT, statuses
     answered = [r.json() for r in replies if r.status_code == 200]
     for body in answered:  # every admitted request got its whole answer
@@ -107,7 +108,8 @@ def test_a_client_leaving_mid_stream_ends_its_row_and_frees_its_slot(service, he
     body = chat("Write a very long story about a lighthouse keeper.", "disconnect-test", max_tokens=MAX_TOKENS,
                 temperature=2.0, stream=True, seed=7)
     chunks = 0
-    with httpx.Client(timeout=120, headers=headers) as http, http.stream("POST", url + "/chat/completions", json=body) as res:
+    with (httpx.Client(timeout=120, headers=headers) as http,
+          http.stream("POST", url + "/chat/completions", json=body) as res):
         assert res.status_code == 200
         for line in res.iter_lines():
             if line.startswith("data: {") and '"content"' in line:
@@ -137,7 +139,8 @@ def test_heavy_requests_leave_the_replicas_responsive(service, headers):
     replica that does not answer, so a check through it cannot tell.)"""
     url = service[0]
     base = url.removesuffix("/v1")
-    slow_schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "string", "pattern": "[a-z]{1,6000}"}}}
+    slow_schema = {"type": "json_schema",
+                   "json_schema": {"name": "p", "schema": {"type": "string", "pattern": "[a-z]{1,6000}"}}}
 
     async def timed(http: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, float]:
         start = time.monotonic()
@@ -220,7 +223,8 @@ def test_a_replica_killed_under_load_loses_nothing_silently_and_comes_back_warm(
     assert result["restarted"]["warm_steps"] > 0  # it loaded the shared ledger: it started warm
     assert kinds["hung"] == 0, kinds  # nothing hangs
     answered = [o[1] for o in outcomes if o[0] == 200]
-    assert all(a["choices"][0]["message"]["content"] is not None and a["usage"]["completion_tokens"] > 0 for a in answered)
+    assert all(a["choices"][0]["message"]["content"] is not None and a["usage"]["completion_tokens"] > 0
+               for a in answered)
     failed = [o for o in outcomes if o[0] not in (200, 429)]
     # The requests inside the dead replica fail cleanly (a 5xx from the proxy or a cut connection);
     # the live replica kept answering meanwhile.

@@ -61,7 +61,8 @@ def test_values_this_server_cannot_honour_are_refused_with_what_it_can_do(body, 
 
 
 def test_an_integer_is_a_number_and_the_neutral_values_pass():
-    req = request(temperature=1, top_p=1, n=1, logprobs=False, top_logprobs=0, frequency_penalty=0.0, presence_penalty=0)
+    req = request(temperature=1, top_p=1, n=1, logprobs=False, top_logprobs=0, frequency_penalty=0.0,
+                  presence_penalty=0)
     assert (req.temperature, req.top_p) == (1.0, 1.0) and isinstance(req.temperature, float)
 
 
@@ -145,8 +146,8 @@ def test_what_langchain_and_llama_index_openai_clients_send_parses():
         return "sunny"
 
     recorder = _Recorder()
-    lc = langchain_openai.ChatOpenAI(base_url="http://server/v1", api_key="k", model=MODEL, temperature=0, max_tokens=48,
-                                     http_client=httpx.Client(transport=httpx.MockTransport(recorder)))
+    lc = langchain_openai.ChatOpenAI(base_url="http://server/v1", api_key="k", model=MODEL, temperature=0,
+                                     max_tokens=48, http_client=httpx.Client(transport=httpx.MockTransport(recorder)))
     lc.invoke("hi")
     list(lc.stream("hi"))
     lc.bind_tools([get_weather], tool_choice="required").invoke("Weather in Rome?")

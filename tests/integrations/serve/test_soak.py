@@ -16,7 +16,7 @@ from .conftest import MODEL
 pytest.importorskip("ray", reason="needs the 'serve' extra: pip install -e '.[serve]'")
 httpx = pytest.importorskip("httpx")
 
-from flashspec_workloads.serve_soak import soak_server  # noqa: E402
+from flashspec_workloads.serve_soak import soak_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

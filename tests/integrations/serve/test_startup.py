@@ -8,7 +8,7 @@ import pytest
 
 serve = pytest.importorskip("ray.serve", reason="needs the 'serve' extra")
 
-from flashspec_integrations.serve.command import APP_NAME, _run_within  # noqa: E402
+from flashspec_integrations.serve.command import APP_NAME, _run_within
 
 
 def test_a_deploy_that_ends_in_time_returns_and_one_that_fails_raises_its_error():

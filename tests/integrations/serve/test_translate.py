@@ -115,10 +115,12 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(engine, body, param):
 
 def test_replies_parse_tool_calls_and_never_invent_one(engine):
     p = plan(engine, tools=[WEATHER])
-    message, finish, invalid = reply_message(p, 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', "stop")
+    message, finish, invalid = reply_message(
+        p, 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', "stop")
     call = message["tool_calls"][0]
     assert finish == "tool_calls" and message["content"] == "Sure." and not invalid
-    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'} and call["id"].startswith("call_")
+    assert (call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+            and call["id"].startswith("call_"))
     cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os'  # the grammar opens a call with its tag
     message, finish, invalid = reply_message(p, cut, "length")
     assert "tool_calls" not in message and message["content"] == cut and finish == "length"
@@ -181,7 +183,8 @@ def test_the_servers_prompt_limit_and_schema_time_limit_are_400s(engine):
     assert compile_workers(engine.tokenizer, vocab_size(engine.target_model), engine.eos_ids).wait_ready(120)
     with pytest.raises(APIError) as err:
         plan_call(engine, parse_request(json.dumps({**body, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "w", "schema": wide}}}).encode()), 64, compile_timeout_s=0.01)
+            "type": "json_schema", "json_schema": {"name": "w", "schema": wide}}}).encode()), 64,
+                  compile_timeout_s=0.01)
     assert err.value.param == "response_format" and "took longer than 0.01 s" in err.value.message
 
 
@@ -189,8 +192,10 @@ def test_the_servers_prompt_limit_and_schema_time_limit_are_400s(engine):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      'response_format: xgrammar cannot compile this schema: Unsupported type "strin"'),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "("}}}},
-     "response_format: xgrammar cannot compile this schema: Regex parsing error at position 2: The parenthesis is not closed."),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": 5, "maximum": 1}}}]},
+     "response_format: xgrammar cannot compile this schema: Regex parsing error at position 2: "
+     "The parenthesis is not closed."),
+    ({"tools": [{"type": "function",
+                 "function": {"name": "f", "parameters": {"type": "integer", "minimum": 5, "maximum": 1}}}]},
      "tools: xgrammar cannot compile a schema inside the structural tag: Invalid range: minimum greater than maximum"),
 ])
 def test_a_schema_xgrammar_refuses_is_a_400_with_the_field_and_the_problem_only(engine, body, message):
