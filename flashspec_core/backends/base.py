@@ -95,9 +95,10 @@ class TargetRunner(Protocol):
             pending = [b for b in pending if b not in fits]
         return out
 
-    def warm(self, widths: Sequence[int]) -> None:
+    def warm(self, widths: Sequence[int], sampled: bool = True) -> None:
         """Do now the one-time work of forwards `widths` wide (capture their graphs), so that no
-        request pays it. Nothing to do by default."""
+        request pays it; sampled: and of the sampled steps `verify_step` runs at those widths (a
+        model draft's runner, which never verifies, passes False). Nothing to do by default."""
         return None
 
     def verify_step(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],

@@ -26,7 +26,16 @@ from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.verify import draw_seed, kernel_samples
 
 MAX_SAMPLED_ROWS = 256  # rows the Triton kernel's workspace holds from the start (verify/triton.py)
-MAX_SAMPLED_GRAPHS = 32  # past this many, sampled steps of new (width, temperature) run eagerly
+# Past this many sampled graphs, a sampled step of a new (rows, width, q kind) runs eagerly. The
+# engine's all fit (2 q kinds x 17 widths at one row: 1 and γ + 1 for γ <= 16); a direct caller
+# stepping sampled batches of many sizes must not fill the GPU with graphs of [rows, width, V].
+MAX_SAMPLED_GRAPHS = 34
+# warm() captures sampled graphs at this many rows only: the engine replays a sampled step's graph
+# for a lone row (step.py `_fused`: each sampled row draws from its own generator). At every batch
+# size the scheduler grows through they would each hold [rows, width, V] logits that no step reads
+# and cost a capture each. At one row they fit memory_plan.step_bytes: it plans 2x the rows' logits
+# for graphs, and the greedy graphs of every batch size take one row's worth less than that.
+SAMPLED_WARM_ROWS = 1
 PLACEHOLDER = -1  # a host record's token fed from the device and not read back yet (feed_tokens)
 INITIAL_LEN = 2048
 # Prompt chunks wider than every decode width replay a graph of this width once per piece. Eagerly,
@@ -38,9 +47,9 @@ PREFILL_WIDTH = 256
 # that reads and writes its cache row by index: a scheduler's newcomer beside 63 decoding rows
 # would otherwise compute 64 rows of PREFILL_WIDTH tokens per piece.
 ROW_SHARE = 4
-# A graph's key: rows (0: one row picked by index), width, and for a sampled step (temperature,
-# whether q is one-hot).
-GraphKey = tuple[int, int, tuple[float, bool] | None]
+# A graph's key: rows (0: one row picked by index), width, and for a sampled step whether q is
+# one-hot (None: greedy). No temperature: a sampled graph reads each row's from a buffer.
+GraphKey = tuple[int, int, bool | None]
 
 
 def graphed_sampling(sampling: SamplingParams, vocab: int) -> bool:
@@ -101,31 +110,35 @@ class GraphedModel(StaticRows, TargetRunner):
 
     # ------------------------------------------------------------------ forwards
 
-    def _graph(self, width: int, sampling: SamplingParams | None = None, one_hot: bool = True,
-               indexed: bool = False) -> GraphStep:
+    def _graph(self, width: int, sampled: bool = False, one_hot: bool = True, indexed: bool = False) -> GraphStep:
         head = self.model.get_output_embeddings().weight
         weights = (head.data_ptr(), tuple(head.shape))
         if weights != getattr(self, "_weights", None):  # a trained draft swapped its head rows
             self._drop_graphs()
             self._weights = weights
-        key = (0, width, None) if indexed else self._key(width, sampling, one_hot)
+        key = (0, width, None) if indexed else self._key(width, sampled, one_hot)
         graph = self._graphs.get(key)
         if graph is None:
             start = time.perf_counter()
             # In the scratch slots; wider (the prefill graph), past every row's end.
             slot = self.static.max_len - SCRATCH if width <= SCRATCH else max(len(h) for h in self.held)
             graph = self._graphs[key] = GraphStep(self.static, 1 if indexed else self.static.batch, width, self._pool,
-                                                  slot, sampling, one_hot, indexed)
+                                                  slot, sampled, one_hot, indexed)
             torch.cuda.synchronize(self.device)
             self.captures += 1
             self.warmup_seconds += time.perf_counter() - start
         return graph
 
-    def warm(self, widths: Sequence[int], prefill_width: int = PREFILL_WIDTH) -> None:
+    def warm(self, widths: Sequence[int], sampled: bool = True, prefill_width: int = PREFILL_WIDTH) -> None:
         """Capture the graphs of `widths` now (the engine passes 1 and γ + 1 for each γ), and from
         then on pad every greedy step to the smallest of them that fits; and the graph of
         `prefill_width` (0: none), which then runs every wider chunk piece by piece (with, once
         there are ROW_SHARE rows or more, its one-row indexed twin).
+
+        sampled: also, at SAMPLED_WARM_ROWS rows or fewer, the sampled one-hot graph of each width
+        (a copy draft's sampled step, or one without a draft, at any temperature), so that no such
+        step captures mid-request. A model draft's sampled steps (q in a buffer) still capture
+        their graph at first use, once per width.
 
         Why pad: a copy draft proposes anywhere from 1 to γ tokens, so unpadded steps would each
         capture a graph of their width in the middle of some request. Padded columns cannot change
@@ -138,6 +151,8 @@ class GraphedModel(StaticRows, TargetRunner):
         with self._lock:
             for width in widths:
                 self._graph(width)
+                if sampled and self.static.batch <= SAMPLED_WARM_ROWS:
+                    self._graph(width, sampled=True)
             self.widths = tuple(widths)
             if widths and prefill_width > widths[-1]:
                 self._ensure(max(len(h) for h in self.held) + prefill_width)
@@ -146,15 +161,15 @@ class GraphedModel(StaticRows, TargetRunner):
                     self._graph(prefill_width, indexed=True)
                 self.prefill_width = prefill_width
 
-    def _key(self, width: int, sampling: SamplingParams | None, one_hot: bool) -> GraphKey:
-        """A graph's key: rows, width, and for a sampled step what its verification bakes in."""
-        return self.static.batch, width, None if sampling is None else (sampling.temperature, one_hot)
+    def _key(self, width: int, sampled: bool, one_hot: bool) -> GraphKey:
+        """A graph's key: rows, width, and for a sampled step the kind of q its verification
+        takes (a step of width 1 has no draft, so no q)."""
+        return self.static.batch, width, (one_hot or width == 1) if sampled else None
 
-    def _sampled_graphs_full(self, width: int, sampling: SamplingParams, one_hot: bool) -> bool:
-        """Whether a sampled step would capture a graph past MAX_SAMPLED_GRAPHS: each temperature
-        a caller uses is a graph per width, and a caller sweeping temperatures must not fill the GPU."""
+    def _sampled_graphs_full(self, width: int, one_hot: bool) -> bool:
+        """Whether a sampled step would capture a graph past MAX_SAMPLED_GRAPHS."""
         sampled = sum(1 for k in self._graphs if k[2] is not None)
-        return self._key(width, sampling, one_hot) not in self._graphs and sampled >= MAX_SAMPLED_GRAPHS
+        return self._key(width, True, one_hot) not in self._graphs and sampled >= MAX_SAMPLED_GRAPHS
 
     def _graph_width(self, chunks: Sequence[Sequence[int]], active: Sequence[bool]) -> int | None:
         """The width of the graph that runs these chunks, or None to run them eagerly.
@@ -179,14 +194,15 @@ class GraphedModel(StaticRows, TargetRunner):
         return next((w for w in self.widths if w >= tokens), None)
 
     def _replay(self, chunks: Sequence[Sequence[int]], graph_width: int, drafts: Sequence[Sequence[int]] | None = None,
-                sampling: SamplingParams | None = None,
+                temperatures: Sequence[float] | None = None,
                 draft_probs: torch.Tensor | None = None, seed: torch.Tensor | None = None,
                 first: torch.Tensor | None = None) -> GraphStep:
-        """Replay the graph of `graph_width` (and of `sampling`, for a sampled step) on these
-        chunks; the other arguments go to `GraphStep.replay`."""
+        """Replay the graph of `graph_width` on these chunks, a sampled step's when `temperatures`
+        (one per row) is given; the other arguments go to `GraphStep.replay`."""
         self._ensure(max(len(h) for h in self.held) + graph_width)  # padded columns need slots too
-        graph = self._graph(graph_width, sampling, one_hot=draft_probs is None)
-        graph.replay(self._host_inputs(chunks, graph_width, drafts), draft_probs, seed, first)
+        graph = self._graph(graph_width, temperatures is not None, one_hot=draft_probs is None)
+        graph.replay(self._host_inputs(chunks, graph_width, drafts), draft_probs, seed, first,
+                     temperatures=temperatures)
         return graph
 
     @torch.inference_mode()
@@ -343,10 +359,12 @@ class GraphedModel(StaticRows, TargetRunner):
         rows than the kernel's workspace holds); the caller then runs forward_to and `verify`.
 
         draft_probs: [B, γ, V] the draft's q on the device, None for a copy draft (one-hot).
-        Greedy steps pad to a warmed width; sampled ones capture their exact width, temperature
-        and q kind at first use (a one-time cost, counted in `warmup_seconds`). The seed of a
-        sampled step is drawn from `generator` as the eager kernel draws it, so both give the
-        same tokens for the same generator state. Raises ValueError on NaN or +inf logits.
+        Greedy steps pad to a warmed width; sampled ones replay the graph of their exact width and
+        q kind, whatever the temperature (copied in per row): `warm` captured the one-hot graphs
+        of the warmed widths, and any other is captured at first use (a one-time cost, counted in
+        `warmup_seconds`). The seed of a sampled step is drawn from `generator` as the eager kernel
+        draws it, so both give the same tokens for the same generator state. Raises ValueError on
+        NaN or +inf logits.
 
         while_waiting: host work to run between the replay's launch and its one sync, while the
         GPU computes (the engine learns from the previous step there); called only when this
@@ -367,11 +385,12 @@ class GraphedModel(StaticRows, TargetRunner):
                 return None  # rows were only rolled back to what their caches hold
             if greedy:
                 graph = self._replay(chunks, graph_width, drafts)
-            elif self._sampled_graphs_full(width, sampling, draft_probs is None):
+            elif self._sampled_graphs_full(width, draft_probs is None):
                 return None  # the rows were only rolled back, as above
             else:
                 seed = draw_seed(generator, self.device)
-                graph = self._replay(chunks, width, drafts, sampling, draft_probs, seed)
+                temperatures = [sampling.temperature] * len(chunks)  # one setting for all rows, for now
+                graph = self._replay(chunks, width, drafts, temperatures, draft_probs, seed)
             if while_waiting is not None:
                 while_waiting(launched(self.device))
             result = graph.result.cpu().tolist()  # the step's one sync

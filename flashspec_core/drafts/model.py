@@ -44,7 +44,8 @@ class ModelDraft(DraftSource):
         self.max_context = max_context
         self.starts: list[int] = []  # per row of the request: where the draft's window begins
         self._runner = model_runner(model, pad_token_id)
-        self._runner.warm([1, 2])  # CUDA graphs: a draft step feeds one token, or two after the target's step
+        # CUDA graphs: a draft step feeds one token, or two after the target's step; it verifies nothing
+        self._runner.warm([1, 2], sampled=False)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # of the q it reports
 
     @property

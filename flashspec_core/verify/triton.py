@@ -5,15 +5,15 @@ fall-back, inverse CDF in float64, temperature rounding); only summation orders 
 decision flips only for a uniform within a few ulps of a boundary. Top-k and top-p go to
 `verify_torch`, and `supports` is False for what the kernel does not take. NaN or +inf logits, all
 -inf rows and draft tokens outside [0, V) give n_accepted = -1 and PAD; `check_finite=True` makes
-that a ValueError (one host sync, skipped under graph capture). One self-resetting workspace per
-device: no concurrent verifies on one device; call once before capture. docs/verify_kernel.md.
+that a ValueError (one host sync, skipped under graph capture). The temperature comes from
+`sampling` or per sequence from a device tensor (a graph captures its pointer). One self-resetting
+workspace per device: no concurrent verifies on one device; call once before capture.
 """
 from __future__ import annotations
 
 import math
 import os
 
-import numpy as np
 import torch
 import triton
 
@@ -93,6 +93,7 @@ def verify_triton(
     *,
     check_finite: bool = True,
     seed: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
     block: int | None = None,
     tiles: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,10 +108,19 @@ def verify_triton(
     caller copies a seed drawn from the request's generator into it before each replay. [B]: a
     seed per sequence, whose draws then do not depend on its index in the batch (a row verified
     beside others samples what it samples alone with that seed).
+    temperature: [B] float32 on the logits' device, each sequence's T (> 0), read by the kernel
+    instead of `sampling.temperature`: a CUDA graph captures the pointer, so one graph serves every
+    temperature, and rows of different temperatures share a launch. A sequence gets exactly what a
+    launch at its temperature alone gives (`sampling` still picks greedy or not, and top-k / top-p,
+    which take no tensor). A temperature that is not positive and finite poisons its sequence as
+    NaN logits do (check_finite: a ValueError naming it).
     block, tiles: launch-plan overrides for tuning and tests; None picks them from the shape.
     Returns n_accepted [B] int64 and tokens [B, γ+1] int64 (PAD after the recovered/bonus token).
     """
     vocab = target_logits.shape[-1]
+    if temperature is not None and (sampling.greedy or not kernel_samples(sampling, vocab)):
+        raise ValueError("temperature: a tensor of temperatures is for sampled steps the kernel draws; "
+                         "greedy, top-k and top-p take theirs from `sampling`")
     if not kernel_samples(sampling, vocab):  # the documented fall-back
         if seed is not None and uniforms is None:
             raise ValueError("seed: top-k and top-p verify on torch ops, which draw from uniforms or a "
@@ -125,6 +135,10 @@ def verify_triton(
     bsz, rows, _ = target_logits.shape
     gamma = rows - 1
     device = target_logits.device
+    if temperature is not None and (temperature.shape != (bsz,) or temperature.dtype != torch.float32
+                                    or temperature.device != device):
+        raise ValueError(f"temperature: must be [B] = [{bsz}] float32 on {device}; got "
+                         f"{tuple(temperature.shape)} {temperature.dtype} on {temperature.device}")
     n_acc = torch.empty(bsz, dtype=torch.int64, device=device)
     tokens = torch.empty(bsz, rows, dtype=torch.int64, device=device)
     if bsz == 0:
@@ -171,9 +185,9 @@ def verify_triton(
     # float32 partials and stop values, one float32 of padding, then float64 tile masses [B, NT, 2]
     fs = torch.empty(2 * bsz * per_seq1 + 3 * bsz + 1 + 4 * bsz * n_tiles, dtype=torch.float32, device=device)
     is_ = torch.empty(2 * bsz * per_seq1 + 2 * bsz, dtype=torch.int32, device=device)
-    temperature = sampling.temperature if not sampling.greedy else 1.0
-    inv_t = float(np.float32(1.0) / np.float32(temperature))  # torch's CUDA 1/T, in float32
-    exp2_scale = math.log2(math.e) / temperature
+    # The kernel derives 1/T and log2(e)/T from T itself (float32), for one T or one per sequence.
+    temp_t = n_acc if temperature is None else temperature
+    one_t = 1.0 if sampling.greedy else sampling.temperature
 
     verify_kernel[(bsz * (per_seq1 + per_seq2),)](
         logits, logits.stride(0), logits.stride(1),
@@ -182,7 +196,7 @@ def verify_triton(
         u, u.stride(0),
         seed_t, host_seed, seed_stride, int(capturing and not seed_from_ptr),
         ws, fs, is_, n_acc, tokens,
-        temperature, inv_t, exp2_scale,
+        temp_t, one_t,
         bsz, gamma, vocab, n_chunks, tiles, n_tiles, lag,
         BLOCK=block,
         GP=triton.next_power_of_2(rows),
@@ -192,11 +206,15 @@ def verify_triton(
         ONE_HOT=one_hot,
         HAS_U=has_u,
         SEED_FROM_PTR=seed_from_ptr,
+        T_FROM_PTR=temperature is not None,
         RECIP=device.type == "cuda",
         num_warps=8 if block >= 2048 else 4,
     )
     if check_finite and not capturing:
         if bool((n_acc < 0).any()):
+            if temperature is not None and not bool(((temperature > 0) & (temperature < math.inf)).all()):
+                raise ValueError("temperature: each must be positive and finite; got "
+                                 f"{temperature.tolist()}")
             raise ValueError(BAD_INPUT)
     return n_acc, tokens
 

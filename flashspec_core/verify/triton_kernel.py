@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 PAD_TOKEN = tl.constexpr(-1)
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e) in float64, rounded once with T (`_scales`)
 
 # Workspace layout (int32): [ticket, then per sequence: phase-1 count, phase-2 count, ready, step].
 WS_SLOTS = 4
@@ -46,6 +47,24 @@ def _stop_row_masses(logits_row: tl.tensor, q_row: tl.tensor, draft_tok: tl.tens
     return p, r
 
 
+@triton.jit
+def _scales(temp_ptr: tl.tensor, temperature: tl.tensor, b: tl.tensor,
+            T_FROM_PTR: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Sequence b's float32 T (temp_ptr[b], or the launch's one `temperature`), 1/T and log2(e)/T.
+
+    Computed here from T alone, so a sequence gets the same bits from a temperature per sequence
+    as from that temperature for the whole launch: 1/T is the correctly rounded float32 quotient
+    (what torch's CUDA multiplies logits by), log2(e)/T the float64 quotient rounded to float32.
+    """
+    if T_FROM_PTR:
+        temperature = tl.load(temp_ptr + b)
+    else:
+        temperature = tl.cast(temperature, tl.float32)  # a no-op compiled; the interpreter passes a float
+    inv_t = tl.math.div_rn(1.0, temperature)
+    exp2_scale = (tl.full([], LOG2E, tl.float64) / temperature.to(tl.float64)).to(tl.float32)
+    return temperature, inv_t, exp2_scale
+
+
 @triton.jit(do_not_specialize=["seed", "seed_stride", "use_step", "B", "G", "NC", "TILES", "NT", "LAG"])
 def verify_kernel(
     # Arguments are annotated `tl.tensor` (a pointer or a scalar inside a kernel), not int or float:
@@ -67,13 +86,12 @@ def verify_kernel(
     # stop [B, 2]
     n_acc_ptr: tl.tensor,  # [B] int64 out
     tokens_ptr: tl.tensor,  # [B, G+1] int64 out
-    temperature: tl.tensor, inv_t: tl.tensor,  # float32 T and 1/T: RECIP multiplies by 1/T like torch
-    # on CUDA
-    exp2_scale: tl.tensor,  # float32 log2(e) / T, for the partial sums
+    temp_ptr: tl.tensor,  # [B] float32 temperatures on the device, one per sequence, used when T_FROM_PTR
+    temperature: tl.tensor,  # float32 T of every sequence, used otherwise
     B: tl.tensor, G: tl.tensor, V: tl.tensor, NC: tl.tensor, TILES: tl.tensor, NT: tl.tensor, LAG: tl.tensor,
     BLOCK: tl.constexpr, GP: tl.constexpr, NCP: tl.constexpr, NTP: tl.constexpr,
     GREEDY: tl.constexpr, ONE_HOT: tl.constexpr, HAS_U: tl.constexpr,
-    SEED_FROM_PTR: tl.constexpr, RECIP: tl.constexpr,
+    SEED_FROM_PTR: tl.constexpr, T_FROM_PTR: tl.constexpr, RECIP: tl.constexpr,
 ) -> None:
     rows = G + 1
     r1 = rows * NC  # phase-1 programs per sequence
@@ -119,6 +137,7 @@ def verify_kernel(
     stop_i = is_ptr + 2 * B * r1 + b * 2
     seq_logits = logits_ptr + b.to(tl.int64) * stride_lb
     ar = tl.arange(0, BLOCK)
+    temperature, inv_t, exp2_scale = _scales(temp_ptr, temperature, b, T_FROM_PTR)
 
     if phase == 1:
         j = k // NC
@@ -235,6 +254,7 @@ def _accept(b: tl.tensor, G: tl.tensor, V: tl.tensor, NC: tl.tensor, seq_logits:
         safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
         z = tl.where(is_row, tl.sum(ps * tl.exp2((pm - safe_max[:, None]) * exp2_scale), 1), 1.0)
         bad = tl.maximum(bad, tl.max(tl.where(is_row & ((z != z) | (row_max == float("inf"))), 1, 0)))
+        bad = tl.maximum(bad, tl.where((temperature > 0.0) & (temperature < float("inf")), 0, 1))  # NaN too
         log_z = tl.log(z)
         if RECIP:  # the partials hold raw logits; torch's max of logits / T is this, rounded alike
             row_max = row_max * inv_t

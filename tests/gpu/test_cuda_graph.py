@@ -96,7 +96,7 @@ def test_chunks_wider_than_every_decode_width_replay_the_prefill_graph_piece_by_
     the logits asked for, the chunk runs eagerly, as exactly."""
     runner = GraphedModel(model, pad_token_id=0, max_len=128)
     runner.warm([1, 3], prefill_width=8)
-    assert runner.prefill_width == 8 and runner.captures == 3
+    assert runner.prefill_width == 8 and runner.captures == 5  # greedy and sampled 1 and 3, prefill 8
     replays = []
     replay = runner._replay
     runner._replay = lambda chunks, width, *a, **k: replays.append(width) or replay(chunks, width, *a, **k)
@@ -186,7 +186,7 @@ def test_padded_steps_verify_as_the_reference_and_capture_nothing_new(model):
     runner = GraphedModel(model, pad_token_id=0)
     runner.warm([1, 3, 5, 9])
     captured, warmup = runner.captures, runner.warmup_seconds
-    assert captured == 5 and warmup > 0  # and the prefill graph
+    assert captured == 9 and warmup > 0  # greedy and sampled per width, and the prefill graph
     rng = random.Random(4)
     for _ in range(40):
         ctx = [rng.randrange(VOCAB) for _ in range(rng.randint(4, 60))]
@@ -285,17 +285,20 @@ def test_rows_of_other_arms_and_settings_step_in_one_replay_and_stay_exact():
 def test_sampled_step_in_the_graph_is_the_eager_kernels_step(model, one_hot):
     """A sampled step replayed from a graph (Triton verify inside) returns what the eager path
     returns (a forward, then `verify` on the Triton kernel) for the same generator state, for
-    copy drafts (one-hot) and model drafts (q), at several widths; a new temperature captures once."""
+    copy drafts (one-hot) and model drafts (q), at several widths and two temperatures; without
+    `warm`, each width and kind of q captures once, whatever the temperature."""
     from flashspec_core.verify import verify
 
     graphed = GraphedModel(model, pad_token_id=0)
     rng = random.Random(5)
+    kinds = set()  # (width, one-hot) of the steps taken
     for step in range(24):
         sampling = SamplingParams(temperature=rng.choice([0.7, 1.0]))
         ctx = [rng.randrange(VOCAB) for _ in range(rng.randint(4, 40))]
         k = rng.randint(0, 5)
         draft = [rng.randrange(VOCAB) for _ in range(k)]
         q = None if one_hot or not k else torch.rand((1, k, VOCAB), device="cuda").softmax(-1)
+        kinds.add((k + 1, q is None))
         graphed.reset(1)
         graphed.forward_to([ctx[:-1]])
         got = graphed.verify_step([ctx], [draft], [True], sampling, q, torch.Generator("cuda").manual_seed(step))
@@ -305,13 +308,45 @@ def test_sampled_step_in_the_graph_is_the_eager_kernels_step(model, one_hot):
         assert got is not None and got[0] == n_ref.tolist()
         assert got[1][0][: n_ref.item() + 1] == out_ref[0, : n_ref.item() + 1].tolist()
         assert graphed.held[0] == ctx + draft
-    captured = graphed.captures  # the last step's width and temperature once more
+    assert sorted(key[1:] for key in graphed._graphs if key[2] is not None) == sorted(kinds)
+    captured = graphed.captures  # the last step once more, at another temperature
     graphed.reset(1)
     graphed.forward_to([ctx[:-1]])
-    assert graphed.verify_step([ctx], [draft], [True], sampling, q, torch.Generator("cuda")) is not None
-    assert graphed.captures == captured, "a (width, temperature) seen before replays its graph"
+    other = SamplingParams(temperature=1.3)  # a temperature no step used
+    assert graphed.verify_step([ctx], [draft], [True], other, q, torch.Generator("cuda")) is not None
+    assert graphed.captures == captured, "a (width, kind of q) seen before replays its graph"
     top_k = SamplingParams(temperature=0.7, top_k=3)
     assert graphed.verify_step([[1, 2, 3, 4]], [[5]], [True], top_k, None, torch.Generator("cuda")) is None
+
+
+def test_after_warm_sampled_steps_at_any_temperature_capture_nothing_and_equal_the_eager_path(model):
+    """`warm` captures the sampled one-hot graph of each warmed width: sampled steps of a copy
+    draft (and without a draft) at two temperatures and every warmed width replay those graphs (no
+    capture, no warm-up seconds) and return what the eager path returns for the same seed (an fp32
+    forward, then `verify` on the Triton kernel at the request's temperature)."""
+    from flashspec_core.verify import verify
+
+    runner = GraphedModel(model, pad_token_id=0)
+    runner.warm([1, 3, 5])
+    captured, warmup = runner.captures, runner.warmup_seconds
+    assert captured == 3 + 3 + 1  # greedy and sampled one-hot per width, and the prefill graph
+    rng = random.Random(8)
+    for step in range(18):  # every (temperature, width) pair three times
+        sampling = SamplingParams(temperature=(0.7, 1.08)[step % 2])  # 1.08: log2(e)/T rounds apart in fp32/fp64
+        k = (0, 2, 4)[step % 3]
+        ctx = [rng.randrange(VOCAB) for _ in range(rng.randint(4, 40))]
+        greedy = _fresh(model, ctx, 1).argmax(-1).tolist()  # a first token the target often keeps
+        draft = (greedy + [rng.randrange(VOCAB) for _ in range(k)])[:k]
+        runner.reset(1)
+        runner.forward_to([ctx[:-1]])
+        got = runner.verify_step([ctx], [draft], [True], sampling, None, torch.Generator("cuda").manual_seed(step))
+        logits = _fresh(model, ctx + draft, k + 1)[None]
+        n_ref, out_ref = verify(logits, torch.tensor([draft], dtype=torch.long, device="cuda").view(1, k), None,
+                                sampling, backend="triton", generator=torch.Generator("cuda").manual_seed(step))
+        assert got is not None and got[0] == n_ref.tolist()
+        assert got[1][0][: n_ref.item() + 1] == out_ref[0, : n_ref.item() + 1].tolist()
+        assert runner.held[0] == ctx + draft
+    assert runner.captures == captured and runner.warmup_seconds == warmup
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8)])
@@ -351,12 +386,16 @@ def test_engine_warms_its_widths_at_construction():
                         backend="cuda-graph", gammas=(2, 4), max_batch=4)
     runner = engine.runner
     # widths 1, 3, 5 and the prefill graph, for each batch size the scheduler grows through (1, 2, 4),
-    # and the one-row indexed prefill graph
-    assert runner.widths == (1, 3, 5) and runner.prefill_width > 5 and runner.captures == 4 * 3 + 1
+    # the one-row indexed prefill graph, and at one row the sampled one-hot graphs of 1, 3, 5
+    assert runner.widths == (1, 3, 5) and runner.prefill_width > 5 and runner.captures == 4 * 3 + 1 + 3
     res = engine.generate([1, 2, 3, 4, 5, 1, 2, 3] * 40, max_new_tokens=30)  # a prompt of two pieces
-    assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 13
+    assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 16
     batch = engine.generate([[1, 2, 3, 4, 5] * 3, [6, 7, 8] * 5, [9, 1] * 4], max_new_tokens=20)  # 3 rows: 4 slots
-    assert all(r.warmup_seconds == 0 for b in batch for r in b.stats.records) and runner.captures == 13
+    assert all(r.warmup_seconds == 0 for b in batch for r in b.stats.records) and runner.captures == 16
+    for temperature in (0.7, 1.08):  # sampled steps replay the warmed graphs, whatever the temperature
+        res = engine.generate([1, 2, 3, 4, 5, 1, 2, 3] * 5, max_new_tokens=30,
+                              sampling=SamplingParams(temperature=temperature, seed=3))
+        assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 16
 
 
 def _engine(target: LoadedModel, drafts, arm) -> SpecEngine:
