@@ -5,9 +5,8 @@ fall-back, inverse CDF in float64, temperature rounding); only summation orders 
 decision flips only for a uniform within a few ulps of a boundary. Top-k and top-p go to
 `verify_torch`, and `supports` is False for what the kernel does not take. NaN or +inf logits, all
 -inf rows and draft tokens outside [0, V) give n_accepted = -1 and PAD; `check_finite=True` makes
-that a ValueError (one host sync, skipped under graph capture). The temperature comes from
-`sampling` or per sequence from a device tensor (a graph captures its pointer). One self-resetting
-workspace per device: no concurrent verifies on one device; call once before capture.
+that a ValueError (one host sync, skipped under graph capture). T comes from `sampling` or per
+sequence from a device tensor; one workspace per device: call once before capture.
 """
 from __future__ import annotations
 
