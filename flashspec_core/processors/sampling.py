@@ -21,6 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # temperatures below 0.01 for the same reason; here they are refused, so nothing is changed silently.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
 MIN_PENALTY, MAX_PENALTY = 0.01, 100.0
+# How many of the most likely tokens a top-p nucleus is looked for among, in turn, before the
+# whole vocabulary is sorted (`_outside_nucleus`).
+NUCLEUS_CANDIDATES = (1024, 8192)
 
 
 class SamplingParams(BaseModel):
@@ -76,15 +79,47 @@ def logprobs_from_logits(logits: torch.Tensor, sampling: SamplingParams) -> torc
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
-        drop_sorted = mass_before >= sampling.top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(_outside_nucleus(logits, sampling.top_p), float("-inf"))
     return logits.log_softmax(-1)
+
+
+def _outside_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., V] bool: the tokens past the smallest prefix (most likely first) whose mass reaches
+    `top_p`; the most likely token always stays. logits: [..., V] float32.
+
+    On the CPU each row's prefix is looked for among its most likely tokens first (`topk` of each
+    of `NUCLEUS_CANDIDATES` in turn): a nucleus is usually far smaller than the vocabulary, and
+    sorting the whole vocabulary costs a CPU more than the rest of a step's verification; only the
+    rows whose nucleus is larger still sort it all. The masses are the full softmax's either way,
+    so the kept set is the same (up to rounding at the top_p boundary, and which of tied tokens
+    comes first).
+    """
+    vocab = logits.shape[-1]
+    rows = logits.reshape(-1, vocab)  # [N, V]
+    if rows.device.type != "cpu":  # an accelerator sorts fast, and rounds would make the host wait on it
+        return _outside_among(rows, top_p, vocab)[0].reshape(logits.shape)
+    drop = torch.ones_like(rows, dtype=torch.bool)
+    left = torch.arange(rows.shape[0], device=rows.device)  # rows whose nucleus is not found yet
+    for k in [*(k for k in NUCLEUS_CANDIDATES if k < vocab), vocab]:
+        found, fits = _outside_among(rows[left], top_p, k)
+        drop[left[fits]] = found[fits]
+        left = left[~fits]
+        if not len(left):
+            break
+    return drop.reshape(logits.shape)
+
+
+def _outside_among(rows: torch.Tensor, top_p: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_outside_nucleus` of rows [N, V] from their k most likely tokens: the mask [N, V], right
+    for the rows whose nucleus ends within those k (fits: [N] bool; every row when k = V)."""
+    values, order = torch.topk(rows, k, dim=-1)  # [N, k] most likely first
+    probs = (values - rows.logsumexp(-1, keepdim=True)).exp()  # [N, k] of the full softmax
+    mass_before = probs.cumsum(-1) - probs
+    drop_sorted = mass_before >= top_p
+    drop_sorted[:, 0] = False
+    fits = drop_sorted[:, -1] | (k == rows.shape[-1])
+    drop = torch.ones_like(rows, dtype=torch.bool)  # past the k candidates: dropped
+    return drop.scatter_(-1, order, drop_sorted), fits
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,37 @@ def test_top_p_keeps_the_smallest_prefix_reaching_the_mass_and_always_the_top_to
     assert kept.tolist() == [[True, False, False, False]]
 
 
+def _sorted_nucleus(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """By a sort of the whole vocabulary in float64: the nucleus ([N, V] bool) and each token's
+    mass before it ([N, V]); what the top-k candidates must find."""
+    values, order = torch.sort(logits.double(), dim=-1, descending=True)
+    probs = values.softmax(-1)
+    before = probs.cumsum(-1) - probs
+    keep = before < top_p
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter_(-1, order, keep), torch.zeros_like(before).scatter_(-1, order, before)
+
+
+@pytest.mark.parametrize("spread", [8.0, 3.0, 0.3])  # nuclei of a few tokens to most of the vocabulary
+def test_top_p_over_a_large_vocabulary_keeps_the_nucleus_a_full_sort_finds(spread):
+    """At a real vocabulary's size the nucleus is looked for among the most likely tokens first:
+    it must be the set a full sort gives (up to float32 rounding of the mass at the top_p
+    boundary), in rows whose nucleus fits the candidates and in rows of the same call whose
+    nucleus does not."""
+    generator = torch.Generator().manual_seed(int(spread * 10))
+    logits = torch.randn(6, 50_000, generator=generator) * spread
+    logits[3] *= 0.05  # one nearly flat row beside the others: its nucleus spans most of the vocabulary
+    sizes = set()
+    for top_p in (0.5, 0.9, 0.99):
+        kept = torch.isfinite(logprobs_from_logits(logits, SamplingParams(temperature=1.0, top_p=top_p)))
+        nucleus, before = _sorted_nucleus(logits, top_p)
+        differ = kept != nucleus
+        assert ((before[differ] - top_p).abs() < 1e-4).all(), f"spread {spread}, top_p {top_p}: off the boundary"
+        assert differ.sum() <= 2
+        sizes |= {n < 1024 for n in nucleus.sum(-1).tolist()}
+    assert sizes == {True, False} or spread < 1  # both the candidates' path and the full sort ran
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.just(0.0), st.floats(0.0, 5.0)), min_size=1, max_size=20),
        st.floats(0.0, 1.0, exclude_max=True, width=32))  # what torch.rand can return: [0, 1) in float32
