@@ -123,7 +123,8 @@ class FreeRunner(TargetRunner):
 
     def score_step(self, sequences: Sequence[Sequence[int]], needs: Sequence[int],
                    drafts: Sequence[Sequence[int] | None], active: Sequence[bool],
-                   while_waiting: WhileWaiting | None = None) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
+                   while_waiting: WhileWaiting | None = None,
+                   ) -> tuple[list[list[int] | None], list[torch.Tensor | None]] | None:
         if not self.use_graphs:
             return None
         start = time.perf_counter()
@@ -181,7 +182,8 @@ class PhaseClock:
 
         had = name in vars(owner) if isinstance(owner, type) else name in getattr(owner, "__dict__", {})
         setattr(owner, name, timed)
-        self._undo.append(lambda: setattr(owner, name, inner) if had or isinstance(owner, type) else delattr(owner, name))
+        keep = had or isinstance(owner, type)
+        self._undo.append(lambda: setattr(owner, name, inner) if keep else delattr(owner, name))
 
     def undo(self) -> None:
         for undo in reversed(self._undo):
