@@ -20,6 +20,7 @@ class GenerationStats:
     # Host work after each step's verification (output text, stop strings, router update): not
     # in `seconds`, which the router charges to arms; measured so it can be kept small.
     host_seconds: float = 0.0
+    step_rows: int = 0  # rows of the running batch, summed over this request's steps
     records: list[StepRecord] = field(default_factory=list, repr=False)
 
     @property
@@ -30,6 +31,11 @@ class GenerationStats:
     def arms(self) -> list[str]:
         """The arm of each step, e.g. 'prompt_lookup@4' or 'none'."""
         return [str(r.arm) for r in self.records]
+
+    @property
+    def mean_rows(self) -> float:
+        """The mean number of rows this request's steps decoded together (0 before a step)."""
+        return self.step_rows / self.steps if self.records else 0.0
 
     @property
     def acceptance_rate(self) -> float:

@@ -140,6 +140,7 @@ class Stepper:
             st.drafted += len(d.tokens)
             st.accepted += n
             st.seconds += t2 - t0 - fed
+            st.step_rows += len(rows)
             st.records.append(record)
         self._queue_learning(records)
         if fused is None:

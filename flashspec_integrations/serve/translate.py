@@ -211,8 +211,10 @@ class DeltaStream:
 
 def call_info(plan: CallPlan, stats: GenerationStats | None, rows: int) -> dict[str, Any]:
     """The `flashspec` response field: the call's domain and why, the arms its steps used, the
-    acceptance, and how many rows the engine's running batch held when it ended."""
+    acceptance, the mean number of rows its steps decoded together (`batch_rows`; without
+    stats, `rows`: the engine's running batch when it ended)."""
     info = stats.as_dict() if stats is not None else {"domain": plan.domain}
     info["arms"] = dict(Counter(info.get("arms", ())))
-    info.update(domain_source=plan.decision.source, agent_node=plan.decision.node, batch_rows=rows)
+    batch_rows = round(stats.mean_rows, 2) if stats is not None and stats.steps else rows
+    info.update(domain_source=plan.decision.source, agent_node=plan.decision.node, batch_rows=batch_rows)
     return info

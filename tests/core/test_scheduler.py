@@ -412,3 +412,14 @@ def test_slots_shrink_when_the_batch_drains_so_a_lone_request_after_a_burst_step
     assert engine.generate(PROMPTS[3], max_new_tokens=10).token_ids == hf(tiny_target, PROMPTS[3], 10)
     assert sizes and set(sizes) == {1}, "a lone request after the burst steps a batch of one"
     assert len(engine._scheduler._slots) == 1
+
+
+def test_each_request_reports_how_many_rows_its_steps_decoded_together(tiny_target):
+    """`GenerationStats.mean_rows`: a lone request decodes alone; two of one call decode every step
+    side by side (neither hits EOS within the budget)."""
+    engine = SpecEngine(tiny_target, [], router=FixedRouter(Arm(NO_DRAFT, 0)), calibrate=False, max_batch=4)
+    alone = engine.generate(PROMPTS[2], max_new_tokens=12)
+    assert alone.stats.steps > 0 and alone.stats.mean_rows == 1.0
+    first, second = engine.generate([PROMPTS[2], PROMPTS[3]], max_new_tokens=12)
+    assert first.stats.step_rows == 2 * first.stats.steps > 0
+    assert first.stats.mean_rows == second.stats.mean_rows == 2.0
