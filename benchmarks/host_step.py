@@ -40,6 +40,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -258,31 +259,16 @@ def make_requests(n: int, words: Sequence[int], seed: int) -> list[dict[str, Any
 
 def run(engine: SpecEngine, requests: list[dict[str, Any]], callers: int) -> list[list[int]]:
     """`callers` threads, each taking the next request when its last one ended; every output."""
-    outputs: list[list[int]] = [[] for _ in requests]
-    queue = list(range(len(requests)))
-    lock = threading.Lock()
 
-    def caller() -> None:
-        while True:
-            with lock:
-                if not queue:
-                    return
-                i = queue.pop(0)
-            r = requests[i]
-            options = {k: r[k] for k in ("max_new_tokens", "sampling", "stop", "domain")}
-            handle = engine.submit([r["prompt"]], stream=r["stream"], **options)
-            if r["stream"]:
-                for chunk in handle:
-                    outputs[i].extend(chunk.token_ids)
-            else:
-                outputs[i] = list(handle.wait()[0].token_ids)
+    def one(r: dict[str, Any]) -> list[int]:
+        options = {k: r[k] for k in ("max_new_tokens", "sampling", "stop", "domain")}
+        handle = engine.submit([r["prompt"]], stream=r["stream"], **options)
+        if r["stream"]:
+            return [t for chunk in handle for t in chunk.token_ids]
+        return list(handle.wait()[0].token_ids)
 
-    threads = [threading.Thread(target=caller) for _ in range(callers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return outputs
+    with ThreadPoolExecutor(max_workers=callers) as pool:
+        return list(pool.map(one, requests))
 
 
 def measure(rows: int, graphs: bool, repeats: int, per_row: int, seed: int) -> dict[str, Any]:
