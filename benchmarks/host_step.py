@@ -17,13 +17,13 @@ learn to propose, as agents' outputs quote their inputs; sampled rows leave the 
 
 Phases (each timed exclusive of the phases it calls; `time.perf_counter` around methods wrapped by
 this script only, so the engine itself carries no instrumentation): `select` (router.select),
-`draft` (the step's proposals), `plan` (building the forward's inputs), `verify` (verify on the
-host), `commit` (appending tokens, stop strings, the step's records), `learn` (router.update),
-`deliver` (text and results to the handles, retiring rows), `admit` (admission and prefill
-bookkeeping), `other` (the rest of the loop's turn). `forward` is the free runner's own time (not
-host work of the engine); `flush` (the router's store writes) runs on a thread of its own. Per
-configuration the repeat with the lowest host ms per step is shown (one untimed warm-up first).
-Never asserts: a measurement.
+`draft` (the step's proposals), `budget` (the token budget's cut and learning, with graphs), `plan`
+(building the forward's inputs), `verify` (verify on the host), `commit` (appending tokens, stop
+strings, the step's records), `learn` (router.update), `deliver` (text and results to the handles,
+retiring rows), `admit` (admission and prefill bookkeeping), `other` (the rest of the loop's turn).
+`forward` is the free runner's own time (not host work of the engine); `flush` (the router's store
+writes) runs on a thread of its own. Per configuration the repeat with the lowest host ms per step
+is shown (one untimed warm-up first). Never asserts: a measurement.
 
     PYTHONPATH=. python benchmarks/host_step.py [--rows 1 8 64] [--repeats 3] [--graphs] [--out bench_out/host_step]
 
@@ -66,7 +66,7 @@ PHRASES = ("Thought: I should call the search tool with the user's query. Action
            " Observation: 3 results found. The first result says the cheapest flight leaves at 7:40 from gate B12."
            " def parse(row): return {key: value for key, value in row.items() if value is not None}"
            " The retrieved document states that the policy applies to every contract signed after March.")
-HOST_PHASES = ("select", "draft", "plan", "verify", "commit", "learn", "deliver", "admit", "other")
+HOST_PHASES = ("select", "draft", "budget", "plan", "verify", "commit", "learn", "deliver", "admit", "other")
 SPIKE = 14.0  # the chain token's logit over the noise: sampled rows follow it most of the time
 
 
@@ -84,6 +84,13 @@ class FreeRunner(TargetRunner):
         self.noise = torch.randn(vocab, generator=generator) * 2.0  # [V]
         self.held: list[list[int]] = [[]]
         self.seconds = 0.0  # time spent in this runner's own forwards
+
+    def step_seconds(self) -> dict[int, float]:
+        """With graphs, a replay-time table shaped like a GPU's (flat at few rows, a wide step dearer
+        at many), so the token budget does its host work as it would there."""
+        if not self.use_graphs:
+            return {}
+        return {w: 2e-3 * (1 + w * len(self.held) / 256) for w in (1, 2, 3, 5, 9, 17)}
 
     def next_token(self, a: int, b: int) -> int:
         return self.words[((a * 1_000_003 + b) * 2_654_435_761 >> 7) % len(self.words)]
@@ -202,6 +209,8 @@ def instrument(engine: SpecEngine, runner: FreeRunner) -> PhaseClock:
     clock.wrap(stepper, "_prefilled", "admit")
     clock.wrap(stepper, "step", "commit")  # the step's own lines: committing tokens, records
     clock.wrap(stepper, "_propose", "draft")
+    clock.wrap(stepper.budget, "cut", "budget")
+    clock.wrap(stepper.budget, "learn", "budget")
     clock.wrap(stepper, "_score", "plan")
     clock.wrap(stepper, "_mixed", "plan")
     clock.wrap(stepper, "_fused", "plan")

@@ -18,6 +18,7 @@ import torch
 
 from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends.base import TargetRunner
+from flashspec_core.budget import TokenBudget
 from flashspec_core.constrained.constraint import Constraint
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.handle import EngineFault
@@ -59,6 +60,7 @@ class Stepper:
         # saw them), and the scheduler ends those rows' requests with the fault.
         self.faults: list[tuple[Row, EngineFault]] = []
         self.fed_seconds = 0.0  # the share of this step's forward that fed other rows' prompt pieces
+        self.budget = TokenBudget()  # where a step pads its rows to one width (graphs), its cut
 
     # ------------------------------------------------------------------------------ prefill
 
@@ -108,6 +110,9 @@ class Stepper:
         t0 = time.perf_counter()
         arms = [self.router.select(row.domain) for row in rows]
         drafted = self._propose(rows, arms)
+        if runner.use_graphs and len(rows) > 1:  # a lone row's γ is its router's choice
+            drafted = self.budget.cut([row.domain for row in rows], [arm.draft for arm in arms], drafted,
+                                      [row.sampling.greedy for row in rows], runner.step_seconds())
         t1 = time.perf_counter()
         self.fed_seconds = 0.0
         prefilled = [row.first is not None for row in rows]
@@ -136,6 +141,8 @@ class Stepper:
                 warmup_seconds=warmup_share if warmup_share < verify_share else 0.0, draft_lengths=self._lengths(row),
                 prefilled=first)
             records.append((record, row.constraint, row))
+            if runner.use_graphs:
+                self.budget.learn(row.domain, arm.draft, len(d.tokens), n)
             st = row.stats
             st.drafted += len(d.tokens)
             st.accepted += n

@@ -10,7 +10,7 @@ decode loop calls every member without asking first.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -100,6 +100,12 @@ class TargetRunner(Protocol):
         request pays it; sampled: and of the sampled steps `verify_step` runs at those widths (a
         model draft's runner, which never verifies, passes False). Nothing to do by default."""
         return None
+
+    def step_seconds(self) -> Mapping[int, float]:
+        """A step's seconds by width (the tokens every row feeds) at the rows held now, measured when
+        warmed, for a runner that pads each step's rows to one width (graphs): the token budget
+        (budget.py) weighs them. {} by default: rows of other widths cost only their own tokens."""
+        return {}
 
     def verify_step(self, contexts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
                     active: Sequence[bool], sampling: SamplingParams, draft_probs: torch.Tensor | None = None,

@@ -31,17 +31,14 @@ MAX_SAMPLED_ROWS = 256  # rows the Triton kernel's workspace holds from the star
 # stepping sampled batches of many sizes must not fill the GPU with graphs of [rows, width, V].
 MAX_SAMPLED_GRAPHS = 34
 # warm() captures sampled graphs at this many rows only: the engine replays a sampled step's graph
-# for a lone row (step.py `_fused`: each sampled row draws from its own generator). At every batch
-# size the scheduler grows through they would each hold [rows, width, V] logits that no step reads
-# and cost a capture each. At one row they fit memory_plan.step_bytes: it plans 2x the rows' logits
-# for graphs, and the greedy graphs of every batch size take one row's worth less than that.
+# for a lone row (step.py `_fused`: each sampled row draws from its own generator); at every batch
+# size they would hold [rows, width, V] logits no step reads (memory_plan.step_bytes counts one row).
 SAMPLED_WARM_ROWS = 1
 PLACEHOLDER = -1  # a host record's token fed from the device and not read back yet (feed_tokens)
 INITIAL_LEN = 2048
 # Prompt chunks wider than every decode width replay a graph of this width once per piece. Eagerly,
-# a prompt forward costs its launches whatever its length, and several times more the first time
-# its length is met (cuBLAS and attention pick kernels per shape), which is most requests of an
-# agent: each feeds a prompt of a new length past the prefix it reuses.
+# a prompt forward costs several times more the first time its length is met (kernels are picked
+# per shape), which is most requests of an agent: each feeds a prompt of a new length.
 PREFILL_WIDTH = 256
 # When at most 1/ROW_SHARE of the rows feed a prompt, each feeds alone, through a graph of one row
 # that reads and writes its cache row by index: a scheduler's newcomer beside 63 decoding rows
@@ -95,6 +92,11 @@ class GraphedModel(StaticRows, TargetRunner):
         # step's arm (one capture costs as much as a hundred steps).
         self.widths: tuple[int, ...] = ()  # greedy steps are padded up to one of these (see warm)
         self.prefill_width = 0  # set by warm: wider chunks replay a graph of this width per piece
+        self._seconds: dict[tuple[int, int], float] = {}  # (rows, width) -> a greedy replay's seconds
+
+    def step_seconds(self) -> dict[int, float]:
+        rows = self.static.batch
+        return {w: s for (b, w), s in self._seconds.items() if b == rows and w in self.widths}
 
     def _drop_graphs(self) -> None:
         """Forget every graph, and capture the next ones into a new memory pool.
@@ -150,7 +152,10 @@ class GraphedModel(StaticRows, TargetRunner):
         widths = sorted({int(w) for w in widths if 1 <= int(w) <= SCRATCH})
         with self._lock:
             for width in widths:
-                self._graph(width)
+                fresh = self._key(width, False, True) not in self._graphs
+                graph = self._graph(width)
+                if fresh:  # the token budget's table (budget.py): a step's seconds by rows and width
+                    self._seconds[self.static.batch, width] = graph.time_replay()
                 if sampled and self.static.batch <= SAMPLED_WARM_ROWS:
                     self._graph(width, sampled=True)
             self.widths = tuple(widths)
@@ -361,14 +366,11 @@ class GraphedModel(StaticRows, TargetRunner):
         draft_probs: [B, γ, V] the draft's q on the device, None for a copy draft (one-hot).
         Greedy steps pad to a warmed width; sampled ones replay the graph of their exact width and
         q kind, whatever the temperature (copied in per row): `warm` captured the one-hot graphs
-        of the warmed widths, and any other is captured at first use (a one-time cost, counted in
-        `warmup_seconds`). The seed of a sampled step is drawn from `generator` as the eager kernel
-        draws it, so both give the same tokens for the same generator state. Raises ValueError on
-        NaN or +inf logits.
-
-        while_waiting: host work to run between the replay's launch and its one sync, while the
-        GPU computes (the engine learns from the previous step there); called only when this
-        returns a result.
+        of the warmed widths, any other is captured at first use (counted in `warmup_seconds`).
+        A sampled step's seed is drawn from `generator` as the eager kernel draws it (same tokens
+        for the same generator state). Raises ValueError on NaN or +inf logits.
+        while_waiting: host work run between the replay's launch and its one sync (the engine
+        learns from the previous step there); called only when this returns a result.
         """
         if not self.use_graphs:
             return None

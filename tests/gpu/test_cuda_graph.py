@@ -281,6 +281,26 @@ def test_rows_of_other_arms_and_settings_step_in_one_replay_and_stay_exact():
     assert engine.runner.captures == captured
 
 
+def test_greedy_rows_cut_by_the_token_budget_equal_hf_generate():
+    """Rows stepping together where wide replays cost 4x: the budget cuts their proposals, and each
+    row is still HF `generate`'s output (fp32)."""
+    loaded = tiny_loaded(VOCAB, seed=0, max_positions=1024)
+    target = LoadedModel(loaded.model.cuda(), loaded.tokenizer, loaded.name)
+    engine = SpecEngine(target, [PromptLookupDraft()], router=FixedRouter(Arm("prompt_lookup", 8)),
+                        backend="cuda-graph", gammas=(2, 8), max_batch=4)
+    engine.runner.step_seconds = lambda: {1: 1.0, 3: 1.0, 9: 4.0}
+    rng = random.Random(9)
+    prompts = [[rng.randrange(4) for _ in range(rng.randint(8, 30))] for _ in range(4)]  # repetitive: copies
+    results = engine.generate(prompts, max_new_tokens=32)
+    for prompt, result in zip(prompts, results):
+        ids = torch.tensor([prompt], device="cuda")
+        ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                                    pad_token_id=VOCAB - 1)[0, len(prompt):].tolist()
+        got = result.token_ids
+        assert got == ref[:len(got)] and (len(got) == len(ref) or got[-1] == VOCAB - 1)
+    assert engine._stepper.budget.cuts > 0
+
+
 @pytest.mark.parametrize("one_hot", [True, False])
 def test_sampled_step_in_the_graph_is_the_eager_kernels_step(model, one_hot):
     """A sampled step replayed from a graph (Triton verify inside) returns what the eager path
@@ -388,6 +408,10 @@ def test_engine_warms_its_widths_at_construction():
     # widths 1, 3, 5 and the prefill graph, for each batch size the scheduler grows through (1, 2, 4),
     # the one-row indexed prefill graph, and at one row the sampled one-hot graphs of 1, 3, 5
     assert runner.widths == (1, 3, 5) and runner.prefill_width > 5 and runner.captures == 4 * 3 + 1 + 3
+    for rows in (1, 2, 4):  # each decode graph's replay timed at its capture, for the token budget
+        runner.resize(rows)
+        assert set(runner.step_seconds()) == {1, 3, 5} and min(runner.step_seconds().values()) > 0
+    runner.resize(1)
     res = engine.generate([1, 2, 3, 4, 5, 1, 2, 3] * 40, max_new_tokens=30)  # a prompt of two pieces
     assert all(r.warmup_seconds == 0 for r in res.stats.records) and runner.captures == 16
     batch = engine.generate([[1, 2, 3, 4, 5] * 3, [6, 7, 8] * 5, [9, 1] * 4], max_new_tokens=20)  # 3 rows: 4 slots

@@ -1,0 +1,106 @@
+"""A step's token budget where every row computes the width of the widest (CUDA graphs).
+
+A graphed step feeds all its rows at one width, so one row drafting 16 tokens makes 63 rows beside
+it compute 17 columns. The budget picks the step's width among those the runner measured: the width
+whose expected tokens (each row's bonus or recovered token plus its expected accepted tokens at
+that cut, learned per domain and draft) per second of the runner's step is highest. Longer
+greedy proposals are cut to it (exact: greedy tokens do not depend on a proposal's length). A
+sampled row is never cut (its seeded draws follow its proposals' lengths), nor a lone row.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from flashspec_core.proposals import Drafted
+
+LONGEST = 16  # the longest draft an arm proposes (γ <= 16)
+WINDOW = 32  # the accepted counts' running mean weighs about this many recent steps
+
+
+class Acceptance:
+    """Per (domain, draft): the running mean of min(accepted, m) for each cut m of a proposal.
+
+    A step that proposed k tokens and had n accepted tells what a cut to any m <= k would have
+    kept (min(n, m)); it says nothing of longer cuts, which keep what they last learned."""
+
+    def __init__(self) -> None:
+        self._means: dict[tuple[str, str], list[float]] = {}  # m -> mean of min(accepted, m)
+        self._counts: dict[tuple[str, str], list[int]] = {}
+
+    def learn(self, domain: str, draft: str, proposed: int, accepted: int) -> None:
+        """Record one step of `draft` in `domain` that proposed `proposed` tokens and had `accepted` accepted."""
+        if proposed <= 0:
+            return
+        key = (domain, draft)
+        means = self._means.setdefault(key, [0.0] * (LONGEST + 1))
+        counts = self._counts.setdefault(key, [0] * (LONGEST + 1))
+        for m in range(1, min(proposed, LONGEST) + 1):
+            counts[m] += 1
+            weight = 1.0 / min(counts[m], WINDOW)
+            means[m] += weight * (min(accepted, m) - means[m])
+
+    def expected(self, domain: str, draft: str, cut: int) -> float:
+        """The accepted tokens a proposal of `draft` in `domain` cut to `cut` is expected to keep;
+        `cut` itself (every token accepted) before any step of that length was seen: an unmeasured
+        length is never cut for being unmeasured."""
+        if cut <= 0:
+            return 0.0
+        counts = self._counts.get((domain, draft))
+        m = min(cut, LONGEST)
+        if counts is None or not counts[m]:
+            return float(cut)
+        return self._means[(domain, draft)][m]
+
+
+def best_width(groups: Mapping[tuple[str, str, int], int], seconds: Mapping[int, float],
+               acceptance: Acceptance, floor: int = 1) -> int | None:
+    """The width (tokens a row feeds: its cut proposal plus one) of `seconds`, the runner's measured
+    step time by width, at least `floor`, at which the step's rows are expected to emit the most
+    tokens per second; None when none is measured. groups: (domain, draft, proposed length) -> rows."""
+    best, best_rate = None, -1.0
+    for width, cost in sorted(seconds.items()):
+        if width < floor or cost <= 0:
+            continue
+        tokens = sum(count * (1.0 + acceptance.expected(domain, draft, min(k, width - 1)))
+                     for (domain, draft, k), count in groups.items())
+        if tokens / cost > best_rate:
+            best, best_rate = width, tokens / cost
+    return best
+
+
+class TokenBudget:
+    """Cuts a step's proposals to the width `best_width` picks, and learns acceptance from steps."""
+
+    def __init__(self) -> None:
+        self.acceptance = Acceptance()
+        self.cuts = 0  # proposals cut so far (benchmarks and tests read it)
+
+    def learn(self, domain: str, draft: str, proposed: int, accepted: int) -> None:
+        self.acceptance.learn(domain, draft, proposed, accepted)
+
+    def cut(self, domains: Sequence[str], drafts: Sequence[str], drafted: list[Drafted],
+            greedy: Sequence[bool], seconds: Mapping[int, float]) -> list[Drafted]:
+        """Each row's proposal (domain, draft name and whether it is greedy per row), greedy ones
+        cut to the step's best width; unchanged for fewer than two rows, or when the runner
+        measured no step times."""
+        if len(drafted) < 2 or not seconds:
+            return drafted
+        longest = max((len(d.tokens) for d, g in zip(drafted, greedy) if g), default=0)
+        floor = 1 + max((len(d.tokens) for d, g in zip(drafted, greedy) if not g), default=0)
+        if longest < floor:
+            return drafted
+        groups: dict[tuple[str, str, int], int] = {}
+        for domain, draft, d in zip(domains, drafts, drafted):
+            key = (domain, draft, len(d.tokens))
+            groups[key] = groups.get(key, 0) + 1
+        width = best_width(groups, seconds, self.acceptance, floor)
+        if width is None or width - 1 >= longest:
+            return drafted
+        keep = width - 1
+        out = []
+        for d, g in zip(drafted, greedy):
+            if g and len(d.tokens) > keep:
+                self.cuts += 1
+                d = Drafted(d.tokens[:keep], None if d.probs is None else d.probs[:keep], d.seconds, d.catchup)
+            out.append(d)
+        return out
