@@ -1,19 +1,21 @@
 /* y[M,N] = x[M,K] @ W[N,K]^T with W held as blocks of 32 weights along K, in fp32 arithmetic.
  *
  * Layouts (blockq.h; blockq.py repacks each GGUF type into one of them, the K-quants' 256-weight
- * super-blocks as 8 blocks of 32 with their scales multiplied out):
+ * super-blocks as 8 blocks of 32 that keep the file's compact scales, d and m computed per block):
  * Q4_1: w = d*q + m, q in 0..15 (low nibbles: weights 0..15 of the block, high: 16..31);
  * Q4_0: w = d*(q - 8); Q5_1 and Q5_0: the same with a fifth bit per weight (a 32-bit word before
- * the nibbles, bit i for weight i) and q - 16; Q8_0: w = d*q, q in -128..127, one d per 32
- * weights; Q8_S16: the same with one d per 16 weights (Q6_K); F16, BF16, F32: the weights themselves
+ * the nibbles, bit i for weight i) and q - 16; Q4_K and Q5_K: Q4_1's and Q5_1's blocks, d and m
+ * from the super-block's fp32 d and -dmin times the block's 6-bit sc and m; Q6_K: 6-bit q - 32 (the
+ * nibbles and a 2-bit high a weight), one d * sc per 16 weights; Q8_0: w = d*q, q in -128..127, one
+ * d per 32 weights; Q8_S16: the same with one d per 16 weights; F16, BF16, F32: the weights themselves
  * (2 or 4 bytes each, no scales; an fp16 or bf16 value widened to fp32 is exact). Every d*q is exact in fp32 (d is an
  * fp16 value, or a fp16 value times a 6- or 8-bit integer scale, and q has at most 8 bits), so
  * fma(q, d, m) rounds once, as ggml's d*q + m does, and an offset kind adds -0.0 (the identity,
  * keeping ggml's sign of a zero weight): the kernel multiplies by the dequantised weights bit for
  * bit and differs from a dense fp32 product only in the order of its sums (as MKL's gemv and gemm do).
  *
- * Why: a CPU decode step is bound by the bytes of weights it reads; these blocks are 0.75 (q4_1)
- * and 1.125 (q8_0) bytes a weight against fp32's 4. A tile of R rows x C columns (tokens) keeps
+ * Why: a CPU decode step is bound by the bytes of weights it reads; these blocks are 0.75 (q4_1),
+ * 0.58 (q4_k), 0.83 (q6_k) and 1.125 (q8_0) bytes a weight against fp32's 4. A tile of R rows x C columns (tokens) keeps
  * every accumulator in a register, so a verify pass of M tokens dequantises each block
  * ceil(M / C) times, not M times. Tiles of one row read W as one stream per thread and leave
  * registers for 8 columns; tiles of 4 rows reuse each load of x 4 times but read 8 streams at once.
@@ -24,123 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "blockq.h"
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
-
-/* One fp16 or bf16 value (its bits) as fp32, exactly: bf16 is fp32's high half; an fp16 normal
- * number rebiases its exponent, a subnormal one is man * 2^-24 (exact), inf and NaN keep theirs. */
-static inline float bf16_float(uint16_t h) {
-    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
-    return v.f;
-}
-static inline float f16_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
-    if (exp == 0) {
-        const float f = (float)man * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    union { uint32_t u; float f; } v = { .u = sign | (exp == 31 ? 0x7f800000u : (exp + 112) << 23) | man << 13 };
-    return v.f;
-}
-
-#if defined(__AVX512F__)
-typedef __m512 vf;
-#define VW 16
-#define VZERO _mm512_setzero_ps()
-#define VSET1 _mm512_set1_ps
-#define VLOAD _mm512_loadu_ps
-#define VFMA _mm512_fmadd_ps
-#define VADD _mm512_add_ps
-#define VSUM _mm512_reduce_add_ps
-/* 16 bytes of nibbles -> weights 0..15 (low nibbles) and 16..31 (high) as d*q + m: the 16 values
- * d*i + m are one FMA over 0..15, and each nibble picks its value by a permute (which reads only
- * an index's low 4 bits, so the low nibbles need no mask): 5 vector ops where converting every
- * nibble and scaling it took 8. */
-INLINE void dequant_q4(const int FIVE, const int OFF, const uint8_t *p, uint32_t qh, int h, vf d, vf m, vf *lo,
-                       vf *hi) {
-    (void)h;  /* 16 lanes: one step a block */
-    const vf iota = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                  _mm512_set1_ps((float)OFF));
-    const vf table = _mm512_fmadd_ps(iota, d, m);
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    if (!FIVE) {
-        *lo = _mm512_permutexvar_ps(v, table);
-        *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-        return;
-    }
-    /* 5-bit indices into 32 values (two tables): the fifth bit of weight i is bit i of qh */
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i bits = _mm512_set1_epi32((int)qh), one = _mm512_set1_epi32(1), low = _mm512_set1_epi32(15);
-    const vf upper = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), d, m);
-    __m512i il = _mm512_or_si512(_mm512_and_si512(v, low),
-                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bits, lanes), one), 4));
-    __m512i ih = _mm512_or_si512(_mm512_srli_epi32(v, 4), _mm512_slli_epi32(_mm512_and_si512(
-        _mm512_srlv_epi32(bits, _mm512_add_epi32(lanes, _mm512_set1_epi32(16))), one), 4));
-    *lo = _mm512_permutex2var_ps(table, il, upper);
-    *hi = _mm512_permutex2var_ps(table, ih, upper);
-}
-static inline vf bytes_s8(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-/* 16 fp16 or bf16 weights as fp32 (exact) */
-static inline vf halves_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-static inline vf halves_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-typedef __m256 vf;
-#define VW 8
-#define VZERO _mm256_setzero_ps()
-#define VSET1 _mm256_set1_ps
-#define VLOAD _mm256_loadu_ps
-#define VFMA _mm256_fmadd_ps
-#define VADD _mm256_add_ps
-static inline float VSUM(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-/* 8 bytes of nibbles (weights h.. of the block) -> 8 weights from the low nibbles and 8 from the
- * high ones, as (q - OFF)*d + m; FIVE: the fifth bit of weight i is bit i of qh */
-INLINE void dequant_q4(const int FIVE, const int OFF, const uint8_t *p, uint32_t qh, int h, vf d, vf m, vf *lo,
-                       vf *hi) {
-    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i il = _mm256_and_si256(v, _mm256_set1_epi32(15)), ih = _mm256_srli_epi32(v, 4);
-    if (FIVE) {
-        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
-        const __m256i bits = _mm256_set1_epi32((int)qh);
-        il = _mm256_or_si256(il, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(
-            bits, _mm256_add_epi32(lanes, _mm256_set1_epi32(h))), one), 4));
-        ih = _mm256_or_si256(ih, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(
-            bits, _mm256_add_epi32(lanes, _mm256_set1_epi32(16 + h))), one), 4));
-    }
-    const __m256i off = _mm256_set1_epi32(OFF);
-    *lo = VFMA(_mm256_cvtepi32_ps(_mm256_sub_epi32(il, off)), d, m);
-    *hi = VFMA(_mm256_cvtepi32_ps(_mm256_sub_epi32(ih, off)), d, m);
-}
-static inline vf bytes_s8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-/* 8 fp16 or bf16 weights as fp32 (exact); without F16C, one value at a time */
-static inline vf halves_f16(const uint16_t *p) {
-#if defined(__F16C__)
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#else
-    float w[8];
-    for (int i = 0; i < 8; i++) w[i] = f16_float(p[i]);
-    return _mm256_loadu_ps(w);
-#endif
-}
-static inline vf halves_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-#else
-#define SCALAR 1
-#endif
+#include "blockq_isa.h"
 
 int blockq_lanes(void) {
 #ifdef SCALAR
@@ -155,6 +41,12 @@ int blockq_lanes(void) {
  * subtracted from q; OFF kinds keep one fp32 d a block, the others d and m) */
 #define NIB_BYTES(FIVE) ((FIVE) ? 20 : 16)
 #define NIB_SCALES(OFF) ((OFF) ? 1 : 2)
+/* K-quant layouts keep the file's compact scales, per row: Q4_K and Q5_K nb / 8 fp32 d, nb / 8 fp32
+ * -dmin, then nb uint8 sc and nb uint8 m (3 nb / 4 floats' room); Q6_K nb / 8 fp32 d, then 2 nb
+ * int8 sc (5 nb / 8 floats' room). nb (blocks of 32 a row) is a multiple of 8 (super-blocks of 256). */
+#define KQ_SCALES(nb) ((size_t)(nb) * 3 / 4)
+#define Q6_SCALES(nb) ((size_t)(nb) * 5 / 8)
+#define Q6_BYTES 24
 
 #ifndef SCALAR
 /* One tile: R rows of W against C columns of x, every accumulator in a register. A = 2 (a pass of
@@ -162,8 +54,8 @@ int blockq_lanes(void) {
  * alternate vectors of an 8-bit block) added at the end: one chain of dependent FMAs would bound
  * such a pass, not the arithmetic. The order of a row's sums depends on A only, never on R. y's
  * columns are ldy apart. */
-INLINE void q4_tile(const int R, const int C, const int A, const int FIVE, const int OFF, const uint8_t *q,
-                    const float *s, int nb, const float *x, int K, float *y, int ldy) {
+INLINE void q4_tile(const int R, const int C, const int A, const int FIVE, const int OFF, const int KQ,
+                    const uint8_t *q, const float *s, int nb, const float *x, int K, float *y, int ldy) {
     const int P = NIB_BYTES(FIVE), S = NIB_SCALES(OFF);
     vf acc[4][8][2];  /* [R][C][A]: only the tile's own are used */
     for (int r = 0; r < R; r++)
@@ -173,12 +65,21 @@ INLINE void q4_tile(const int R, const int C, const int A, const int FIVE, const
         for (int h = 0; h < 16; h += VW) {
             vf lo[4], hi[4];
             for (int r = 0; r < R; r++) {
-                const float *sr = s + ((size_t)r * nb + b) * S;
                 const uint8_t *block = q + ((size_t)r * nb + b) * P;
                 uint32_t qh = 0;
                 if (FIVE) memcpy(&qh, block, 4);
-                const vf d = VSET1(sr[0]), m = VSET1(OFF ? -0.0f : sr[S - 1]);
-                dequant_q4(FIVE, OFF, block + P - 16 + h, qh, h, d, m, &lo[r], &hi[r]);
+                float dr, mr;
+                if (KQ) {  /* d * sc and -dmin * m, both exact in fp32 (an fp16 times a 6-bit integer) */
+                    const float *sr = s + (size_t)r * KQ_SCALES(nb);
+                    const uint8_t *sm = (const uint8_t *)(sr + nb / 4);
+                    dr = sr[b >> 3] * (float)sm[b];
+                    mr = sr[nb / 8 + (b >> 3)] * (float)sm[nb + b];
+                } else {
+                    const float *sr = s + ((size_t)r * nb + b) * S;
+                    dr = sr[0];
+                    mr = OFF ? -0.0f : sr[S - 1];
+                }
+                dequant_q4(FIVE, OFF, block + P - 16 + h, qh, h, VSET1(dr), VSET1(mr), &lo[r], &hi[r]);
             }
             for (int c = 0; c < C; c++) {
                 const vf xl = VLOAD(x + (size_t)c * K + b * 32 + h), xh = VLOAD(x + (size_t)c * K + b * 32 + 16 + h);
@@ -217,6 +118,41 @@ INLINE void q8_tile(const int R, const int C, const int A, const int G, const in
         for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
 }
 
+/* Q6_K's tile: as q4_tile, 24 bytes a block (two words of highs, then the nibbles) and one scale
+ * per 16 weights, d * sc (exact: an fp16 times an int8), each weight d * sc * (q - 32) rounded once. */
+INLINE void q6_tile(const int R, const int C, const int A, const uint8_t *q, const float *s, int nb,
+                    const float *x, int K, float *y, int ldy) {
+    vf acc[4][8][2];  /* [R][C][A]: only the tile's own are used */
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            for (int a = 0; a < A; a++) acc[r][c][a] = VZERO;
+    for (int b = 0; b < nb; b++) {
+        for (int h = 0; h < 16; h += VW) {
+            vf lo[4], hi[4];
+            for (int r = 0; r < R; r++) {
+                const uint8_t *block = q + ((size_t)r * nb + b) * Q6_BYTES;
+                const float *sr = s + (size_t)r * Q6_SCALES(nb);
+                const int8_t *sc = (const int8_t *)(sr + nb / 8);
+                uint32_t w0, w1;
+                memcpy(&w0, block, 4);
+                memcpy(&w1, block + 4, 4);
+                const float d = sr[b >> 3];
+                dequant_q6(block + 8 + h, w0, w1, h, VSET1(d * (float)sc[2 * b]), VSET1(d * (float)sc[2 * b + 1]),
+                           &lo[r], &hi[r]);
+            }
+            for (int c = 0; c < C; c++) {
+                const vf xl = VLOAD(x + (size_t)c * K + b * 32 + h), xh = VLOAD(x + (size_t)c * K + b * 32 + 16 + h);
+                for (int r = 0; r < R; r++) {
+                    acc[r][c][0] = VFMA(lo[r], xl, acc[r][c][0]);
+                    acc[r][c][A - 1] = VFMA(hi[r], xh, acc[r][c][A - 1]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
+}
+
 /* VW weights from index i of a row of float layout FMT (F16, BF16, F32) as fp32 */
 INLINE vf load_floats(const int FMT, const uint8_t *row, size_t i) {
     if (FMT == F32) return VLOAD((const float *)row + i);
@@ -248,10 +184,13 @@ INLINE void float_tile(const int R, const int C, const int A, const int FMT, con
 }
 
 /* one tile function per layout (the dispatch macros below take a tile by name) */
-#define Q4_1_TILE(R, C, A, ...) q4_tile(R, C, A, 0, 0, __VA_ARGS__)
-#define Q4_0_TILE(R, C, A, ...) q4_tile(R, C, A, 0, 8, __VA_ARGS__)
-#define Q5_1_TILE(R, C, A, ...) q4_tile(R, C, A, 1, 0, __VA_ARGS__)
-#define Q5_0_TILE(R, C, A, ...) q4_tile(R, C, A, 1, 16, __VA_ARGS__)
+#define Q4_1_TILE(R, C, A, ...) q4_tile(R, C, A, 0, 0, 0, __VA_ARGS__)
+#define Q4_0_TILE(R, C, A, ...) q4_tile(R, C, A, 0, 8, 0, __VA_ARGS__)
+#define Q5_1_TILE(R, C, A, ...) q4_tile(R, C, A, 1, 0, 0, __VA_ARGS__)
+#define Q5_0_TILE(R, C, A, ...) q4_tile(R, C, A, 1, 16, 0, __VA_ARGS__)
+#define Q4_K_TILE(R, C, A, ...) q4_tile(R, C, A, 0, 0, 1, __VA_ARGS__)
+#define Q5_K_TILE(R, C, A, ...) q4_tile(R, C, A, 1, 0, 1, __VA_ARGS__)
+#define Q6_K_TILE(R, C, A, ...) q6_tile(R, C, A, __VA_ARGS__)
 #define Q8_0_TILE(R, C, A, q, ...) q8_tile(R, C, A, 32, (const int8_t *)(q), __VA_ARGS__)
 #define Q8_S16_TILE(R, C, A, q, ...) q8_tile(R, C, A, 16, (const int8_t *)(q), __VA_ARGS__)
 #define F16_TILE(R, C, A, ...) float_tile(R, C, A, F16, __VA_ARGS__)
@@ -292,6 +231,9 @@ LAYOUT_ROWS(q8_s16_rows, Q8_S16_TILE)
 LAYOUT_ROWS(f16_rows, F16_TILE)
 LAYOUT_ROWS(bf16_rows, BF16_TILE)
 LAYOUT_ROWS(f32_rows, F32_TILE)
+LAYOUT_ROWS(q4_k_rows, Q4_K_TILE)
+LAYOUT_ROWS(q5_k_rows, Q5_K_TILE)
+LAYOUT_ROWS(q6_k_rows, Q6_K_TILE)
 #endif
 
 #ifndef SCALAR
@@ -306,13 +248,19 @@ static rows_fn rows_of(int kind) {
         case F16: return f16_rows;
         case BF16: return bf16_rows;
         case F32: return f32_rows;
+        case Q4_K: return q4_k_rows;
+        case Q5_K: return q5_k_rows;
+        case Q6_K: return q6_k_rows;
         default: return q8_0_rows;
     }
 }
 #endif
 
-static int nibble_kind(int kind) { return kind == Q4_1 || kind == Q4_0 || kind == Q5_1 || kind == Q5_0; }
-static int five_kind(int kind) { return kind == Q5_1 || kind == Q5_0; }
+static int kq_kind(int kind) { return kind == Q4_K || kind == Q5_K; }
+static int nibble_kind(int kind) {
+    return kind == Q4_1 || kind == Q4_0 || kind == Q5_1 || kind == Q5_0 || kq_kind(kind);
+}
+static int five_kind(int kind) { return kind == Q5_1 || kind == Q5_0 || kind == Q5_K; }
 static int offset_of(int kind) { return kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : 0; }
 static int float_bytes(int kind) { return kind == F32 ? 4 : kind == F16 || kind == BF16 ? 2 : 0; }
 
@@ -327,11 +275,23 @@ static float row_dot(int kind, const uint8_t *q, const float *s, int nb, const f
             uint32_t qh = 0;
             if (five) memcpy(&qh, block, 4);
             const uint8_t *nib = block + (five ? 4 : 0);
-            const float d = s[b * S], m = off ? -0.0f : s[b * S + 1];
+            const uint8_t *sm = (const uint8_t *)(s + nb / 4);
+            const float d = kq_kind(kind) ? s[b >> 3] * (float)sm[b] : s[b * S];
+            const float m = kq_kind(kind) ? s[nb / 8 + (b >> 3)] * (float)sm[nb + b] : off ? -0.0f : s[b * S + 1];
             for (int i = 0; i < 16; i++) {
                 const int lo = (nib[i] & 15) | (int)((qh >> i) & 1) << 4, hi = (nib[i] >> 4) | (int)((qh >> (16 + i)) & 1) << 4;
                 acc += (d * (float)(lo - off) + m) * x[b * 32 + i];
                 acc += (d * (float)(hi - off) + m) * x[b * 32 + 16 + i];
+            }
+        } else if (kind == Q6_K) {
+            const uint8_t *block = q + (size_t)b * Q6_BYTES;
+            const int8_t *sc = (const int8_t *)(s + nb / 8);
+            uint32_t w[2];
+            memcpy(w, block, 8);
+            for (int i = 0; i < 32; i++) {
+                const int nibble = (block[8 + i % 16] >> (i < 16 ? 0 : 4)) & 15;
+                const int high = (int)(w[i / 16] >> (2 * (i % 16))) & 3;
+                acc += (s[b >> 3] * (float)sc[2 * b + i / 16] * (float)((nibble | high << 4) - 32)) * x[b * 32 + i];
             }
         } else if (float_bytes(kind)) {
             for (int i = 0; i < 32; i++) {
@@ -366,8 +326,10 @@ void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const
     const int nb = K / 32, tile = tile_rows;
     const int nib = nibble_kind(kind), five = five_kind(kind), off = offset_of(kind);
     const int wide = float_bytes(kind);  /* float layouts: their bytes a weight, and no scales */
-    const size_t row_bytes = nib ? (size_t)nb * NIB_BYTES(five) : wide ? (size_t)K * wide : (size_t)K;
-    const size_t row_scales = wide ? 0 : (size_t)nb * (nib ? NIB_SCALES(off) : kind == Q8_S16 ? 2 : 1);
+    const size_t row_bytes = nib ? (size_t)nb * NIB_BYTES(five) : wide ? (size_t)K * wide
+                           : kind == Q6_K ? (size_t)nb * Q6_BYTES : (size_t)K;
+    const size_t row_scales = wide ? 0 : kq_kind(kind) ? KQ_SCALES(nb) : kind == Q6_K ? Q6_SCALES(nb)
+                            : (size_t)nb * (nib ? NIB_SCALES(off) : kind == Q8_S16 ? 2 : 1);
     #pragma omp for schedule(static) nowait
     for (int n = 0; n < N; n += tile) {
         const int rows = N - n < tile ? N - n : tile;

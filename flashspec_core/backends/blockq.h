@@ -2,7 +2,7 @@
 #include <stdint.h>
 
 /* block layouts, as blockq.py's LAYOUTS orders them (blockq.c says what each holds) */
-enum { Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, Q8_S16, F16, BF16, F32 };
+enum { Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, Q8_S16, F16, BF16, F32, Q4_K, Q5_K, Q6_K };
 
 /* y[M,N] = x[M,K] @ W[N,K]^T from W's blocks (y's rows ldy apart); an orphaned `omp for nowait`
  * over W's rows. */

@@ -29,14 +29,15 @@ from flashspec_core.models import cache_root
 # compiled into one library: the block products and the layer stack built on them (decode_layers.c,
 # with its per-architecture head steps, decode_heads.c)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("blockq.c", "decode_layers.c", "decode_heads.c"))
-HEADER = Path(__file__).with_name("blockq.h")
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("blockq.h", "blockq_isa.h"))
 BLOCK = 32  # weights per block of the kernel's layouts along the input dimension
 # The layouts blockq.c reads, in blockq.h's order, and the GGUF types each holds (repacked by
 # `from_gguf_rows`): 4-bit nibbles with (d, m) or with an offset, the same with a fifth bit, int8
-# with one d per 32 or per 16 weights; fp16, bf16 and fp32 weights as the file stores them.
-LAYOUTS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q8_s16", "f16", "bf16", "f32")
+# with one d per 32 or per 16 weights; fp16, bf16 and fp32 weights as the file stores them; the
+# K-quants' nibbles (and fifth bits, or 2-bit highs) with the file's compact scales (`BlockWeight`).
+LAYOUTS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q8_s16", "f16", "bf16", "f32", "q4_k", "q5_k", "q6_k")
 LAYOUT_OF = {"q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1", "q8_0": "q8_0",
-             "q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q8_s16", "f16": "f16", "bf16": "bf16", "f32": "f32"}
+             "q4_k": "q4_k", "q5_k": "q5_k", "q6_k": "q6_k", "f16": "f16", "bf16": "bf16", "f32": "f32"}
 KINDS = tuple(LAYOUT_OF)  # the GGUF block types the kernel reads
 SUPER = 256  # weights per K-quant super-block
 # per GGUF type: (weights, bytes) of one of its blocks; the float types store single values, which
@@ -58,6 +59,12 @@ class BlockWeight:
     for weight i), scales [out, in / 32, 2] fp32 (d, m) or [out, in / 32] (d) for q4_0 and q5_0;
     int8 layouts: qs [out, in] int8, scales [out, in / 32] (q8_0) or [out, in / 16] (q8_s16) fp32;
     float layouts: qs [out, in * 2 or 4] uint8 (the little-endian values), scales [out, 0].
+    K-quants (nb = in / 32 blocks a row): q4_k and q5_k qs as q4_1 and q5_1, scales [out, 3 nb / 4]
+    fp32 holding nb / 8 d, nb / 8 -dmin, then (as bytes) nb uint8 sc and nb uint8 m: block b's d and
+    m are d[b / 8] * sc[b] and -dmin[b / 8] * m[b], exact in fp32. q6_k: qs [out, nb * 24] uint8, per
+    block two little-endian words of 2-bit highs (weight i's bits 2i, 2i + 1 of word i / 16) then 16
+    bytes of nibbles as q4_1's; scales [out, 5 nb / 8] fp32 holding nb / 8 d, then 2 nb int8 sc
+    (one per 16 weights): weight = d * sc * (q - 32), d * sc exact.
     """
 
     kind: str
@@ -76,6 +83,8 @@ class BlockWeight:
         n, k, layout = self.out_features, self.in_features, self.layout
         if layout in _FLOATS:  # widened to fp32: exact
             return self.qs.contiguous().view(_FLOATS[layout]).reshape(n, k).float()
+        if layout in ("q4_k", "q5_k", "q6_k"):
+            return self._dequantize_k()
         if layout in ("q8_0", "q8_s16"):
             group = 32 if layout == "q8_0" else 16
             q = self.qs.view(n, k // group, group).float()
@@ -93,9 +102,43 @@ class BlockWeight:
         return (scales[..., :1] * q.float() + scales[..., 1:]).reshape(n, k)
 
 
+    def _dequantize_k(self) -> torch.Tensor:
+        """`dequantize` for the K-quant layouts (see the class doc)."""
+        n, k, layout = self.out_features, self.in_features, self.layout
+        nb = k // BLOCK
+        raw = self.scales.contiguous().view(torch.uint8)  # [out, bytes]
+        floats = self.scales[:, : nb // 8]  # [out, nb / 8] d
+        if layout == "q6_k":
+            sc = raw[:, nb // 2:].contiguous().view(torch.int8).float()  # [out, 2 nb]
+            blocks = self.qs.view(n, nb, 24)
+            words = blocks[..., :8].contiguous().view(torch.int32)  # [out, nb, 2]
+            pairs = torch.arange(16, dtype=torch.int32) * 2
+            high = (words[..., :, None] >> pairs) & 3  # [out, nb, 2, 16]
+            low = torch.stack([blocks[..., 8:] & 15, blocks[..., 8:] >> 4], dim=-2).int()  # [out, nb, 2, 16]
+            q = (low | (high << 4)) - 32
+            scale = floats.repeat_interleave(16, dim=1) * sc  # [out, 2 nb]: d * sc per 16 weights
+            return (scale.view(n, nb, 2, 1) * q.float()).reshape(n, k)
+        sm = raw[:, nb:].int()  # [out, 2 nb]: sc then m, after the nb / 4 floats
+        d = floats.repeat_interleave(8, dim=1) * sm[:, :nb].float()  # [out, nb]
+        m = self.scales[:, nb // 8: nb // 4].repeat_interleave(8, dim=1) * sm[:, nb:].float()
+        five = layout == "q5_k"
+        blocks = self.qs.view(n, nb, 20 if five else 16)
+        nibbles = blocks[..., 4:] if five else blocks
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).int()  # [out, blocks, 32]
+        if five:
+            bits = blocks[..., :4].clone(memory_format=torch.contiguous_format).view(torch.int32)
+            q |= ((bits >> torch.arange(32, dtype=torch.int32)) & 1) << 4
+        return (d[..., None] * q.float() + m[..., None]).reshape(n, k)
+
+
 def _fp16(raw: torch.Tensor) -> torch.Tensor:
     """[..., 2] uint8 -> [...] fp32: little-endian fp16 values."""
     return raw.contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def _bytes_of(values: torch.Tensor) -> torch.Tensor:
+    """[out, n] fp32 -> [out, n * 4] uint8: the values' little-endian bytes."""
+    return values.clone(memory_format=torch.contiguous_format).view(torch.uint8)
 
 
 def _nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -152,9 +195,10 @@ def from_gguf_rows(kind: str, raw: torch.Tensor, out_features: int, in_features:
         scales = _fp16(blocks[..., :4].reshape(n, nb, 2, 2))  # d, m
         qs = blocks[..., 4:].reshape(n, -1)
     elif kind in ("q4_k", "q5_k"):  # d, dmin, scales, [fifth bits], nibbles; 8 blocks of 32
-        d, dmin = _fp16(blocks[..., 0:2])[..., None], _fp16(blocks[..., 2:4])[..., None]
-        sc, mins = _k_scales(blocks[..., 4:16])
-        scales = torch.stack([d * sc.float(), -(dmin * mins.float())], dim=-1)  # [out, nb, 8, 2]
+        d, dmin = _bytes_of(_fp16(blocks[..., 0:2])), _bytes_of(-_fp16(blocks[..., 2:4]))  # [out, nb * 4]
+        sc, mins = _k_scales(blocks[..., 4:16])  # [out, nb, 8] each
+        scales = torch.cat([d, dmin, sc.to(torch.uint8).reshape(n, -1),
+                            mins.to(torch.uint8).reshape(n, -1)], dim=-1).view(torch.float32)
         q = _k_nibbles(blocks[..., -128:]).int()  # [out, nb, 8, 32]
         if kind == "q5_k":
             high = blocks[..., 16:48].reshape(n, nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
@@ -166,10 +210,14 @@ def from_gguf_rows(kind: str, raw: torch.Tensor, out_features: int, in_features:
     else:  # q6_k: low nibbles, 2-bit highs, 16 int8 scales, d; 16 groups of 16
         low = blocks[..., :128].reshape(n, nb, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
         high = blocks[..., 128:192].reshape(n, nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-        q = (low & 15).reshape(n, nb, 8, 32) | ((high & 3).reshape(n, nb, 8, 32) << 4)
-        qs = (q.to(torch.int8) - 32).reshape(n, in_features)
-        d = _fp16(blocks[..., 208:210])[..., None]
-        scales = d * blocks[..., 192:208].contiguous().view(torch.int8).float()  # [out, nb, 16]
+        q = ((low & 15).reshape(n, nb, 8, 32) | ((high & 3).reshape(n, nb, 8, 32) << 4)).long()  # 0..63
+        pairs = (q & 48) >> 4 << (torch.arange(16) * 2).repeat(2)  # each weight's 2 high bits in its word
+        words = pairs.view(n, nb, 8, 2, 16).sum(-1, keepdim=True)  # [out, nb, 8, 2, 1] int64
+        words = words.view(torch.uint8)[..., :4].reshape(n, nb, 8, 8)  # each word's low 4 bytes
+        qs = torch.cat([words, _nibbles(q & 15)], dim=-1).reshape(n, -1)
+        d = _bytes_of(_fp16(blocks[..., 208:210]))  # [out, nb * 4]
+        sc = blocks[..., 192:208].reshape(n, -1)  # [out, nb * 16] int8 bytes, one per 16 weights
+        scales = torch.cat([d, sc], dim=-1).view(torch.float32)
     return BlockWeight(kind, qs.contiguous(), scales.reshape(n, -1).contiguous(), out_features, in_features)
 
 
@@ -219,7 +267,7 @@ def library_path() -> Path:
     edited kernel or another CPU gets a build of its own, never a stale one."""
     from flashspec_core.backends.calibration import cpu_flags, cpu_model
 
-    code = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
+    code = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     key = hashlib.sha256(code + f"|{cpu_model()}|{cpu_flags()}".encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"blockq-{key}.so"
 

@@ -84,10 +84,13 @@ def test_a_wrong_sub_block_scale_is_caught(kind):
     weight = _gguf_py(kind, raw, out, inp)
     blocks = from_gguf_rows(kind, raw, out, inp)
     assert _kernel_errors(blocks, weight, rows_list=(1, 5)) == []
-    per_block = blocks.scales.shape[1] // (inp // 32)  # scales of one 32-weight block (1 or 2), or 1 a 16
-    a, b = (0, 1) if kind == "q6_k" else (per_block * 2, per_block * 3)  # sub-blocks 2 and 3 (q6_k: groups 0, 1)
+    nb = inp // 32
     planted = blockq.BlockWeight(kind, blocks.qs, blocks.scales.clone(), out, inp)
-    planted.scales[2, [a, b]] = planted.scales[2, [b, a]]
+    table = planted.scales.view(torch.uint8) if kind.endswith("_k") else planted.scales  # the same storage
+    # the K-quants' integer scales (bytes after the fp32 d, and -dmin): sub-blocks 2 and 3 (q6_k: groups
+    # 0 and 1); q5_0: blocks 2 and 3's d
+    a, b = {"q4_k": (nb + 2, nb + 3), "q5_k": (nb + 2, nb + 3), "q6_k": (nb // 2, nb // 2 + 1)}.get(kind, (2, 3))
+    table[2, [a, b]] = table[2, [b, a]]
     assert not torch.equal(planted.scales, blocks.scales), "the plant changed nothing"
     errors = _kernel_errors(planted, weight, rows_list=(1, 5))
     assert "one-hot inputs do not read the weights" in errors and len(errors) >= 2
