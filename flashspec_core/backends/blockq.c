@@ -48,7 +48,63 @@ int blockq_lanes(void) {
 #define Q6_SCALES(nb) ((size_t)(nb) * 5 / 8)
 #define Q6_BYTES 24
 
+/* Bytes ahead of a row's current block that a tile asks the cache for (blockq_set_prefetch): where
+ * memory is far (a VM's), a few KiB ahead keeps the weights streaming; the library measures the
+ * machine's best distance at load (blockq.py). It changes the speed of a product, never its result. */
+static int prefetch_ahead = 0;
+
+void blockq_set_prefetch(int bytes) { prefetch_ahead = bytes < 0 ? 0 : bytes; }
+
 #ifndef SCALAR
+
+/* A tile's accumulators [R][C][A] set to zero; summed (A = 2: two into one) into y, columns ldy apart. */
+INLINE void acc_zero(const int R, const int C, const int A, vf acc[4][8][2]) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            for (int a = 0; a < A; a++) acc[r][c][a] = VZERO;
+}
+
+INLINE void acc_store(const int R, const int C, const int A, vf acc[4][8][2], float *y, int ldy) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
+}
+
+/* A half-block tile step: each row's dequantised low (weights h..) and high (16 + h..) halves
+ * against every column's x at the same offsets (x: the block's first weight h of column 0). */
+INLINE void fma_halves(const int R, const int C, const int A, const vf lo[4], const vf hi[4], const float *x, int K,
+                       vf acc[4][8][2]) {
+    for (int c = 0; c < C; c++) {
+        const vf xl = VLOAD(x + (size_t)c * K), xh = VLOAD(x + (size_t)c * K + 16);
+        for (int r = 0; r < R; r++) {
+            acc[r][c][0] = VFMA(lo[r], xl, acc[r][c][0]);
+            acc[r][c][A - 1] = VFMA(hi[r], xh, acc[r][c][A - 1]);
+        }
+    }
+}
+
+/* Super-block sb of a K-quant row's scales (sr: the row's, nb blocks), worked out once for its 8
+ * blocks with vector products, so a block reads its two scales from memory: Q4_K / Q5_K d * sc and
+ * -dmin * m per block (exact in fp32: an fp16 times a 6-bit integer), Q6_K d * sc per 16 weights
+ * (an fp16 times an int8). */
+INLINE void kq_scales8(const float *sr, int nb, int sb, float *dk, float *mk) {
+    const uint8_t *sm = (const uint8_t *)(sr + nb / 4) + 8 * sb;
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + nb))));
+    _mm256_storeu_ps(dk, _mm256_mul_ps(_mm256_set1_ps(sr[sb]), sc));
+    _mm256_storeu_ps(mk, _mm256_mul_ps(_mm256_set1_ps(sr[nb / 8 + sb]), m));
+}
+
+INLINE void q6_scales16(const float *sr, int nb, int sb, float *dk, float *mk) {
+    const int8_t *sc = (const int8_t *)(sr + nb / 8) + 16 * sb;
+    const __m256 d = _mm256_set1_ps(sr[sb]), m32 = _mm256_set1_ps(-32.0f);
+    for (int i = 0; i < 16; i += 8) {
+        const __m256 ds = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)(sc + i)))));
+        _mm256_storeu_ps(dk + i, ds);
+        _mm256_storeu_ps(mk + i, _mm256_mul_ps(ds, m32));  /* -32 d * sc: exact */
+    }
+}
+
 /* One tile: R rows of W against C columns of x, every accumulator in a register. A = 2 (a pass of
  * one token) sums each row into two accumulators (the low and high halves of a 4- or 5-bit block,
  * alternate vectors of an 8-bit block) added at the end: one chain of dependent FMAs would bound
@@ -58,10 +114,12 @@ INLINE void q4_tile(const int R, const int C, const int A, const int FIVE, const
                     const uint8_t *q, const float *s, int nb, const float *x, int K, float *y, int ldy) {
     const int P = NIB_BYTES(FIVE), S = NIB_SCALES(OFF);
     vf acc[4][8][2];  /* [R][C][A]: only the tile's own are used */
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            for (int a = 0; a < A; a++) acc[r][c][a] = VZERO;
+    acc_zero(R, C, A, acc);
+    float kd[4][8], km[4][8];  /* K-quants: the super-block's d * sc and -dmin * m per row */
     for (int b = 0; b < nb; b++) {
+        if (KQ && (b & 7) == 0)
+            for (int r = 0; r < R; r++) kq_scales8(s + (size_t)r * KQ_SCALES(nb), nb, b >> 3, kd[r], km[r]);
+        for (int r = 0; r < R; r++) __builtin_prefetch(q + ((size_t)r * nb + b) * P + prefetch_ahead);
         for (int h = 0; h < 16; h += VW) {
             vf lo[4], hi[4];
             for (int r = 0; r < R; r++) {
@@ -69,11 +127,9 @@ INLINE void q4_tile(const int R, const int C, const int A, const int FIVE, const
                 uint32_t qh = 0;
                 if (FIVE) memcpy(&qh, block, 4);
                 float dr, mr;
-                if (KQ) {  /* d * sc and -dmin * m, both exact in fp32 (an fp16 times a 6-bit integer) */
-                    const float *sr = s + (size_t)r * KQ_SCALES(nb);
-                    const uint8_t *sm = (const uint8_t *)(sr + nb / 4);
-                    dr = sr[b >> 3] * (float)sm[b];
-                    mr = sr[nb / 8 + (b >> 3)] * (float)sm[nb + b];
+                if (KQ) {
+                    dr = kd[r][b & 7];
+                    mr = km[r][b & 7];
                 } else {
                     const float *sr = s + ((size_t)r * nb + b) * S;
                     dr = sr[0];
@@ -81,17 +137,10 @@ INLINE void q4_tile(const int R, const int C, const int A, const int FIVE, const
                 }
                 dequant_q4(FIVE, OFF, block + P - 16 + h, qh, h, VSET1(dr), VSET1(mr), &lo[r], &hi[r]);
             }
-            for (int c = 0; c < C; c++) {
-                const vf xl = VLOAD(x + (size_t)c * K + b * 32 + h), xh = VLOAD(x + (size_t)c * K + b * 32 + 16 + h);
-                for (int r = 0; r < R; r++) {
-                    acc[r][c][0] = VFMA(lo[r], xl, acc[r][c][0]);
-                    acc[r][c][A - 1] = VFMA(hi[r], xh, acc[r][c][A - 1]);
-                }
-            }
+            fma_halves(R, C, A, lo, hi, x + b * 32 + h, K, acc);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
+    acc_store(R, C, A, acc, y, ldy);
 }
 
 /* G: weights per scale (32, or 16 for Q8_S16) */
@@ -99,10 +148,9 @@ INLINE void q8_tile(const int R, const int C, const int A, const int G, const in
                     const float *x, int K, float *y, int ldy) {
     const int S = 32 / G;
     vf acc[4][8][2];  /* [R][C][A]: only the tile's own are used */
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            for (int a = 0; a < A; a++) acc[r][c][a] = VZERO;
+    acc_zero(R, C, A, acc);
     for (int b = 0; b < nb; b++) {
+        for (int r = 0; r < R; r++) __builtin_prefetch(q + (size_t)r * K + b * 32 + prefetch_ahead);
         for (int h = 0; h < 32; h += VW) {
             const int a = h / VW % A;
             vf w[4];
@@ -114,8 +162,7 @@ INLINE void q8_tile(const int R, const int C, const int A, const int G, const in
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
+    acc_store(R, C, A, acc, y, ldy);
 }
 
 /* Q6_K's tile: as q4_tile, 24 bytes a block (two words of highs, then the nibbles) and one scale
@@ -123,34 +170,22 @@ INLINE void q8_tile(const int R, const int C, const int A, const int G, const in
 INLINE void q6_tile(const int R, const int C, const int A, const uint8_t *q, const float *s, int nb,
                     const float *x, int K, float *y, int ldy) {
     vf acc[4][8][2];  /* [R][C][A]: only the tile's own are used */
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            for (int a = 0; a < A; a++) acc[r][c][a] = VZERO;
+    acc_zero(R, C, A, acc);
+    float kd[4][16], km[4][16];  /* the super-block's d * sc and -32 d * sc per row, one a half-block */
     for (int b = 0; b < nb; b++) {
+        if ((b & 7) == 0)
+            for (int r = 0; r < R; r++) q6_scales16(s + (size_t)r * Q6_SCALES(nb), nb, b >> 3, kd[r], km[r]);
+        const int i = 2 * (b & 7);
+        for (int r = 0; r < R; r++) __builtin_prefetch(q + ((size_t)r * nb + b) * Q6_BYTES + prefetch_ahead);
         for (int h = 0; h < 16; h += VW) {
             vf lo[4], hi[4];
-            for (int r = 0; r < R; r++) {
-                const uint8_t *block = q + ((size_t)r * nb + b) * Q6_BYTES;
-                const float *sr = s + (size_t)r * Q6_SCALES(nb);
-                const int8_t *sc = (const int8_t *)(sr + nb / 8);
-                uint32_t w0, w1;
-                memcpy(&w0, block, 4);
-                memcpy(&w1, block + 4, 4);
-                const float d = sr[b >> 3];
-                dequant_q6(block + 8 + h, w0, w1, h, VSET1(d * (float)sc[2 * b]), VSET1(d * (float)sc[2 * b + 1]),
-                           &lo[r], &hi[r]);
-            }
-            for (int c = 0; c < C; c++) {
-                const vf xl = VLOAD(x + (size_t)c * K + b * 32 + h), xh = VLOAD(x + (size_t)c * K + b * 32 + 16 + h);
-                for (int r = 0; r < R; r++) {
-                    acc[r][c][0] = VFMA(lo[r], xl, acc[r][c][0]);
-                    acc[r][c][A - 1] = VFMA(hi[r], xh, acc[r][c][A - 1]);
-                }
-            }
+            for (int r = 0; r < R; r++)
+                dequant_q6(q + ((size_t)r * nb + b) * Q6_BYTES, h, VSET1(kd[r][i]), VSET1(kd[r][i + 1]),
+                           VSET1(km[r][i]), VSET1(km[r][i + 1]), &lo[r], &hi[r]);
+            fma_halves(R, C, A, lo, hi, x + b * 32 + h, K, acc);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
+    acc_store(R, C, A, acc, y, ldy);
 }
 
 /* VW weights from index i of a row of float layout FMT (F16, BF16, F32) as fp32 */
@@ -165,10 +200,9 @@ INLINE void float_tile(const int R, const int C, const int A, const int FMT, con
     (void)s;
     const size_t row = (size_t)K * (FMT == F32 ? 4 : 2);
     vf acc[4][8][2];  /* [R][C][A]: only the tile's own are used */
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            for (int a = 0; a < A; a++) acc[r][c][a] = VZERO;
+    acc_zero(R, C, A, acc);
     for (int b = 0; b < nb; b++) {
+        for (int r = 0; r < R; r++) __builtin_prefetch(q + r * row + (size_t)b * 32 * (FMT == F32 ? 4 : 2) + prefetch_ahead);
         for (int h = 0; h < 32; h += VW) {
             const int a = h / VW % A;
             vf w[4];
@@ -179,8 +213,7 @@ INLINE void float_tile(const int R, const int C, const int A, const int FMT, con
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
+    acc_store(R, C, A, acc, y, ldy);
 }
 
 /* one tile function per layout (the dispatch macros below take a tile by name) */
@@ -290,7 +323,8 @@ static float row_dot(int kind, const uint8_t *q, const float *s, int nb, const f
             memcpy(w, block, 8);
             for (int i = 0; i < 32; i++) {
                 const int nibble = (block[8 + i % 16] >> (i < 16 ? 0 : 4)) & 15;
-                const int high = (int)(w[i / 16] >> (2 * (i % 16))) & 3;
+                const int lane = (int)(w[i % 2] >> (4 * (i % 16 / 2))) & 15;
+                const int high = i < 16 ? lane & 3 : lane >> 2;
                 acc += (s[b >> 3] * (float)sc[2 * b + i / 16] * (float)((nibble | high << 4) - 32)) * x[b * 32 + i];
             }
         } else if (float_bytes(kind)) {

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -62,8 +63,9 @@ class BlockWeight:
     K-quants (nb = in / 32 blocks a row): q4_k and q5_k qs as q4_1 and q5_1, scales [out, 3 nb / 4]
     fp32 holding nb / 8 d, nb / 8 -dmin, then (as bytes) nb uint8 sc and nb uint8 m: block b's d and
     m are d[b / 8] * sc[b] and -dmin[b / 8] * m[b], exact in fp32. q6_k: qs [out, nb * 24] uint8, per
-    block two little-endian words of 2-bit highs (weight i's bits 2i, 2i + 1 of word i / 16) then 16
-    bytes of nibbles as q4_1's; scales [out, 5 nb / 8] fp32 holding nb / 8 d, then 2 nb int8 sc
+    block two little-endian words of 2-bit highs (for i < 16, weight i's then weight 16 + i's in the
+    nibble at bit 4 (i / 2) of word i % 2: one shift a lane finds it) then 16 bytes of nibbles as
+    q4_1's; scales [out, 5 nb / 8] fp32 holding nb / 8 d, then 2 nb int8 sc
     (one per 16 weights): weight = d * sc * (q - 32), d * sc exact.
     """
 
@@ -112,8 +114,9 @@ class BlockWeight:
             sc = raw[:, nb // 2:].contiguous().view(torch.int8).float()  # [out, 2 nb]
             blocks = self.qs.view(n, nb, 24)
             words = blocks[..., :8].contiguous().view(torch.int32)  # [out, nb, 2]
-            pairs = torch.arange(16, dtype=torch.int32) * 2
-            high = (words[..., :, None] >> pairs) & 3  # [out, nb, 2, 16]
+            lane = torch.arange(16)
+            lanes = (words[..., lane % 2] >> (lane // 2 * 4).int()) & 15  # [out, nb, 16]
+            high = torch.stack([lanes & 3, lanes >> 2], dim=-2)  # [out, nb, 2, 16]
             low = torch.stack([blocks[..., 8:] & 15, blocks[..., 8:] >> 4], dim=-2).int()  # [out, nb, 2, 16]
             q = (low | (high << 4)) - 32
             scale = floats.repeat_interleave(16, dim=1) * sc  # [out, 2 nb]: d * sc per 16 weights
@@ -211,9 +214,11 @@ def from_gguf_rows(kind: str, raw: torch.Tensor, out_features: int, in_features:
         low = blocks[..., :128].reshape(n, nb, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
         high = blocks[..., 128:192].reshape(n, nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
         q = ((low & 15).reshape(n, nb, 8, 32) | ((high & 3).reshape(n, nb, 8, 32) << 4)).long()  # 0..63
-        pairs = (q & 48) >> 4 << (torch.arange(16) * 2).repeat(2)  # each weight's 2 high bits in its word
-        words = pairs.view(n, nb, 8, 2, 16).sum(-1, keepdim=True)  # [out, nb, 8, 2, 1] int64
-        words = words.view(torch.uint8)[..., :4].reshape(n, nb, 8, 8)  # each word's low 4 bytes
+        high = q >> 4  # [out, nb, 8, 32]: each weight's 2 high bits
+        lanes = high[..., :16] | high[..., 16:] << 2  # lane i: weight i's highs, then weight 16 + i's
+        shifts = (torch.arange(16) // 2 * 4).view(8, 2).T  # lane 2j + k: word k, bits 4j..4j + 3
+        words = (lanes.view(n, nb, 8, 8, 2).transpose(-1, -2) << shifts).sum(-1)  # [out, nb, 8, 2] int64
+        words = words.contiguous().view(torch.uint8).view(n, nb, 8, 2, 8)[..., :4].reshape(n, nb, 8, 8)
         qs = torch.cat([words, _nibbles(q & 15)], dim=-1).reshape(n, -1)
         d = _bytes_of(_fp16(blocks[..., 208:210]))  # [out, nb * 4]
         sc = blocks[..., 192:208].reshape(n, -1)  # [out, nb * 16] int8 bytes, one per 16 weights
@@ -254,6 +259,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.blockq_lanes.restype = i32
     lib.blockq_set_rows.argtypes = [i32]
     lib.blockq_set_rows.restype = None
+    lib.blockq_set_prefetch.argtypes = [i32]
+    lib.blockq_set_prefetch.restype = None
     lib.decode_layers.argtypes = [ptr] * 4 + [i32] + [ptr] * 3 + [i32] + [ptr] * 5 + [i32]
     lib.decode_layers.restype = None
     lib.decode_layers_work.argtypes = [ptr, i32, i32]
@@ -281,12 +288,39 @@ def library() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             build(path)
-        return load(path)
+        lib = load(path)
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
         warnings.warn(f"the GGUF block kernel could not be built ({detail}); the fp32 kernels run instead",
                       stacklevel=2)
         return None
+    lib.blockq_set_prefetch(fastest_prefetch(lib))
+    return lib
+
+
+PREFETCH_BYTES = (0, 1024, 4096, 8192)  # distances `fastest_prefetch` tries
+
+
+def fastest_prefetch(lib: ctypes.CDLL, rounds: int = 3) -> int:
+    """The prefetch distance (PREFETCH_BYTES) at which one token's product streams a 64 MiB Q4_K
+    weight (more than a cache holds) fastest on this machine: the best of `rounds` interleaved
+    passes each (~0.1 s in all). Why measured: how far ahead pays depends on the memory's latency
+    (little on bare metal, several KiB on a VM's), and a distance that helps one machine can cost
+    another."""
+    out, inp = 32768, 4096
+    nb = inp // BLOCK
+    qs = torch.full((out, nb * 16), 17, dtype=torch.uint8)  # [out, bytes]: written, so every page is real
+    scales = torch.full((out, nb * 3 // 4), 0.5)  # [out, 3 nb / 4]
+    x, y = torch.ones(1, inp), torch.empty(1, out)  # [1, in], [1, out]
+    best: dict[int, float] = {}
+    for _ in range(rounds):
+        for ahead in PREFETCH_BYTES:
+            lib.blockq_set_prefetch(ahead)
+            start = time.perf_counter()
+            lib.block_mm(LAYOUTS.index("q4_k"), x.data_ptr(), 1, inp, qs.data_ptr(), scales.data_ptr(),
+                         y.data_ptr(), out, torch.get_num_threads())
+            best[ahead] = min(best.get(ahead, float("inf")), time.perf_counter() - start)
+    return min(best, key=best.__getitem__)
 
 
 def available() -> bool:

@@ -60,19 +60,20 @@ INLINE void dequant_q4(const int FIVE, const int OFF, const uint8_t *p, uint32_t
     *lo = _mm512_permutex2var_ps(table, il, upper);
     *hi = _mm512_permutex2var_ps(table, ih, upper);
 }
-/* Q6_K: 16 bytes of nibbles and two words of 2-bit highs (weight i's in bits 2i, 2i + 1 of w0, weight
- * 16 + i's of w1) -> weights 0..15 and 16..31 as dl * (q - 32) and dh * (q - 32) (one rounding) */
-INLINE void dequant_q6(const uint8_t *p, uint32_t w0, uint32_t w1, int h, vf dl, vf dh, vf *lo, vf *hi) {
+/* Q6_K: a block's two words of highs then 16 bytes of nibbles (blockq.py) -> weights 0..15 and
+ * 16..31 as d * (q - 32) rounded once: fma(q, d, m) with m = -32 d (exact) */
+INLINE void dequant_q6(const uint8_t *block, int h, vf dl, vf dh, vf ml, vf mh, vf *lo, vf *hi) {
     (void)h;
-    const __m512i pairs = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i three = _mm512_set1_epi32(3), low = _mm512_set1_epi32(15), off = _mm512_set1_epi32(32);
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    const __m512i il = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_slli_epi32(
-        _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)w0), pairs), three), 4));
-    const __m512i ih = _mm512_or_si512(_mm512_srli_epi32(v, 4), _mm512_slli_epi32(
-        _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)w1), pairs), three), 4));
-    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(il, off)), dl);
-    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ih, off)), dh);
+    long long words;
+    memcpy(&words, block, 8);
+    const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+    const __m512i r = _mm512_srlv_epi32(_mm512_set1_epi64(words), shifts);  /* lane i's highs in bits 0..3 */
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 8)));
+    const __m512i low = _mm512_set1_epi32(15), top = _mm512_set1_epi32(48);
+    const __m512i il = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_and_si512(_mm512_slli_epi32(r, 4), top));
+    const __m512i ih = _mm512_or_si512(_mm512_srli_epi32(v, 4), _mm512_and_si512(_mm512_slli_epi32(r, 2), top));
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), dl, ml);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), dh, mh);
 }
 static inline vf bytes_s8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -115,17 +116,17 @@ INLINE void dequant_q4(const int FIVE, const int OFF, const uint8_t *p, uint32_t
     *hi = VFMA(_mm256_cvtepi32_ps(_mm256_sub_epi32(ih, off)), d, m);
 }
 /* Q6_K: as the AVX-512 path, 8 weights from the low nibbles (h..) and 8 from the high ones */
-INLINE void dequant_q6(const uint8_t *p, uint32_t w0, uint32_t w1, int h, vf dl, vf dh, vf *lo, vf *hi) {
-    const __m256i pairs = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), at = _mm256_set1_epi32(2 * h);
-    const __m256i three = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    const __m256i shift = _mm256_add_epi32(pairs, at);
-    const __m256i il = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(15)), _mm256_slli_epi32(
-        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w0), shift), three), 4));
-    const __m256i ih = _mm256_or_si256(_mm256_srli_epi32(v, 4), _mm256_slli_epi32(
-        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w1), shift), three), 4));
-    *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(il, off)), dl);
-    *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ih, off)), dh);
+INLINE void dequant_q6(const uint8_t *block, int h, vf dl, vf dh, vf ml, vf mh, vf *lo, vf *hi) {
+    long long words;
+    memcpy(&words, block, 8);
+    const __m256i shifts = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12), _mm256_set1_epi32(2 * h));
+    const __m256i r = _mm256_srlv_epi32(_mm256_set1_epi64x(words), shifts);
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 8 + h)));
+    const __m256i low = _mm256_set1_epi32(15), top = _mm256_set1_epi32(48);
+    const __m256i il = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(_mm256_slli_epi32(r, 4), top));
+    const __m256i ih = _mm256_or_si256(_mm256_srli_epi32(v, 4), _mm256_and_si256(_mm256_slli_epi32(r, 2), top));
+    *lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), dl, ml);
+    *hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), dh, mh);
 }
 static inline vf bytes_s8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));

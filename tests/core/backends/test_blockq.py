@@ -120,6 +120,25 @@ def test_tiles_of_one_and_of_four_rows_give_the_same_product_bit_for_bit(kind):
         blockq.set_tile_rows(2)
 
 
+def test_the_prefetch_distance_is_measured_and_changes_no_product():
+    """The library picks its prefetch distance by timing the machine; any distance it may pick
+    reads the same weights in the same order (a prefetch is a hint, never a load of the product)."""
+    lib = blockq.library()
+    chosen = blockq.fastest_prefetch(lib, rounds=1)
+    assert chosen in blockq.PREFETCH_BYTES
+    blocks = random_blocks("q6_k", 67, 512, seed=3)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    try:
+        products = []
+        for ahead in blockq.PREFETCH_BYTES:
+            lib.blockq_set_prefetch(ahead)
+            products.append(block_linear(x, blocks))
+        assert all(torch.equal(p, products[0]) for p in products)
+        assert torch.allclose(products[0], x @ blocks.dequantize().T, rtol=1e-5, atol=1e-5)
+    finally:
+        lib.blockq_set_prefetch(chosen)
+
+
 def test_the_blocks_read_from_the_file_are_gguf_py_s_dequantisation():
     import gguf
 
