@@ -122,12 +122,14 @@ def write_f16(path: Path, shape: dict, seed: int = 0) -> None:
 
 
 def quantize(source: Path, target: Path, ftype: str, threads: int) -> None:
-    """`source` re-quantized by llama.cpp's quantizer to `ftype` (as `llama-quantize` would)."""
+    """`source` re-quantized by llama.cpp's quantizer to `ftype` (as `llama-quantize` would; from
+    an already quantized file too, as `--allow-requantize`)."""
     import llama_cpp as lc
 
     params = lc.llama_model_quantize_default_params()
     params.ftype = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = threads
+    params.allow_requantize = True
     tmp = target.with_name(f".{target.name}.tmp")
     if lc.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {source}")

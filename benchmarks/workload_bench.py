@@ -15,6 +15,7 @@ exactly the tokens of the plain decoder of its backend (HF's or llama.cpp's): th
 many steps matched. Tool and RAG steps get the domain hint an adapter passes, unless --no-hints.
 
     python benchmarks/workload_bench.py --workload independent --steps 24 --warmup 24 --max-new-tokens 64
+    python benchmarks/workload_bench.py --requantize Q4_K_M ...   # the default model as a user's Q4_K_M file
 
 results.json keeps the table; workload.png plots it. The CPU and thread count head the table.
 """
@@ -47,6 +48,20 @@ def stream(args):
         return dev_workload(n, seed=args.seed, max_new_tokens=args.max_new_tokens)
     return agent_workload(kind=args.workload, n_steps=n, seed=args.seed, max_new_tokens=args.max_new_tokens,
                           split="heldout")
+
+
+def requantized(ftype: str) -> Path:
+    """The default model's file re-quantized by llama.cpp's quantizer to `ftype`, in the cache folder."""
+    from gguf_scale import quantize  # this folder's script: the same quantizer call
+
+    from flashspec_core.models import cache_root, default_gguf_path
+
+    source = default_gguf_path()
+    target = cache_root() / "models" / f"{source.stem}-{source.stat().st_size}.{ftype}.gguf"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        quantize(source, target, ftype, threads=2)
+    return target
 
 
 def engine_runner(engine: SpecEngine, hints: bool):
@@ -89,8 +104,13 @@ def main() -> None:
     parser.add_argument("--gguf", default=None,
                         help="a GGUF file to run as the target, e.g. a Q4_K_M of the default model "
                              "(default: the embedded one)")
+    parser.add_argument("--requantize", default=None, metavar="FTYPE",
+                        help="run the default model re-quantized by llama.cpp's quantizer to FTYPE (Q4_K_M, Q5_K_M, "
+                             "Q8_0, F16, ...: llama.cpp's file types) instead; made once into the cache folder")
     parser.add_argument("--out", default="bench_out/workload")
     args = parser.parse_args()
+    if args.requantize:
+        args.gguf = str(requantized(args.requantize))
 
     steps_all = stream(args)
     warmup, steps = steps_all[:args.warmup], steps_all[args.warmup:]

@@ -274,9 +274,13 @@ def library_path() -> Path:
     edited kernel or another CPU gets a build of its own, never a stale one."""
     from flashspec_core.backends.calibration import cpu_flags, cpu_model
 
-    code = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(code + f"|{cpu_model()}|{cpu_flags()}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{source_key()}|{cpu_model()}|{cpu_flags()}".encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"blockq-{key}.so"
+
+
+def source_key() -> str:
+    """A hash of the kernel's sources: a build, or a calibration of its speed, is of one version."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))).hexdigest()[:16]
 
 
 @lru_cache(maxsize=1)

@@ -126,14 +126,18 @@ def machine_line() -> str:
 # to one thread; 3: "hf" on the CPU runs Llama-family models over a static cache; 4: GGUF
 # targets may compute from the file's blocks; 5: and run their layer stack natively; 6: the
 # decode widths' cost per cached token is measured too), so a cache
-# measured by an older version is measured again.
+# measured by an older version is measured again. An edit of the block kernel's sources changes
+# the key by itself (`blockq.source_key`).
 RUNNERS_VERSION = "6"
 
 
 def fingerprint(model_id: str, backend: str) -> str:
-    """Key of a calibration: CPU model and flags, cores, torch version and threads, model, backend."""
+    """Key of a calibration: CPU model and flags, cores, torch version and threads, model, backend,
+    the block kernel's version."""
+    from flashspec_core.backends.blockq import source_key
+
     parts = [cpu_model(), ",".join(cpu_flags()), str(os.cpu_count()), torch.__version__,
-             str(torch.get_num_threads()), model_id, backend, RUNNERS_VERSION]
+             str(torch.get_num_threads()), model_id, backend, RUNNERS_VERSION, source_key()]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

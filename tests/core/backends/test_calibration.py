@@ -75,6 +75,12 @@ def test_a_damaged_cache_or_another_machine_measures_again(flashspec_cache_dir, 
     runner = SleepyRunner()
     calibrate(runner, "sleepy-2", "fake", [1, 3], vocab=8)
     assert runner.calls > 0, "another CPU is another fingerprint"
+    from flashspec_core.backends import blockq
+
+    monkeypatch.setattr(blockq, "source_key", lambda: "an edited kernel")
+    runner = SleepyRunner()
+    calibrate(runner, "sleepy-2", "fake", [1, 3], vocab=8)
+    assert runner.calls > 0, "another version of the block kernel is measured again"
 
 
 def slower(real_call, pause: float):
