@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -298,17 +299,21 @@ def library() -> ctypes.CDLL | None:
         warnings.warn(f"the GGUF block kernel could not be built ({detail}); the fp32 kernels run instead",
                       stacklevel=2)
         return None
-    lib.blockq_set_prefetch(fastest_prefetch(lib))
+    ahead = fastest_prefetch(lib)
+    lib.blockq_set_prefetch(ahead)
+    logging.getLogger(__name__).info("GGUF block kernel %s: %d fp32 lanes a vector; rows fetched %d bytes ahead "
+                                     "(the fastest of %s on this machine)", path.name, lib.blockq_lanes(), ahead,
+                                     PREFETCH_BYTES)
     return lib
 
 
 PREFETCH_BYTES = (0, 1024, 4096, 8192)  # distances `fastest_prefetch` tries
 
 
-def fastest_prefetch(lib: ctypes.CDLL, rounds: int = 3) -> int:
+def fastest_prefetch(lib: ctypes.CDLL, rounds: int = 5) -> int:
     """The prefetch distance (PREFETCH_BYTES) at which one token's product streams a 64 MiB Q4_K
     weight (more than a cache holds) fastest on this machine: the best of `rounds` interleaved
-    passes each (~0.1 s in all). Why measured: how far ahead pays depends on the memory's latency
+    passes each (~0.2 s in all). Why measured: how far ahead pays depends on the memory's latency
     (little on bare metal, several KiB on a VM's), and a distance that helps one machine can cost
     another."""
     out, inp = 32768, 4096
