@@ -49,16 +49,12 @@ INLINE void dequant_q4(const int FIVE, const int OFF, const uint8_t *p, uint32_t
         *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
         return;
     }
-    /* 5-bit indices into 32 values (two tables): the fifth bit of weight i is bit i of qh */
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i bits = _mm512_set1_epi32((int)qh), one = _mm512_set1_epi32(1), low = _mm512_set1_epi32(15);
+    /* the fifth bit of weight i is bit i of qh: a mask over the lanes, whose set lanes take their
+     * value from the upper table (16..31) instead */
     const vf upper = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), d, m);
-    __m512i il = _mm512_or_si512(_mm512_and_si512(v, low),
-                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bits, lanes), one), 4));
-    __m512i ih = _mm512_or_si512(_mm512_srli_epi32(v, 4), _mm512_slli_epi32(_mm512_and_si512(
-        _mm512_srlv_epi32(bits, _mm512_add_epi32(lanes, _mm512_set1_epi32(16))), one), 4));
-    *lo = _mm512_permutex2var_ps(table, il, upper);
-    *hi = _mm512_permutex2var_ps(table, ih, upper);
+    const __m512i vh = _mm512_srli_epi32(v, 4);
+    *lo = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(v, table), _cvtu32_mask16(qh & 0xffffu), v, upper);
+    *hi = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(vh, table), _cvtu32_mask16(qh >> 16), vh, upper);
 }
 /* Q6_K: a block's two words of highs then 16 bytes of nibbles (blockq.py) -> weights 0..15 and
  * 16..31 as d * (q - 32) rounded once: fma(q, d, m) with m = -32 d (exact) */
