@@ -1,7 +1,7 @@
 /* y[M,N] = x[M,K] @ W[N,K]^T with W held as blocks of 32 weights along K, in fp32 arithmetic.
  *
  * Layouts (blockq.h; blockq.py repacks each GGUF type into one of them, the K-quants' 256-weight
- * super-blocks as 8 blocks of 32 that keep the file's compact scales, d and m computed per block):
+ * super-blocks as 8 blocks of 32 that keep the file's compact scales, multiplied out per super-block):
  * Q4_1: w = d*q + m, q in 0..15 (low nibbles: weights 0..15 of the block, high: 16..31);
  * Q4_0: w = d*(q - 8); Q5_1 and Q5_0: the same with a fifth bit per weight (a 32-bit word before
  * the nibbles, bit i for weight i) and q - 16; Q4_K and Q5_K: Q4_1's and Q5_1's blocks, d and m
