@@ -59,17 +59,47 @@ class Calibration:
         self.slopes = {int(w): float(s) for w, s in self.slopes.items()}
         widths = sorted({w for v in self.seconds.values() for w in v})
         self.best = {w: min(self.seconds, key=lambda k: self.seconds[k].get(w, float("inf"))) for w in widths}
+        self._width_seconds: dict[int, float] = {}  # width_seconds' answers (a budget asks per step)
 
     def kernel_for(self, width: int) -> str:
-        """The kernel kept for the smallest measured width at least `width` (the largest past all).
+        """The kernel with the least `seconds_of` at `width`; past the widest measured width, that
+        width's choice (the prefill chunk's).
 
-        Rounding up sends every prompt chunk wider than the verify widths to the prefill chunk's
-        choice. Nearest-width would send a 30-token prompt to the 9-token choice, which may be
-        oneDNN's packed kernel: it builds a new primitive for each new row count, and a short
-        prompt's prefill then costs many times what it should.
+        A CPU step feeds every row's tokens in one ragged forward, so its width is any total from 1
+        to the rows' drafts and prompt pieces together: between two measured widths a forward's
+        cost is close to the line through them, and rounding to either end's choice would send a
+        12-token step to the prefill chunk's kernel, which can cost 2.5x the decode kernel there.
         """
-        wider = [w for w in self.best if w >= width]
-        return self.best[min(wider) if wider else max(self.best)]
+        if width in self.best:
+            return self.best[width]
+        if width > max(self.best):
+            return self.best[max(self.best)]
+        return min(self.seconds, key=lambda k: self.seconds_of(k, width))
+
+    def seconds_of(self, kernel: str, width: int) -> float:
+        """`kernel`'s seconds for a forward of `width` tokens: measured, or on the line through the
+        measured widths around it (below the narrowest: its time; past the widest: the last two
+        widths' line continued); inf for a kernel measured at fewer widths than that needs."""
+        row = self.seconds.get(kernel, {})
+        if width in row:
+            return row[width]
+        below = [w for w in row if w < width]
+        above = [w for w in row if w > width]
+        if not below and above:
+            return row[min(above)]
+        if below and above:
+            lo, hi = max(below), min(above)
+        elif len(below) >= 2:
+            lo, hi = sorted(below)[-2:]
+        else:
+            return float("inf")
+        return row[lo] + (row[hi] - row[lo]) * (width - lo) / (hi - lo)
+
+    def width_seconds(self, width: int) -> float:
+        """Seconds of one forward of `width` tokens with the kernel `kernel_for` picks."""
+        if width not in self._width_seconds:
+            self._width_seconds[width] = self.seconds_of(self.kernel_for(width), width)
+        return self._width_seconds[width]
 
     def forward_seconds(self) -> dict[int, float]:
         """Width -> seconds of one forward with the kept kernel (the router's starting costs)."""

@@ -47,7 +47,6 @@ def test_the_faster_kernel_is_kept_per_width_and_cached(flashspec_cache_dir):
     cal = calibrate(runner, "sleepy-1", "fake", [1, 3, 5], vocab=8)
     assert cal.best[1] == "slow_wide" and cal.best[3] == cal.best[5] == "slow_at_1"
     assert cal.kernel_for(4) == "slow_at_1" and cal.kernel_for(1) == "slow_wide"
-    assert cal.kernel_for(2) == "slow_at_1", "an unmeasured width takes the next wider one's choice"
     assert cal.forward_seconds()[1] < 0.003
     calls = runner.calls
     again = calibrate(SleepyRunner(), "sleepy-1", "fake", [1, 3, 5], vocab=8)
@@ -55,12 +54,17 @@ def test_the_faster_kernel_is_kept_per_width_and_cached(flashspec_cache_dir):
     assert "CPU:" in cal.table() and "kept" in cal.table()
 
 
-def test_prompt_chunks_take_the_prefill_widths_choice():
+def test_an_unmeasured_width_takes_the_kernel_cheapest_on_the_line_between_its_neighbours():
     cal = Calibration(key="k", cpu="c", threads=2, measured_at="now",
-                      seconds={"packed": {1: 2.0, 9: 1.0, 128: 9.0}, "stock": {1: 1.0, 9: 2.0, 128: 3.0}},
-                      best={1: "stock", 9: "packed", 128: "stock"})
-    assert [cal.kernel_for(w) for w in (1, 5, 9, 10, 30, 128, 2000)] == [
-        "stock", "packed", "packed", "stock", "stock", "stock", "stock"]
+                      seconds={"native": {1: 1.0, 9: 2.0, 128: 30.0}, "stock": {1: 6.0, 9: 7.0, 128: 20.0}},
+                      best={})
+    # native's line from 9 to 128 crosses stock's at width 9 + 5 * 119 / 15 = 48.67
+    assert [cal.kernel_for(w) for w in (1, 5, 9, 10, 30, 48, 49, 128, 2000)] == [
+        "native", "native", "native", "native", "native", "native", "stock", "stock", "stock"]
+    assert cal.seconds_of("native", 5) == pytest.approx(1.5)
+    assert cal.seconds_of("stock", 2000) == pytest.approx(20.0 + 13.0 / 119 * 1872)
+    assert cal.width_seconds(30) == pytest.approx(2.0 + 28.0 * 21 / 119)
+    assert cal.seconds_of("missing", 5) == float("inf")
 
 
 def test_a_damaged_cache_or_another_machine_measures_again(flashspec_cache_dir, monkeypatch):
