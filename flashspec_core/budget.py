@@ -1,15 +1,19 @@
-"""A step's token budget where every row computes the width of the widest (CUDA graphs).
+"""A step's token budget: how many drafted tokens of each row are worth computing beside the others.
 
 A graphed step feeds all its rows at one width, so one row drafting 16 tokens makes 63 rows beside
 it compute 17 columns. The budget picks the step's width among those the runner measured: the width
 whose expected tokens (each row's bonus or recovered token plus its expected accepted tokens at
-that cut, learned per domain and draft) per second of the runner's step is highest. Longer
-greedy proposals are cut to it (exact: greedy tokens do not depend on a proposal's length). A
-sampled row is never cut (its seeded draws follow its proposals' lengths), nor a lone row.
+that cut, learned per domain and draft) per second of the runner's step is highest (`cut`).
+A CPU step is one ragged forward whose cost grows with the tokens it computes, so rows are cut
+one by one instead (`cut_ragged`): the drafted tokens most likely accepted are kept while they
+raise the step's expected tokens per second. A lone row's draft is its router's choice; beside
+others a drafted token's share of the forward's fixed cost is smaller, and so is its worth.
+Only greedy proposals are cut (exact: greedy tokens do not depend on a proposal's length); a
+sampled row never is (its seeded draws follow its proposals' lengths), nor a lone row.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from flashspec_core.proposals import Drafted
 
@@ -102,5 +106,45 @@ class TokenBudget:
             if g and len(d.tokens) > keep:
                 self.cuts += 1
                 d = Drafted(d.tokens[:keep], None if d.probs is None else d.probs[:keep], d.seconds, d.catchup)
+            out.append(d)
+        return out
+
+    def cut_ragged(self, domains: Sequence[str], drafts: Sequence[str], drafted: list[Drafted],
+                   greedy: Sequence[bool], seconds: Callable[[int], float], fed: int = 0) -> list[Drafted]:
+        """Each row's proposal with greedy ones cut where one forward over every row's tokens (each
+        row's proposal plus its bonus or recovered token, and `fed` prompt tokens of other rows)
+        costs `seconds(tokens)`: the drafted tokens, most likely accepted first (a row's k-th token
+        is worth the learned chance that k or more are accepted), are kept while the step's
+        expected tokens per second rises. Unchanged for a lone row with nothing fed beside it."""
+        if len(drafted) < 2 and not fed:
+            return drafted
+        tokens = fed + sum(1 + (0 if g else len(d.tokens)) for d, g in zip(drafted, greedy))
+        expected = sum(1.0 + (0.0 if g else self.acceptance.expected(dom, name, len(d.tokens)))
+                       for dom, name, d, g in zip(domains, drafts, drafted, greedy))
+        gains: list[tuple[float, int, int]] = []  # (worth, position in its row, row)
+        for i, (dom, name, d, g) in enumerate(zip(domains, drafts, drafted, greedy)):
+            if not g:
+                continue
+            prev, cap = 0.0, 1.0
+            for k in range(1, len(d.tokens) + 1):
+                now = self.acceptance.expected(dom, name, k)
+                cap = min(cap, max(0.0, now - prev))  # a later token is never worth more
+                prev = now
+                gains.append((cap, k, i))
+        gains.sort(key=lambda t: (-t[0], t[1]))
+        best, best_rate = 0, expected / seconds(tokens)
+        for n, (worth, _, _) in enumerate(gains, 1):
+            expected += worth
+            rate = expected / seconds(tokens + n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        keep = [len(d.tokens) if not g else 0 for d, g in zip(drafted, greedy)]
+        for _, _, i in gains[:best]:
+            keep[i] += 1
+        out = []
+        for d, k in zip(drafted, keep):
+            if k < len(d.tokens):
+                self.cuts += 1
+                d = Drafted(d.tokens[:k], None if d.probs is None else d.probs[:k], d.seconds, d.catchup)
             out.append(d)
         return out

@@ -110,9 +110,13 @@ class Stepper:
         t0 = time.perf_counter()
         arms = [self.router.select(row.domain) for row in rows]
         drafted = self._propose(rows, arms)
+        domains, names, greedy = [row.domain for row in rows], [arm.draft for arm in arms], [
+            row.sampling.greedy for row in rows]
         if runner.use_graphs and len(rows) > 1:  # a lone row's γ is its router's choice
-            drafted = self.budget.cut([row.domain for row in rows], [arm.draft for arm in arms], drafted,
-                                      [row.sampling.greedy for row in rows], runner.step_seconds())
+            drafted = self.budget.cut(domains, names, drafted, greedy, runner.step_seconds())
+        elif runner.plan is not None:
+            drafted = self.budget.cut_ragged(domains, names, drafted, greedy, runner.plan.width_seconds,
+                                             0 if feeding is None else feeding.tokens)
         t1 = time.perf_counter()
         self.fed_seconds = 0.0
         prefilled = [row.first is not None for row in rows]
@@ -141,8 +145,7 @@ class Stepper:
                 warmup_seconds=warmup_share if warmup_share < verify_share else 0.0, draft_lengths=self._lengths(row),
                 prefilled=first)
             records.append((record, row.constraint, row))
-            if runner.use_graphs:
-                self.budget.learn(row.domain, arm.draft, len(d.tokens), n)
+            self.budget.learn(row.domain, arm.draft, len(d.tokens), n)
             st = row.stats
             st.drafted += len(d.tokens)
             st.accepted += n

@@ -141,3 +141,59 @@ def test_a_seeded_sampled_row_beside_cut_greedy_rows_draws_what_it_draws_alone(t
     assert mine.wait()[0].token_ids == alone.token_ids
     greedy.wait()
     assert engine._stepper.budget.cuts > 0
+
+
+def line(fixed: float, per_token: float):
+    """A ragged forward's seconds by the tokens it computes."""
+    return lambda tokens: fixed + per_token * tokens
+
+
+def test_a_ragged_cut_keeps_the_drafted_tokens_worth_their_compute():
+    budget = TokenBudget()
+    for _ in range(10):
+        budget.learn("chat", "pl", 16, 0)  # chat's copies are never accepted
+        budget.learn("tool", "pl", 16, 16)  # tool's always are
+        budget.learn("code", "pl", 4, 1)  # code's: the first token, never a second
+    rows = [drafted(16), drafted(16), drafted(4), drafted(16, vocab=5)]
+    domains = ["chat", "tool", "code", "chat"]
+    cut = budget.cut_ragged(domains, ["pl"] * 4, rows, [True] * 4, line(10.0, 1.0))
+    assert [len(d.tokens) for d in cut] == [0, 16, 1, 0]
+    assert cut[3].probs is not None and cut[3].probs.shape == (0, 5)
+    assert budget.cuts == 3
+    # A token that is always accepted but costs more than the step's rate so far is not kept.
+    assert [len(d.tokens) for d in budget.cut_ragged(domains, ["pl"] * 4, rows, [True] * 4,
+                                                     line(0.0, 10.0))] == [0, 0, 0, 0]
+    # Nothing learned yet: every token counted as accepted, so none is cut for being unmeasured.
+    fresh = TokenBudget().cut_ragged(["rag"] * 2, ["pl"] * 2, [drafted(8), drafted(3)], [True] * 2, line(5.0, 1.0))
+    assert [len(d.tokens) for d in fresh] == [8, 3]
+
+
+def test_a_ragged_cut_spares_sampled_rows_and_a_lone_row_unless_a_prompt_piece_shares_its_forward():
+    budget = TokenBudget()
+    for _ in range(10):
+        budget.learn("chat", "pl", 16, 0)
+    rows = [drafted(16), drafted(16)]
+    cut = budget.cut_ragged(["chat"] * 2, ["pl"] * 2, rows, [False, True], line(10.0, 1.0))
+    assert [len(d.tokens) for d in cut] == [16, 0]
+    alone = budget.cut_ragged(["chat"], ["pl"], [drafted(16)], [True], line(10.0, 1.0))
+    assert len(alone[0].tokens) == 16  # a lone row's draft is its router's choice
+    fed = budget.cut_ragged(["chat"], ["pl"], [drafted(16)], [True], line(10.0, 1.0), fed=300)
+    assert len(fed[0].tokens) == 0
+
+
+def test_greedy_rows_cut_on_a_ragged_cpu_step_emit_what_uncut_steps_do(tiny_target):
+    """CPU rows stepping together where every token a forward computes costs the same: the budget
+    cuts the proposals it learns are not accepted, and each row's output is the uncut one's."""
+    from flashspec_core.backends.calibration import Calibration
+
+    def engine() -> SpecEngine:
+        return SpecEngine(tiny_target, [PromptLookupDraft()], router=FixedRouter(Arm("prompt_lookup", 8)),
+                          verify_backend="torch", calibrate=False)
+
+    plain = engine()
+    expected = [r.token_ids for r in plain.generate(PROMPTS, max_new_tokens=24)]
+    assert plain._stepper.budget.cuts == 0  # no plan: nothing to weigh tokens against
+    cut = engine()
+    cut.runner.plan = Calibration(key="k", cpu="c", threads=1, seconds={"stock": {1: 1.0, 128: 128.0}})
+    assert [r.token_ids for r in cut.generate(PROMPTS, max_new_tokens=24)] == expected
+    assert cut._stepper.budget.cuts > 0
