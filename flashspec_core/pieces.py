@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from flashspec_core.backends.prefix import common_prefix
 from flashspec_core.request import Row
 
 PREFILL_CHUNK = 512  # prompt tokens fed per turn of the loop
+SHARE_MIN = 16  # a row waits a turn for another's piece only to reuse at least this many more tokens
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,13 @@ def fed_rows(waiting: Sequence[Row], piece: int | None, graphs: bool) -> list[Ro
     """The rows whose prompts get a piece this turn, of the rows `waiting` for their prompts. With
     graphs (or whole prompts) all of them; without, the budget `piece` is counted per request: a
     request's prompts are fed side by side (a batch call waits for all of them, and its rows then
-    decode together), requests one after another, earliest admitted first."""
+    decode together), requests one after another, earliest admitted first; a row whose prompt
+    shares a prefix with an earlier one's still to be fed waits for it (then copies it: the
+    runner's `share_prefix`)."""
     ordered = sorted(waiting, key=lambda r: r.admitted)
     if graphs or piece is None:
         return ordered
+    ordered = _not_waiting_for_a_prefix(ordered)
     requests: dict[int, list[Row]] = {}
     for row in ordered:
         requests.setdefault(id(row.request), []).append(row)
@@ -62,3 +67,20 @@ def fed_rows(waiting: Sequence[Row], piece: int | None, graphs: bool) -> list[Ro
         if budget <= 0:
             break
     return fed
+
+
+def _not_waiting_for_a_prefix(ordered: Sequence[Row]) -> list[Row]:
+    """`ordered` less each row whose prompt shares at least SHARE_MIN more tokens with an earlier
+    row's than either has fed: that row feeds them now, and this one copies them once they are."""
+    kept: list[Row] = []
+    for row in ordered:
+        waits = False
+        for other in kept:
+            need = max(row.prefilled, other.prefilled) + SHARE_MIN
+            if need <= min(len(row.prompt), len(other.prompt)) and row.prompt[need - 1] == other.prompt[need - 1] \
+                    and common_prefix(row.prompt, other.prompt) >= need:
+                waits = True
+                break
+        if not waits:
+            kept.append(row)
+    return kept

@@ -16,7 +16,7 @@ class GenerationStats:
     accepted: int = 0
     seconds: float = 0.0  # prefill + every step's draft and verify time
     prefill_seconds: float = 0.0  # feeding the prompt before the first step
-    cached_prompt_tokens: int = 0  # prompt tokens reused from the previous request's cache
+    cached_prompt_tokens: int = 0  # prompt tokens reused from a cache (an earlier request's slot, another row)
     # Host work after each step's verification (output text, stop strings, router update): not
     # in `seconds`, which the router charges to arms; measured so it can be kept small.
     host_seconds: float = 0.0

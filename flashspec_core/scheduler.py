@@ -176,10 +176,13 @@ class Scheduler:
             free.remove(best)
             self._warm.discard(best)
             row.slot = best
-            # what the slot's cache already holds of the prompt is reused (the last token is fed
-            # again: its logits score the first position)
-            held = reuse[best] if best in reuse else self.runner.prefix_len(best, row.prompt)
-            row.prefilled = row.stats.cached_prompt_tokens = min(held, len(row.prompt) - 1)
+            # what the slot's cache, or another row's, already holds of the prompt is reused (the
+            # last token is fed again: its logits score the first position)
+            try:
+                self._share(row)
+            except Exception as exc:  # this row's request ends; the others go on
+                self._end_request(row.request, EngineFault.of("copying a cached prefix", exc))
+                continue
             row.admitted = self._admissions
             self._admissions += 1
             self._slots[best] = row
@@ -189,6 +192,14 @@ class Scheduler:
                 except Exception as exc:  # the row's request ends; the others go on
                     self._end_request(row.request, EngineFault.of(f"draft {name!r} (begin)", exc))
                     break
+
+    def _share(self, row: Row) -> None:
+        """Give a row whose prompt is not all fed what any row's cache holds of it (an agent's
+        steps and questions over one document share long prefixes): less to feed."""
+        held = min(self.runner.share_prefix(row.slot, row.prompt), len(row.prompt) - 1)
+        if held > row.prefilled:
+            row.stats.cached_prompt_tokens += held - row.prefilled
+            row.prefilled = held
 
     def _fit(self, admitting: int) -> None:
         """Size the batch for the rows running and `admitting` more: grown in steps of `buckets`
@@ -214,7 +225,14 @@ class Scheduler:
         slots = len(self._slots)
         ready = [r for r in self._rows() if r.processors is not None and not r.finished]
         piece = self.prefill_chunk  # prompt tokens a turn feeds
-        feeding = fed_rows([r for r in self._rows() if r.processors is None], piece, self.runner.use_graphs)
+        waiting = [r for r in self._rows() if r.processors is None]
+        for row in waiting:  # a prefix another row computed since this one's admission
+            try:
+                self._share(row)
+            except Exception as exc:  # this row's request ends; the others go on
+                self._end_request(row.request, EngineFault.of("copying a cached prefix", exc))
+        waiting = [r for r in waiting if self._slots[r.slot] is r]
+        feeding = fed_rows(waiting, piece, self.runner.use_graphs)
         beside = bool(feeding and ready) and not self.runner.use_graphs  # one ragged pass feeds and steps
         if feeding and not beside:
             self._prefill(feeding, slots, piece)

@@ -14,7 +14,9 @@ Before issue 15 every exactness test passed with either (they looked at the firs
 Issue 46's, a runner that reuses a slot's cached prompt one token past the prefix it shares with
 the new request (`reuse_one_past`): the last reused position holds the previous request's keys
 and values. test_prefix_reuse.py must fail with it on the default model on every CPU runner (the
-tiny-model prefix test of test_engine.py fails too, on its count and on its output).
+tiny-model prefix test of test_engine.py fails too, on its count and on its output). And its
+twin for a prefix copied from another row's cache (`share_one_past`): the copy takes one position
+more than the two prompts share, so that position holds the other row's keys and values.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from flashspec_core.backends.prefix import common_prefix
 from flashspec_core.processors.sampling import probs_from_logits, sample_from_probs
 from flashspec_core.verify import verify
 
@@ -83,3 +86,22 @@ def reuse_one_past(runner):
         return n
 
     return prefix_len
+
+
+def share_one_past(runner):
+    """A drop-in for `runner.share_prefix` (set on the instance) that, when it copies another row's
+    prefix, copies one position more and reports it as the new prompt's own."""
+    share = runner.share_prefix
+
+    def share_prefix(row: int, sequence: Sequence[int]) -> int:
+        own = runner.prefix_len(row, sequence)
+        n = share(row, sequence)
+        if own < n < len(sequence):  # copied from the row that holds the most of `sequence`
+            source = max((b for b in range(len(runner.held)) if b != row),
+                         key=lambda b: common_prefix(runner.held[b], sequence))
+            runner.static.copy_prefix(source, row, n + 1)
+            runner.held[row].append(sequence[n])
+            n += 1
+        return n
+
+    return share_prefix

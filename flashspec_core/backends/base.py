@@ -69,6 +69,13 @@ class TargetRunner(Protocol):
         """How many leading tokens of `sequence` row `row` already holds (reusable as they are)."""
         ...
 
+    def share_prefix(self, row: int, sequence: Sequence[int]) -> int:
+        """Make row `row` hold the longest prefix of `sequence` that any row holds (an agent's next
+        step beside its previous one, questions over one document), copying that row's cache over
+        its own where it holds more, and return the prefix's length. By default nothing is copied:
+        what the row itself holds."""
+        return self.prefix_len(row, sequence)
+
     def forward_to(self, sequences: Sequence[Sequence[int]], active: Sequence[bool] | None = None,
                    keep_logits: int = 1) -> torch.Tensor:
         """Make each active row hold `sequences[b]` and return the logits after each of its last

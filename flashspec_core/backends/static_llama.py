@@ -137,6 +137,12 @@ class StaticLlama(nn.Module):
         if batch is not None:
             self.batch = batch
 
+    @torch.inference_mode()  # the cache may be inference tensors (grown inside a forward)
+    def copy_prefix(self, source: int, row: int, length: int) -> None:
+        """Copy cache row `source`'s keys and values at positions 0..length - 1 into row `row`."""
+        for cache in (*self.keys, *self.values):  # each [rows, H_kv, max_len, D]
+            cache[row, :, :length].copy_(cache[source, :, :length])
+
     def use_rows(self, batch: int) -> bool:
         """Feed `batch` rows from now on: the first `batch` of those allocated, or, past them, a
         cache reallocated for `batch` rows (the rows it had keep their contents). Returns whether

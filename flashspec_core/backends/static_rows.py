@@ -19,6 +19,7 @@ from flashspec_core.backends.prefix import common_prefix
 from flashspec_core.backends.static_llama import StaticLlama
 
 SCRATCH = 32  # slots at the end of every row kept for warm-up and capture (widths <= SCRATCH)
+MIN_COPY = 16  # another row's cached prefix is copied only when it saves at least this many tokens
 
 
 class StaticRows:
@@ -73,6 +74,26 @@ class StaticRows:
 
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
         return common_prefix(self.held[row], sequence)
+
+    def share_prefix(self, row: int, sequence: Sequence[int]) -> int:
+        """`TargetRunner.share_prefix`: another row's keys and values for the longest prefix of
+        `sequence` it holds are copied into row `row` when that is at least MIN_COPY tokens longer
+        than row's own (the copy is the cache's bytes: what the row would hold had it fed those
+        tokens itself in the other row's forwards). A row is compared in full only if it agrees
+        with `sequence` at the one position a longer copy needs: with many rows, most are ruled
+        out by one comparison (they share at most a system prompt)."""
+        best, source = self.prefix_len(row, sequence), row
+        need = best + MIN_COPY
+        for b, held in enumerate(self.held):
+            if b != row and need <= min(len(held), len(sequence)) and held[need - 1] == sequence[need - 1]:
+                shared = common_prefix(held, sequence)
+                if shared >= need:
+                    best, source, need = shared, b, shared + 1
+        if source != row:
+            del self.held[row][common_prefix(self.held[row], sequence):]  # true even if the copy fails
+            self.static.copy_prefix(source, row, best)
+            self.held[row] = list(sequence[:best])
+        return best
 
     def _ensure(self, length: int) -> None:
         """Room for rows of `length` tokens plus the scratch slots: double the cache if needed."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import greedy_references, idle_core_threads
-from plants import reuse_one_past
+from plants import reuse_one_past, share_one_past
 from test_greedy_default import DOC, TIE_GAP  # an fp tie: as there
 
 from flashspec_core.arms import NO_DRAFT, Arm
@@ -117,6 +117,13 @@ def _engine(target, runner: str) -> SpecEngine:
 def _diverging(engine: SpecEngine, runner: str, prompts, hf_references, reset: bool = True) -> dict[str, str]:
     """Send the prompts one after another (from empty rows unless `reset` is False); return how each
     output that is not the reference's diverges, by conversation (empty: all exact)."""
+    return _compare(engine, runner, prompts, hf_references, reset,
+                    (engine.generate(ids, max_new_tokens=MAX_NEW).token_ids for ids in prompts))
+
+
+def _compare(engine: SpecEngine, runner: str, prompts, hf_references, reset: bool, outputs) -> dict[str, str]:
+    """How each of `outputs` (an iterable: the requests run as it is read) diverges from its
+    reference, by conversation (empty: all exact)."""
     if reset:
         engine.runner.reset(1)
     if runner == "llama.cpp":  # llama.cpp's own greedy, from a fresh context, given the same prompts in turn
@@ -126,8 +133,7 @@ def _diverging(engine: SpecEngine, runner: str, prompts, hf_references, reset: b
     else:
         references = hf_references
     found = {}
-    for name, ids, (expected, gaps) in zip(CONVERSATIONS, prompts, references):
-        got = engine.generate(ids, max_new_tokens=MAX_NEW).token_ids
+    for name, got, (expected, gaps) in zip(CONVERSATIONS, outputs, references):
         if got == expected:
             continue
         at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
@@ -174,3 +180,33 @@ def test_prefix_reuse_beside_a_decoding_row_gets_the_models_own_output(engines, 
     assert engine.running >= 1, "the decoding row ended before the prompts did: nothing was fed beside it"
     busy.cancel()
     assert not found, f"{runner}: " + "; ".join(found.values())
+
+
+@pytest.mark.parametrize("runner", ["static-" + NATIVE, "static-" + BLOCKS])
+@pytest.mark.parametrize("planted", [False, True])
+def test_prompts_sent_together_copy_the_prefix_one_of_them_fed(engines, runner, prompts, hf_references, planted,
+                                                              monkeypatch):
+    """The three prompts as one batch: "france" is fed first, the two that share its prefix wait for
+    it and copy its keys and values from its cache row (`share_prefix`), and each output is the
+    model's own. With `share_one_past` planted (the copy reaches one position into what the
+    prompts do not share) "japan" answers from "france"'s question, and the comparison says so."""
+    engine = engines(runner)
+    engine.runner.reset(len(engine.runner.held))  # empty rows, as many as the scheduler's slots
+    if planted:
+        monkeypatch.setattr(engine.runner, "share_prefix", share_one_past(engine.runner))
+    results = []
+
+    def outputs():
+        results.extend(engine.generate(prompts, max_new_tokens=MAX_NEW))
+        return (r.token_ids for r in results)
+
+    try:
+        found = _compare(engine, runner, prompts, hf_references, False, outputs())
+    finally:
+        engine.runner.reset(len(engine.runner.held))  # empty rows, as many as the scheduler's slots
+    if planted:
+        assert "japan" in found, f"{runner}: the share_one_past plant went unnoticed"
+        return
+    assert not found, f"{runner}: " + "; ".join(found.values())
+    cached = [r.stats.cached_prompt_tokens for r in results]
+    assert cached[0] == 0 and min(cached[1:]) >= 64, f"the later prompts did not copy the shared prefix: {cached}"

@@ -219,6 +219,50 @@ def test_without_graphs_the_earliest_requests_are_fed_first_within_the_turns_bud
     assert all(sum(left for _, left in call) <= 8 or len(call) == 1 for call in fed)
 
 
+def test_a_prompt_copies_the_prefix_another_row_holds_or_waits_a_turn_for_it(tiny_target, monkeypatch):
+    """Prompts that share a long prefix (an agent's next step, questions over one document): sent
+    together, the first is fed and the others wait, then copy it from its cache row; sent while
+    the first decodes, they copy it at once. Only what differs is fed; outputs stay HF's."""
+    system = (PROMPTS[4] + PROMPTS[0] + PROMPTS[2])[:32]
+    prompts = [system + [7, 7, 2], system + [9, 4], system + [1, 2, 3, 4]]
+    expected = [hf(tiny_target, p, 6) for p in prompts]
+    engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 3)))
+    fed: list[int] = []  # prompt tokens each turn feeds
+    real = Pieces.of.__func__
+
+    def spy(cls, rows, slots, chunk):
+        pieces = real(cls, rows, slots, chunk)
+        fed.append(pieces.tokens)
+        return pieces
+
+    monkeypatch.setattr(Pieces, "of", classmethod(spy))
+    results = engine.generate(prompts, max_new_tokens=6)
+    assert [r.token_ids for r in results] == expected
+    assert [r.stats.cached_prompt_tokens for r in results] == [0, len(system), len(system)]
+    assert fed == [len(prompts[0]), 2 + 4], "the first prompt alone, then only the others' own tokens"
+    engine.runner.reset(len(engine.runner.held))  # nothing cached: the next prompts share only among themselves
+    fed.clear()
+    first = engine.submit([prompts[0]], max_new_tokens=40, stream=True)
+    next(iter(first))  # decoding: its prompt is in its row
+    later = engine.generate(prompts[1:], max_new_tokens=6)
+    assert [r.token_ids for r in later] == expected[1:]
+    assert [r.stats.cached_prompt_tokens for r in later] == [len(system)] * 2
+    assert first.wait()[0].token_ids[:6] == expected[0]
+
+
+def test_a_prefix_is_copied_from_a_cache_grown_inside_a_forward(tiny_target):
+    """Prompts past the cache's first size: it grows inside a forward (as inference tensors), and
+    the copy into another row still works and is exact."""
+    gen = random.Random(5)
+    system = [gen.randrange(1, 16) for _ in range(180)]
+    prompts = [system + [7, 7, 2], system + [9, 4]]
+    engine = engine_over(tiny_target, FixedRouter(Arm("prompt_lookup", 3)))
+    engine.runner.static.resize(64)  # smaller than the prompts: the first feed grows it
+    results = engine.generate(prompts, max_new_tokens=4)
+    assert [r.token_ids for r in results] == [hf(tiny_target, p, 4) for p in prompts]
+    assert [r.stats.cached_prompt_tokens for r in results] == [0, len(system)]
+
+
 def test_without_graphs_a_prompt_is_fed_beside_the_running_steps_in_small_pieces(tiny_target, monkeypatch):
     """While rows decode on a CPU, a newcomer's prompt goes through the steps' own forwards (no
     prefill forward of its own between two steps) in pieces of prefill_chunk; both outputs stay

@@ -186,6 +186,21 @@ def test_a_draft_failing_at_begin_ends_that_request_only(tiny_target, tmp_path, 
     assert_served_and_consistent(engine, router, store, expected)
 
 
+@pytest.mark.parametrize("failing", [(1,), (2,), (4,)])
+def test_a_prefix_copy_failing_ends_that_rows_request_only(tiny_target, tmp_path, monkeypatch, expected, failing):
+    """`share_prefix` fails at a row's admission or at a later turn: that request ends naming it,
+    the others are served exactly, and the engine serves on."""
+    engine, router, store = store_engine(tiny_target, tmp_path)
+    fault = Faults(monkeypatch, engine.runner, "share_prefix", failing)
+    results = three_together(engine)
+    failed = [r for r in results if isinstance(r, EngineFault)]
+    assert len(failed) == 1 and "copying a cached prefix" in str(failed[0]), results
+    assert [r for r in results if not isinstance(r, EngineFault)] == [
+        e for r, e in zip(results, expected) if not isinstance(r, EngineFault)]
+    fault.on = False
+    assert_served_and_consistent(engine, router, store, expected)
+
+
 def test_a_draft_failing_to_propose_once_costs_no_request(tiny_target, tmp_path, monkeypatch, expected):
     """A transient failure inside a step: the rows are stepped one at a time and all go on."""
     engine, router, store = store_engine(tiny_target, tmp_path)
