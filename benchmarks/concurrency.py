@@ -16,7 +16,7 @@ mode reuses another's prompt cache, suffix-cache outputs or router statistics.
 
 Per mode: aggregate output tokens/s, time to first token and inter-token gap (p50/p99, streamed
 requests), and whether every request's output equals its sequential run (greedy: it must);
-`cut`: proposals the token budget cut to the step's width (on CUDA graphs only).
+`cut`: greedy proposals the token budget cut (to the step's width on CUDA graphs, per row on a CPU).
 
     python benchmarks/concurrency.py --requests 8 --concurrency 1,4,8 --out bench_out/concurrency
     python benchmarks/concurrency.py --requests 8 --concurrency 1,8 --short-prompts 1600 --max-new-tokens 128
@@ -207,7 +207,7 @@ def main() -> None:
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         engine = fresh()
         results, seconds = run_concurrent(engine, work, concurrency)
-        cuts = engine._stepper.budget.cuts  # greedy proposals the token budget cut (graphs only)
+        cuts = engine._stepper.budget.cuts  # greedy proposals the token budget cut
         rows.append(summary(f"concurrent {concurrency}", results, seconds, reference) | {"cuts": cuts})
     longest = max(j.max_new_tokens for j in work)
     engine = fresh()

@@ -1,13 +1,10 @@
 """A step's token budget: how many drafted tokens of each row are worth computing beside the others.
 
 A graphed step feeds all its rows at one width, so one row drafting 16 tokens makes 63 rows beside
-it compute 17 columns. The budget picks the step's width among those the runner measured: the width
-whose expected tokens (each row's bonus or recovered token plus its expected accepted tokens at
-that cut, learned per domain and draft) per second of the runner's step is highest (`cut`).
-A CPU step is one ragged forward whose cost grows with the tokens it computes, so rows are cut
-one by one instead (`cut_ragged`): the drafted tokens most likely accepted are kept while they
-raise the step's expected tokens per second. A lone row's draft is its router's choice; beside
-others a drafted token's share of the forward's fixed cost is smaller, and so is its worth.
+it compute 17 columns: `cut` picks the measured width with the most expected tokens (each row's
+bonus or recovered token plus its expected accepted tokens at that cut, learned per domain and
+draft) per second. A CPU step is one ragged forward costing its tokens: `cut_ragged` keeps each
+row's drafted tokens most likely accepted first while the step's expected tokens per second rise.
 Only greedy proposals are cut (exact: greedy tokens do not depend on a proposal's length); a
 sampled row never is (its seeded draws follow its proposals' lengths), nor a lone row.
 """

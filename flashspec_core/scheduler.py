@@ -1,12 +1,12 @@
 """Iteration-level scheduling: requests join the running batch between steps and leave it when done.
 
-One thread owns the device. Each turn it admits waiting requests into free slots (the free slot
-whose cache shares the longest prefix with the prompt), feeds a piece of each new prompt
-(`pieces.py`), runs one decode step of every prefilled row (`step.Stepper`), hands each request's
-new text to its handle and retires rows that finished, were cancelled or ran out of time. Callers
-submit a `Request` and read its `RequestHandle`; a full queue refuses with `EngineBusy` at once.
-Failure policy: whatever raises, every request ends (a result or an error) and the loop serves on;
-a failed step is retried row by row, a row that fails alone ends its own request. docs/design.md.
+One thread owns the device. Each turn it admits waiting requests into free slots (the one whose
+cache shares the longest prefix with the prompt; a longer one another row holds is copied), feeds
+a piece of each new prompt (`pieces.py`), steps every prefilled row (`step.Stepper`), hands each
+request's new text to its handle and retires rows that finished, were cancelled or ran out of
+time. Callers submit a `Request` and read its `RequestHandle`; a full queue refuses with
+`EngineBusy` at once. Failure policy (docs/design.md): whatever raises, every request ends (a
+result or an error) and the loop serves on; a row that fails alone ends its own request.
 """
 from __future__ import annotations
 
@@ -163,7 +163,8 @@ class Scheduler:
         return taken
 
     def _admit(self, rows: list[Row]) -> None:
-        """Give each new row a slot: the free one whose cache shares most with its prompt, else a new one."""
+        """Give each new row a slot: the free one whose cache shares most with its prompt, else a new
+        one; then what any row's cache holds of its prompt (`_share`)."""
         rows = [r for r in rows if not r.request.handle.done]  # cancelled since it was taken from the queue
         self._fit(len(rows))
         free = [s for s, r in enumerate(self._slots) if r is None]
