@@ -16,7 +16,8 @@ mode reuses another's prompt cache, suffix-cache outputs or router statistics.
 
 Per mode: aggregate output tokens/s, time to first token and inter-token gap (p50/p99, streamed
 requests), and whether every request's output equals its sequential run (greedy: it must);
-`cut`: greedy proposals the token budget cut (to the step's width on CUDA graphs, per row on a CPU).
+`cut`: greedy proposals the token budget cut (to the step's width on CUDA graphs, per row on a CPU);
+`1-time s`: the mode's seconds of one-time work inside its timed run (graph captures, cache growth).
 
     python benchmarks/concurrency.py --requests 8 --concurrency 1,4,8 --out bench_out/concurrency
     python benchmarks/concurrency.py --requests 8 --concurrency 1,8 --short-prompts 1600 --max-new-tokens 128
@@ -198,26 +199,32 @@ def main() -> None:
 
     rows = []
     engine = fresh()
+    one_time = engine.runner.warmup_seconds  # captures and cache growth so far (timed runs report theirs)
     sequential = [Timed() for _ in work]
     t0 = time.perf_counter()
     for job, timed in zip(work, sequential):
         run_one(engine, job, timed)
-    rows.append(summary("sequential", sequential, time.perf_counter() - t0, None) | {"cuts": None})
+    rows.append(summary("sequential", sequential, time.perf_counter() - t0, None)
+                | {"cuts": None, "one_time_s": engine.runner.warmup_seconds - one_time})
     reference = [r.tokens for r in sequential]
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         engine = fresh()
+        one_time = engine.runner.warmup_seconds
         results, seconds = run_concurrent(engine, work, concurrency)
         cuts = engine._stepper.budget.cuts  # greedy proposals the token budget cut
-        rows.append(summary(f"concurrent {concurrency}", results, seconds, reference) | {"cuts": cuts})
+        rows.append(summary(f"concurrent {concurrency}", results, seconds, reference)
+                    | {"cuts": cuts, "one_time_s": engine.runner.warmup_seconds - one_time})
     longest = max(j.max_new_tokens for j in work)
     engine = fresh()
+    one_time = engine.runner.warmup_seconds
     t0 = time.perf_counter()
     batch = engine.generate([j.messages for j in work], max_new_tokens=longest)
     seconds = time.perf_counter() - t0
     rows.append({"mode": "offline batch", "tokens": sum(len(r.token_ids) for r in batch), "seconds": seconds,
                  "tok_per_s": sum(len(r.token_ids) for r in batch) / seconds, "ttft_p50_ms": float("nan"),
                  "ttft_p99_ms": float("nan"), "itl_p50_ms": float("nan"), "itl_p99_ms": float("nan"),
-                 "same_as_sequential": None, "cuts": engine._stepper.budget.cuts})
+                 "same_as_sequential": None, "cuts": engine._stepper.budget.cuts,
+                 "one_time_s": engine.runner.warmup_seconds - one_time})
 
     gpu = torch.cuda.is_available() and args.device != "cpu"
     device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if gpu else machine_line()
@@ -228,11 +235,11 @@ def main() -> None:
              f"engine start and warm-up {statistics.median(warmups):.1f} s (median of {len(warmups)})")
     print(title)
     print(f"{'mode':<16}{'tokens':>8}{'s':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
-          f"{'cut':>7}  same")
+          f"{'cut':>7}{'1-time s':>9}  same")
     for r in rows:
         print(f"{r['mode']:<16}{r['tokens']:>8}{r['seconds']:>8.2f}{r['tok_per_s']:>9.1f}{r['ttft_p50_ms']:>10.0f}"
               f"{r['ttft_p99_ms']:>8.0f}{r['itl_p50_ms']:>9.0f}{r['itl_p99_ms']:>8.0f}"
-              f"{'' if r['cuts'] is None else r['cuts']:>7}  "
+              f"{'' if r['cuts'] is None else r['cuts']:>7}{r['one_time_s']:>9.2f}  "
               f"{'' if r['same_as_sequential'] is None else str(r['same_as_sequential']) + '/' + str(len(work))}")
     (out / "results.json").write_text(json.dumps({"title": title, "machine": platform.node(), "rows": rows,
                                                    "args": vars(args)}, indent=1))
