@@ -60,7 +60,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Time the target's forward per width and kernel on this machine again, cache and print it."""
-    from flashspec_core.backends.calibration import calibrate, machine_line, model_id
+    from flashspec_core.backends.calibration import STEADY, calibrate, machine_line, model_id
     from flashspec_core.engine import SpecEngine
     from flashspec_core.loading import CPU_GAMMAS, load_target
     from flashspec_core.models import vocab_size
@@ -76,6 +76,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                     context=min(256, engine.context_window // 2))
     print(f"{machine_line()}; backend {engine.backend}")
     print(cal.table())
+    if cal.spread > STEADY:
+        print(f"not cached: repeated forwards differed by {cal.spread:.2f}x (the machine was busy); "
+              "run it again when the machine is idle", file=sys.stderr)
     return 0
 
 

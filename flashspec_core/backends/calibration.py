@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -29,12 +30,19 @@ from flashspec_core.models import cache_root, vocab_size
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+logger = logging.getLogger(__name__)
+
 CALIBRATION_FILE = "calibration.json"
 PREFILL_WIDTH = 128  # the prefill chunk timed alongside the decode widths
 CONTEXT = 256  # tokens already in the cache when a width is timed (a short agent prompt)
 # The kept kernel of each decode width is timed again this many tokens further on (a retrieved
 # context's length), for the router's price of a pass by context (routing/forward_costs.py).
 LONGER = 1024
+# A measurement whose repetitions of one forward differ more than this (the median over kernels
+# and widths of slowest / fastest) was taken while something else ran: it is used by this process
+# (`_UNSTEADY`) but not cached, so the next process measures again.
+STEADY = 1.5
+_UNSTEADY: dict[str, Calibration] = {}
 # ISA features that change which kernel wins; the fingerprint names those the CPU has.
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
           "amx_bf16", "amx_int8", "asimd", "sve")
@@ -53,6 +61,7 @@ class Calibration:
     context: int = CONTEXT  # tokens cached when `seconds` were timed
     # Decode width -> extra seconds per cached token of its kept kernel (timed LONGER tokens on).
     slopes: dict[int, float] = field(default_factory=dict)
+    spread: float = 1.0  # median over kernels and widths of a forward's slowest / fastest repetition
 
     def __post_init__(self) -> None:
         self.seconds = {k: {int(w): float(s) for w, s in v.items()} for k, v in self.seconds.items()}
@@ -110,7 +119,8 @@ class Calibration:
         widths = sorted(self.best)
         col = max(9, 2 + max(len(k) for k in self.seconds))
         first = max(12, 1 + max(len(k) for k in self.seconds))
-        lines = [f"CPU: {self.cpu}; torch threads: {self.threads}; ms per forward after a cached context",
+        lines = [f"CPU: {self.cpu}; torch threads: {self.threads}; ms per forward after a cached context "
+                 f"(median of repetitions within {self.spread:.2f}x of each other)",
                  f"{'kernel':<{first}}" + "".join(f"{'w=' + str(w):>{col}}" for w in widths)]
         for name, row in self.seconds.items():
             lines.append(f"{name:<{first}}" + "".join(f"{row.get(w, float('nan')) * 1e3:>{col}.1f}" for w in widths))
@@ -214,25 +224,28 @@ def measure(runner: TargetRunner, widths: Sequence[int], key: str, vocab: int, r
     """
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (context,), generator=gen).tolist()
-    seconds = _time_forwards(runner, prefix, widths, lambda w: runner.kernels(), vocab, gen, reps)
+    samples = _time_forwards(runner, prefix, widths, lambda w: runner.kernels(), vocab, gen, reps)
+    seconds = {k: {w: statistics.median(v) for w, v in rows.items()} for k, rows in samples.items()}
+    spread = statistics.median(max(v) / max(min(v), 1e-9) for rows in samples.values() for v in rows.values())
     cal = Calibration(key, cpu_model(), torch.get_num_threads(), seconds, context=context,
-                      measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+                      measured_at=time.strftime("%Y-%m-%d %H:%M:%S"), spread=spread)
     if longer > 0:
         # Decode width -> extra seconds per cached token of its kept kernel (never below 0: a
         # line through two noisy points).
         decode = [w for w in sorted(cal.best) if w < PREFILL_WIDTH]
         prefix += torch.randint(0, vocab, (longer,), generator=gen).tolist()
         far = _time_forwards(runner, prefix, decode, lambda w: (cal.best[w],), vocab, gen, reps)
-        cal.slopes = {w: max(0.0, (far[cal.best[w]][w] - cal.seconds[cal.best[w]][w]) / longer) for w in decode}
+        cal.slopes = {w: max(0.0, (statistics.median(far[cal.best[w]][w]) - cal.seconds[cal.best[w]][w]) / longer)
+                      for w in decode}
     runner.reset(1)
     return cal
 
 
 def _time_forwards(runner: TargetRunner, prefix: list[int], widths: Sequence[int],
                    kernels: Callable[[int], Sequence[str]], vocab: int, gen: torch.Generator,
-                   reps: int) -> dict[str, dict[int, float]]:
-    """Kernel -> width -> median seconds of a forward feeding `width` random tokens after `prefix`,
-    for each kernel of `kernels(width)`.
+                   reps: int) -> dict[str, dict[int, list[float]]]:
+    """Kernel -> width -> the seconds of each of `reps` forwards feeding `width` random tokens after
+    `prefix`, for each kernel of `kernels(width)`.
 
     The prefix is fed once; each timed forward feeds its tokens after it (the runner rolls back to
     the shared prefix by itself). Kernels are interleaved per repetition, so a load change on the
@@ -251,7 +264,7 @@ def _time_forwards(runner: TargetRunner, prefix: list[int], widths: Sequence[int
                 runner.forward_to([prefix + extra], keep_logits=width)
                 if rep:
                     samples.setdefault(kernel, {}).setdefault(width, []).append(time.perf_counter() - start)
-    return {k: {w: statistics.median(v) for w, v in rows.items()} for k, rows in samples.items()}
+    return samples
 
 
 def calibrate(runner: TargetRunner, model_key: str, backend: str, widths: Sequence[int], vocab: int,
@@ -259,7 +272,9 @@ def calibrate(runner: TargetRunner, model_key: str, backend: str, widths: Sequen
     """The cached calibration for this machine, model and backend, measured first if missing.
 
     `widths` are the decode widths (1 and γ+1); the prefill chunk is added. A cached entry that
-    lacks one of the widths is measured again.
+    lacks one of the widths is measured again. A measurement taken while the machine was busy
+    (`Calibration.spread` past STEADY) is used by this process but not cached: a kernel choice made
+    under someone else's load would otherwise stay for good.
     """
     widths = sorted(set(widths) | {1, PREFILL_WIDTH})
     key = fingerprint(model_key, backend)
@@ -271,7 +286,16 @@ def calibrate(runner: TargetRunner, model_key: str, backend: str, widths: Sequen
                 return cal
         except (TypeError, ValueError):
             pass
+    unsteady = _UNSTEADY.get(key)
+    if unsteady is not None and not force and set(widths) <= set(unsteady.best):
+        return unsteady
     cal = measure(runner, widths, key, vocab, context=context, longer=longer)
+    if cal.spread > STEADY:
+        logger.warning("calibration: repeated forwards differed by %.2fx (the machine is busy); its kernel "
+                       "choice is used by this process but not cached: `flashspec-agents calibrate` on an "
+                       "idle machine keeps one", cal.spread)
+        _UNSTEADY[key] = cal
+        return cal
     _write(cal)
     return cal
 

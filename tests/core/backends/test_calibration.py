@@ -3,6 +3,7 @@ is cached per fingerprint, and the engine hands the measured costs to the router
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import pytest
@@ -65,6 +66,33 @@ def test_an_unmeasured_width_takes_the_kernel_cheapest_on_the_line_between_its_n
     assert cal.seconds_of("stock", 2000) == pytest.approx(20.0 + 13.0 / 119 * 1872)
     assert cal.width_seconds(30) == pytest.approx(2.0 + 28.0 * 21 / 119)
     assert cal.seconds_of("missing", 5) == float("inf")
+
+
+class BusyRunner(SleepyRunner):
+    """A forward that takes 0.5 ms or 5 ms at random: the machine is busy with something else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = random.Random(0)
+
+    def forward_to(self, sequences, active=None, keep_logits=1):
+        self.calls += 1
+        time.sleep(self.rng.choice((0.0005, 0.005)))
+        return torch.zeros(len(sequences), keep_logits, 8)
+
+
+def test_a_measurement_taken_on_a_busy_machine_is_used_but_not_cached(flashspec_cache_dir):
+    runner = BusyRunner()
+    cal = calibrate(runner, "busy-1", "fake", [1, 3], vocab=8, longer=0)
+    assert cal.spread > calibration.STEADY and set(cal.best) == {1, 3, 128}
+    path = flashspec_cache_dir / calibration.CALIBRATION_FILE
+    assert cal.key not in (json.loads(path.read_text()) if path.exists() else {})
+    calls = runner.calls
+    assert calibrate(runner, "busy-1", "fake", [1, 3], vocab=8, longer=0) is cal and runner.calls == calls, (
+        "the same process keeps it")
+    calibration._UNSTEADY.clear()  # a new process
+    steady = calibrate(SleepyRunner(), "busy-1", "fake", [1, 3], vocab=8, longer=0)
+    assert steady.spread <= calibration.STEADY and steady.key in json.loads(path.read_text())
 
 
 def test_a_damaged_cache_or_another_machine_measures_again(flashspec_cache_dir, monkeypatch):
