@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flashspec_core.backends.prefix import common_prefix
+from flashspec_core.backends.prefix import MIN_COPY, common_prefix
 from flashspec_core.request import Row
 
 PREFILL_CHUNK = 512  # prompt tokens fed per turn of the loop
-SHARE_MIN = 16  # a row waits a turn for another's piece only to reuse at least this many more tokens
 
 
 @dataclass(frozen=True)
@@ -70,13 +69,13 @@ def fed_rows(waiting: Sequence[Row], piece: int | None, graphs: bool) -> list[Ro
 
 
 def _not_waiting_for_a_prefix(ordered: Sequence[Row]) -> list[Row]:
-    """`ordered` less each row whose prompt shares at least SHARE_MIN more tokens with an earlier
+    """`ordered` less each row whose prompt shares at least MIN_COPY more tokens with an earlier
     row's than either has fed: that row feeds them now, and this one copies them once they are."""
     kept: list[Row] = []
     for row in ordered:
         waits = False
         for other in kept:
-            need = max(row.prefilled, other.prefilled) + SHARE_MIN
+            need = max(row.prefilled, other.prefilled) + MIN_COPY
             if need <= min(len(row.prompt), len(other.prompt)) and row.prompt[need - 1] == other.prompt[need - 1] \
                     and common_prefix(row.prompt, other.prompt) >= need:
                 waits = True

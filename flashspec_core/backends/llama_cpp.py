@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from flashspec_core.backends.base import TargetRunner
-from flashspec_core.backends.prefix import common_prefix
+from flashspec_core.backends.prefix import common_prefix, longest_holder
 
 INSTALL = (
     "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON\" "
@@ -184,6 +184,17 @@ class LlamaCppModel(TargetRunner):
 
     def prefix_len(self, row: int, sequence: Sequence[int]) -> int:
         return common_prefix(self.held[row], sequence)
+
+    def share_prefix(self, row: int, sequence: Sequence[int]) -> int:
+        """`TargetRunner.share_prefix`: the row holding the longest prefix of `sequence`
+        (`prefix.longest_holder`) lends its cache cells to row `row` (`llama_memory_seq_cp`: in a
+        unified cache the cells are shared, not copied)."""
+        best, source = longest_holder(self.held, row, sequence, self.prefix_len(row, sequence))
+        if source != row:
+            self._rollback(row, 0)
+            self._lc.llama_memory_seq_cp(self._mem, source, row, 0, best)
+            self.held[row] = list(sequence[:best])
+        return best
 
     def _rollback(self, row: int, keep: int) -> None:
         if keep < len(self.held[row]):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 _TAIL = 64  # positions `common_prefix` walks one by one before bisecting
+MIN_COPY = 16  # tokens more than its own that make another row's cached prefix worth copying (or waiting for)
 
 
 def _head(seq: list[int], n: int) -> list[int]:
@@ -35,3 +36,19 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         else:
             hi = mid
     return lo
+
+
+def longest_holder(held: Sequence[Sequence[int]], row: int, sequence: Sequence[int], own: int) -> tuple[int, int]:
+    """(length, row) of the longest prefix of `sequence` that a row of `held` (each row's cached
+    tokens) other than `row` holds, when it is at least MIN_COPY longer than `own` (what `row`
+    holds of it); else (own, row). A row is compared in full only if it agrees with `sequence` at
+    the one position a longer prefix needs: with many rows, most are ruled out by one comparison
+    (they share at most a system prompt)."""
+    best, source = own, row
+    need = own + MIN_COPY
+    for b, tokens in enumerate(held):
+        if b != row and need <= min(len(tokens), len(sequence)) and tokens[need - 1] == sequence[need - 1]:
+            shared = common_prefix(tokens, sequence)
+            if shared >= need:
+                best, source, need = shared, b, shared + 1
+    return best, source

@@ -15,11 +15,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from flashspec_core.backends.prefix import common_prefix
+from flashspec_core.backends.prefix import common_prefix, longest_holder
 from flashspec_core.backends.static_llama import StaticLlama
 
 SCRATCH = 32  # slots at the end of every row kept for warm-up and capture (widths <= SCRATCH)
-MIN_COPY = 16  # another row's cached prefix is copied only when it saves at least this many tokens
 
 
 class StaticRows:
@@ -76,19 +75,10 @@ class StaticRows:
         return common_prefix(self.held[row], sequence)
 
     def share_prefix(self, row: int, sequence: Sequence[int]) -> int:
-        """`TargetRunner.share_prefix`: another row's keys and values for the longest prefix of
-        `sequence` it holds are copied into row `row` when that is at least MIN_COPY tokens longer
-        than row's own (the copy is the cache's bytes: what the row would hold had it fed those
-        tokens itself in the other row's forwards). A row is compared in full only if it agrees
-        with `sequence` at the one position a longer copy needs: with many rows, most are ruled
-        out by one comparison (they share at most a system prompt)."""
-        best, source = self.prefix_len(row, sequence), row
-        need = best + MIN_COPY
-        for b, held in enumerate(self.held):
-            if b != row and need <= min(len(held), len(sequence)) and held[need - 1] == sequence[need - 1]:
-                shared = common_prefix(held, sequence)
-                if shared >= need:
-                    best, source, need = shared, b, shared + 1
+        """`TargetRunner.share_prefix`: the keys and values of the row holding the longest prefix of
+        `sequence` (`prefix.longest_holder`) are copied into row `row`: the cache's bytes, what the
+        row would hold had it fed those tokens itself in the other row's forwards."""
+        best, source = longest_holder(self.held, row, sequence, self.prefix_len(row, sequence))
         if source != row:
             del self.held[row][common_prefix(self.held[row], sequence):]  # true even if the copy fails
             self.static.copy_prefix(source, row, best)

@@ -182,13 +182,15 @@ def test_prefix_reuse_beside_a_decoding_row_gets_the_models_own_output(engines, 
     assert not found, f"{runner}: " + "; ".join(found.values())
 
 
-@pytest.mark.parametrize("runner", ["static-" + NATIVE, "static-" + BLOCKS])
-@pytest.mark.parametrize("planted", [False, True])
+@pytest.mark.parametrize("runner, planted", [("static-" + NATIVE, False), ("static-" + BLOCKS, False),
+                                             ("llama.cpp", False), ("static-" + NATIVE, True),
+                                             ("static-" + BLOCKS, True)])
 def test_prompts_sent_together_copy_the_prefix_one_of_them_fed(engines, runner, prompts, hf_references, planted,
                                                               monkeypatch):
     """The three prompts as one batch: "france" is fed first, the two that share its prefix wait for
-    it and copy its keys and values from its cache row (`share_prefix`), and each output is the
-    model's own. With `share_one_past` planted (the copy reaches one position into what the
+    it and copy its keys and values from its cache row (`share_prefix`; llama.cpp shares the cells),
+    and each output is the model's own (llama.cpp: its own greedy decoding of the prompts in turn).
+    With `share_one_past` planted (the copy reaches one position into what the
     prompts do not share) "japan" answers from "france"'s question, and the comparison says so."""
     engine = engines(runner)
     engine.runner.reset(len(engine.runner.held))  # empty rows, as many as the scheduler's slots
