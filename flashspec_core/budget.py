@@ -98,13 +98,7 @@ class TokenBudget:
         if width is None or width - 1 >= longest:
             return drafted
         keep = width - 1
-        out = []
-        for d, g in zip(drafted, greedy):
-            if g and len(d.tokens) > keep:
-                self.cuts += 1
-                d = Drafted(d.tokens[:keep], None if d.probs is None else d.probs[:keep], d.seconds, d.catchup)
-            out.append(d)
-        return out
+        return self._shortened(drafted, [keep if g else len(d.tokens) for d, g in zip(drafted, greedy)])
 
     def cut_ragged(self, domains: Sequence[str], drafts: Sequence[str], drafted: list[Drafted],
                    greedy: Sequence[bool], seconds: Callable[[int], float], fed: int = 0) -> list[Drafted]:
@@ -138,6 +132,10 @@ class TokenBudget:
         keep = [len(d.tokens) if not g else 0 for d, g in zip(drafted, greedy)]
         for _, _, i in gains[:best]:
             keep[i] += 1
+        return self._shortened(drafted, keep)
+
+    def _shortened(self, drafted: list[Drafted], keep: Sequence[int]) -> list[Drafted]:
+        """Each proposal cut to its `keep` tokens (and its q with it), counting the cuts."""
         out = []
         for d, k in zip(drafted, keep):
             if k < len(d.tokens):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flashspec_core.backends.prefix import MIN_COPY, common_prefix
+from flashspec_core.backends.prefix import MIN_COPY, shares_at_least
 from flashspec_core.request import Row
 
 PREFILL_CHUNK = 512  # prompt tokens fed per turn of the loop
@@ -73,13 +73,7 @@ def _not_waiting_for_a_prefix(ordered: Sequence[Row]) -> list[Row]:
     row's than either has fed: that row feeds them now, and this one copies them once they are."""
     kept: list[Row] = []
     for row in ordered:
-        waits = False
-        for other in kept:
-            need = max(row.prefilled, other.prefilled) + MIN_COPY
-            if need <= min(len(row.prompt), len(other.prompt)) and row.prompt[need - 1] == other.prompt[need - 1] \
-                    and common_prefix(row.prompt, other.prompt) >= need:
-                waits = True
-                break
-        if not waits:
+        if not any(shares_at_least(row.prompt, other.prompt, max(row.prefilled, other.prefilled) + MIN_COPY)
+                   for other in kept):
             kept.append(row)
     return kept

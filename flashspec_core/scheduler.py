@@ -179,10 +179,7 @@ class Scheduler:
             row.slot = best
             # what the slot's cache, or another row's, already holds of the prompt is reused (the
             # last token is fed again: its logits score the first position)
-            try:
-                self._share(row)
-            except Exception as exc:  # this row's request ends; the others go on
-                self._end_request(row.request, EngineFault.of("copying a cached prefix", exc))
+            if not self._share(row):
                 continue
             row.admitted = self._admissions
             self._admissions += 1
@@ -194,13 +191,19 @@ class Scheduler:
                     self._end_request(row.request, EngineFault.of(f"draft {name!r} (begin)", exc))
                     break
 
-    def _share(self, row: Row) -> None:
+    def _share(self, row: Row) -> bool:
         """Give a row whose prompt is not all fed what any row's cache holds of it (an agent's
-        steps and questions over one document share long prefixes): less to feed."""
-        held = min(self.runner.share_prefix(row.slot, row.prompt), len(row.prompt) - 1)
+        steps and questions over one document share long prefixes): less to feed. False when the
+        copy failed: the row's request has ended (the others go on)."""
+        try:
+            held = min(self.runner.share_prefix(row.slot, row.prompt), len(row.prompt) - 1)
+        except Exception as exc:
+            self._end_request(row.request, EngineFault.of("copying a cached prefix", exc))
+            return False
         if held > row.prefilled:
             row.stats.cached_prompt_tokens += held - row.prefilled
             row.prefilled = held
+        return True
 
     def _fit(self, admitting: int) -> None:
         """Size the batch for the rows running and `admitting` more: grown in steps of `buckets`
@@ -228,10 +231,8 @@ class Scheduler:
         piece = self.prefill_chunk  # prompt tokens a turn feeds
         waiting = [r for r in self._rows() if r.processors is None]
         for row in waiting:  # a prefix another row computed since this one's admission
-            try:
+            if self._slots[row.slot] is row:  # not ended with another row of its request
                 self._share(row)
-            except Exception as exc:  # this row's request ends; the others go on
-                self._end_request(row.request, EngineFault.of("copying a cached prefix", exc))
         waiting = [r for r in waiting if self._slots[r.slot] is r]
         feeding = fed_rows(waiting, piece, self.runner.use_graphs)
         beside = bool(feeding and ready) and not self.runner.use_graphs  # one ragged pass feeds and steps

@@ -110,13 +110,14 @@ class Stepper:
         t0 = time.perf_counter()
         arms = [self.router.select(row.domain) for row in rows]
         drafted = self._propose(rows, arms)
-        domains, names, greedy = [row.domain for row in rows], [arm.draft for arm in arms], [
-            row.sampling.greedy for row in rows]
-        if runner.use_graphs and len(rows) > 1:  # a lone row's γ is its router's choice
-            drafted = self.budget.cut(domains, names, drafted, greedy, runner.step_seconds())
-        elif runner.plan is not None:
-            drafted = self.budget.cut_ragged(domains, names, drafted, greedy, runner.plan.width_seconds,
-                                             0 if feeding is None else feeding.tokens)
+        if len(rows) > 1 or feeding is not None:  # a lone row's γ is its router's choice
+            domains, names = [row.domain for row in rows], [arm.draft for arm in arms]
+            greedy = [row.sampling.greedy for row in rows]
+            if runner.use_graphs:
+                drafted = self.budget.cut(domains, names, drafted, greedy, runner.step_seconds())
+            elif runner.plan is not None:
+                drafted = self.budget.cut_ragged(domains, names, drafted, greedy, runner.plan.width_seconds,
+                                                 0 if feeding is None else feeding.tokens)
         t1 = time.perf_counter()
         self.fed_seconds = 0.0
         prefilled = [row.first is not None for row in rows]

@@ -38,17 +38,19 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+def shares_at_least(a: Sequence[int], b: Sequence[int], n: int) -> bool:
+    """Whether `a` and `b` share a prefix of at least `n` tokens; most pairs that do not are ruled
+    out by one comparison (at position n - 1) before `common_prefix` walks them."""
+    return n <= min(len(a), len(b)) and a[n - 1] == b[n - 1] and common_prefix(a, b) >= n
+
+
 def longest_holder(held: Sequence[Sequence[int]], row: int, sequence: Sequence[int], own: int) -> tuple[int, int]:
     """(length, row) of the longest prefix of `sequence` that a row of `held` (each row's cached
     tokens) other than `row` holds, when it is at least MIN_COPY longer than `own` (what `row`
-    holds of it); else (own, row). A row is compared in full only if it agrees with `sequence` at
-    the one position a longer prefix needs: with many rows, most are ruled out by one comparison
-    (they share at most a system prompt)."""
+    holds of it); else (own, row). With many rows, most are ruled out by one comparison
+    (`shares_at_least`: they share at most a system prompt)."""
     best, source = own, row
-    need = own + MIN_COPY
     for b, tokens in enumerate(held):
-        if b != row and need <= min(len(tokens), len(sequence)) and tokens[need - 1] == sequence[need - 1]:
-            shared = common_prefix(tokens, sequence)
-            if shared >= need:
-                best, source, need = shared, b, shared + 1
+        if b != row and shares_at_least(tokens, sequence, best + MIN_COPY if source == row else best + 1):
+            best, source = common_prefix(tokens, sequence), b
     return best, source

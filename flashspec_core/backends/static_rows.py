@@ -78,9 +78,10 @@ class StaticRows:
         """`TargetRunner.share_prefix`: the keys and values of the row holding the longest prefix of
         `sequence` (`prefix.longest_holder`) are copied into row `row`: the cache's bytes, what the
         row would hold had it fed those tokens itself in the other row's forwards."""
-        best, source = longest_holder(self.held, row, sequence, self.prefix_len(row, sequence))
+        own = self.prefix_len(row, sequence)
+        best, source = longest_holder(self.held, row, sequence, own)
         if source != row:
-            del self.held[row][common_prefix(self.held[row], sequence):]  # true even if the copy fails
+            del self.held[row][own:]  # true even if the copy fails
             self.static.copy_prefix(source, row, best)
             self.held[row] = list(sequence[:best])
         return best
