@@ -30,6 +30,7 @@ typedef __m512 vf;
 #define VZERO _mm512_setzero_ps()
 #define VSET1 _mm512_set1_ps
 #define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
 #define VFMA _mm512_fmadd_ps
 #define VADD _mm512_add_ps
 #define VSUM _mm512_reduce_add_ps
@@ -85,6 +86,7 @@ typedef __m256 vf;
 #define VZERO _mm256_setzero_ps()
 #define VSET1 _mm256_set1_ps
 #define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
 #define VFMA _mm256_fmadd_ps
 #define VADD _mm256_add_ps
 static inline float VSUM(__m256 v) {

@@ -284,3 +284,21 @@ def test_an_edited_kernel_source_gets_a_build_of_its_own(tmp_path, monkeypatch):
     assert blockq.library_path() == before  # the same bytes elsewhere: the same build
     copies[0].write_bytes(copies[0].read_bytes() + b"\n/* edited */\n")
     assert blockq.library_path() != before
+
+
+@pytest.mark.parametrize("kind", blockq.KINDS)
+def test_many_tokens_at_once_give_what_a_few_at_a_time_give_bit_for_bit(kind):
+    """Past a tile's columns each row is dequantised once into a panel and every token runs against
+    it: its sums must run in the tiles' order (a verify pass, or rows side by side, gives the
+    tokens' logits whatever else the step holds)."""
+    inp = _width(kind, 9 if kind.endswith("_k") else 11)
+    blocks = random_blocks(kind, 67, inp, seed=7)
+    x = torch.randn(41, inp, generator=torch.Generator().manual_seed(41))
+    try:
+        blockq.set_tile_rows(4)
+        few = torch.cat([block_linear(x[j:j + 3], blocks) for j in range(0, 41, 3)])  # the last 2
+        for tile_rows in blockq.TILE_ROWS:
+            blockq.set_tile_rows(tile_rows)
+            assert torch.equal(block_linear(x, blocks), few), f"tiles of {tile_rows}"
+    finally:
+        blockq.set_tile_rows(1)
