@@ -110,7 +110,8 @@ class StaticLlama(nn.Module):
         self.ops = _fused_ops(self.device) if fuse else None
         self._silu: bool = cfg.hidden_act in ("silu", "swish")  # what fused_ops.silu_mul computes
         self.max_len = 0
-        self.keys: list[torch.Tensor] = []
+        self._cache = torch.empty(0)  # [2, layers, rows, H_kv, max_len, D]: keys, then values
+        self.keys: list[torch.Tensor] = []  # each [rows, H_kv, max_len, D], a view of _cache
         self.values: list[torch.Tensor] = []
         self.resize(max_len, batch)
 
@@ -124,24 +125,25 @@ class StaticLlama(nn.Module):
 
     def resize(self, max_len: int, batch: int | None = None) -> None:
         """Reallocate the cache for `max_len` slots per row and `batch` rows (default: as now),
-        keeping what the rows both shapes have hold in the slots both have."""
+        keeping what the rows both shapes have hold in the slots both have. Every layer's keys and
+        values are views of one tensor [2, layers, rows, H_kv, max_len, D], so a row's whole cache
+        moves in one copy (`copy_prefix`) rather than two a layer, each a launch of its own on a GPU."""
         rows = self.rows if batch is None else batch
-        shape = (rows, self.n_kv, max_len, self.head_dim)
         keep, keep_rows = min(self.max_len, max_len), min(self.rows, rows)
-        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        for old, new in zip(self.keys + self.values, new_k + new_v):
-            if keep and keep_rows:
-                new[:keep_rows, :, :keep].copy_(old[:keep_rows, :, :keep])
-        self.keys, self.values, self.max_len, self.rows = new_k, new_v, max_len, rows
+        cache = torch.zeros((2, len(self.layers), rows, self.n_kv, max_len, self.head_dim), dtype=self.dtype,
+                            device=self.device)
+        if keep and keep_rows:
+            cache[:, :, :keep_rows, :, :keep].copy_(self._cache[:, :, :keep_rows, :, :keep])
+        self._cache = cache
+        self.keys, self.values = list(cache[0]), list(cache[1])
+        self.max_len, self.rows = max_len, rows
         if batch is not None:
             self.batch = batch
 
     @torch.inference_mode()  # the cache may be inference tensors (grown inside a forward)
     def copy_prefix(self, source: int, row: int, length: int) -> None:
         """Copy cache row `source`'s keys and values at positions 0..length - 1 into row `row`."""
-        for cache in (*self.keys, *self.values):  # each [rows, H_kv, max_len, D]
-            cache[row, :, :length].copy_(cache[source, :, :length])
+        self._cache[:, :, row, :, :length].copy_(self._cache[:, :, source, :, :length])
 
     def use_rows(self, batch: int) -> bool:
         """Feed `batch` rows from now on: the first `batch` of those allocated, or, past them, a
