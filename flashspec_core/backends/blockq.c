@@ -267,7 +267,6 @@ LAYOUT_ROWS(f32_rows, F32_TILE)
 LAYOUT_ROWS(q4_k_rows, Q4_K_TILE)
 LAYOUT_ROWS(q5_k_rows, Q5_K_TILE)
 LAYOUT_ROWS(q6_k_rows, Q6_K_TILE)
-#include "blockq_panel.h"
 #endif
 
 #ifndef SCALAR
@@ -297,6 +296,10 @@ static int nibble_kind(int kind) {
 static int five_kind(int kind) { return kind == Q5_1 || kind == Q5_0 || kind == Q5_K; }
 static int offset_of(int kind) { return kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : 0; }
 static int float_bytes(int kind) { return kind == F32 ? 4 : kind == F16 || kind == BF16 ? 2 : 0; }
+
+#ifndef SCALAR
+#include "blockq_panel.h"
+#endif
 
 #ifdef SCALAR
 /* One row's blocks against one column of x, weight by weight (builds without AVX2). */
@@ -366,25 +369,25 @@ void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const
     const size_t row_scales = wide ? 0 : kq_kind(kind) ? KQ_SCALES(nb) : kind == Q6_K ? Q6_SCALES(nb)
                             : (size_t)nb * (nib ? NIB_SCALES(off) : kind == Q8_S16 ? 2 : 1);
 #ifndef SCALAR
-    /* many columns: each row dequantised once into a panel (blockq_panel.h), not once per tile */
-    if (M > (tile == 4 ? C4 : C1)) {
-        float *panel = panel_of((size_t)4 * K);
-        const int halves = nib || kind == Q6_K;
+    /* many columns: each row dequantised once into a panel (blockq_panel.h), not once per tile; up
+     * to two tiles of 4 rows' columns the tiles' second dequantisation costs less than the panel's
+     * stores and loads (measured on 1B-shaped layers) */
+    if (M > 2 * C4) {
+        float *panel = panel_of(panel_floats(K, M));
         #pragma omp for schedule(static) nowait
         for (int n = 0; n < N; n += 4) {
             const int rows = N - n < 4 ? N - n : 4, R = rows == 4 ? 4 : 1;
             for (int r0 = 0; r0 < rows; r0 += R) {
                 const uint8_t *q = qs + (size_t)(n + r0) * row_bytes;
                 const float *s = scales + (size_t)(n + r0) * row_scales;
-                if (!panel) {  /* no memory for a panel: tiles of one row (the same sums) */
-                    for (int r = 0; r < R; r++)
-                        for (int j0 = 0; j0 < M; j0 += C1)
-                            rows_of(kind)(1, M - j0 < C1 ? M - j0 : C1, 0, q + r * row_bytes, s + r * row_scales, nb,
-                                          x + (size_t)j0 * K, K, y + n + r0 + r + (size_t)j0 * ldy, ldy);
+                if (panel) {
+                    panel_rows(kind, R, q, s, row_bytes, row_scales, nb, x, M, K, panel, y + n + r0, ldy);
                     continue;
                 }
-                for (int r = 0; r < R; r++) unpack_row(kind, q + r * row_bytes, s + r * row_scales, nb, panel + (size_t)r * K);
-                panel_rows(R, halves, panel, K, x, M, y + n + r0, ldy);
+                for (int r = 0; r < R; r++)  /* no memory for a panel: tiles of one row (the same sums) */
+                    for (int j0 = 0; j0 < M; j0 += C1)
+                        rows_of(kind)(1, M - j0 < C1 ? M - j0 : C1, 0, q + r * row_bytes, s + r * row_scales, nb,
+                                      x + (size_t)j0 * K, K, y + n + r0 + r + (size_t)j0 * ldy, ldy);
             }
         }
         return;
