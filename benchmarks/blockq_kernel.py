@@ -27,7 +27,7 @@ from flashspec_core.backends import blockq
 from flashspec_core.backends.calibration import machine_line
 
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-WIDTHS = (1, 2, 3, 5, 9, 17)
+WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65, 129)
 
 
 def timed(fn, repeats: int) -> float:
@@ -44,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="tokens per pass, comma-separated")
     parser.add_argument("--out", default="bench_out/blockq_kernel")
     args = parser.parse_args()
     if not blockq.available():
@@ -55,7 +56,7 @@ def main() -> None:
     head_dense = head.dequantize()
     rows = []
     with torch.inference_mode():
-        for m in WIDTHS:
+        for m in [int(w) for w in args.widths.split(",")]:
             xs = {k: torch.randn(m, k) for _, k in LAYER_SHAPES}
             row = {"layers fp32": timed(lambda: [F.linear(xs[w.shape[1]], w) for ws in dense for w in ws],
                                         args.repeats)}

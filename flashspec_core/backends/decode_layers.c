@@ -227,7 +227,23 @@ static void chunk_block16(const Item *q, int j0, const float *K, const float *V,
         top[j] = -INFINITY;
         sum[j] = 0.0f;
     }
-    for (int s = 0; s < n; s++) {
+    int s = 0;
+#if defined(__AVX512F__)
+    /* SL slots at a time: SL independent chains of FMAs (one chain of D bound a slot by the FMA's
+     * latency), each slot's sum in the same order as alone */
+    enum { SL = 8 };
+    for (; s + SL <= n; s += SL) {
+        const float *k = K + (size_t)s * D;
+        __m512 acc[SL];
+        for (int i = 0; i < SL; i++) acc[i] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            const __m512 qd = _mm512_loadu_ps(qt + d * QB);
+            for (int i = 0; i < SL; i++) acc[i] = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[(size_t)i * D + d]), acc[i]);
+        }
+        for (int i = 0; i < SL; i++) _mm512_storeu_ps(e + (size_t)(s + i) * QB, acc[i]);
+    }
+#endif
+    for (; s < n; s++) {
         const float *k = K + (size_t)s * D;
         float *es = e + (size_t)s * QB;
 #if defined(__AVX512F__)
@@ -239,6 +255,9 @@ static void chunk_block16(const Item *q, int j0, const float *K, const float *V,
         for (int d = 0; d < D; d++)
             for (int j = 0; j < QB; j++) es[j] = fmaf(qt[d * QB + j], k[d], es[j]);
 #endif
+    }
+    for (s = 0; s < n; s++) {
+        float *es = e + (size_t)s * QB;
         #pragma omp simd
         for (int j = 0; j < QB; j++) {
             es[j] = (float)s <= lim[j] ? es[j] * scale : -INFINITY;
