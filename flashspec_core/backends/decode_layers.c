@@ -177,37 +177,50 @@ static inline float *result(const Item *q, int j) {
 }
 
 /* A chunk's n keys K and values V (from slot s0) for a few queries, one at a time: dot products,
- * then softmax terms, then the weighted values. sc: [queries, CH] scratch. */
+ * then softmax terms, then the weighted values; 16 queries at a time, each query's pointers and
+ * position worked out once (per slot and query, their divisions cost more than the arithmetic).
+ * sc: [16, CH] scratch. */
 static void chunk_each(const Item *q, const float *K, const float *V, int s0, int n, int CH, float scale,
                        float *sc) {
     const int D = q->D;
-    for (int s = 0; s < n; s++)
-        for (int j = 0; j < q->queries; j++)
-            sc[j * CH + s] = s0 + s <= query_pos(q, j) ? dot(query(q, j), K + (size_t)s * D, D) * scale : -INFINITY;
-    for (int j = 0; j < q->queries; j++) {
-        float *out = result(q, j), *e = sc + j * CH, top = -INFINITY, sum = 0.0f;
-        for (int s = 0; s < n; s++) top = e[s] > top ? e[s] : top;
-        out[0] = top;
-        if (top == -INFINITY) {  /* the chunk starts past this query's position */
-            for (int s = 0; s < n; s++) e[s] = 0.0f;
-            continue;
+    for (int j0 = 0; j0 < q->queries; j0 += 16) {
+        const int nj = q->queries - j0 < 16 ? q->queries - j0 : 16;
+        const float *qp[16];
+        float *op[16];
+        int64_t lim[16];  /* slot s counts while s <= lim */
+        for (int j = 0; j < nj; j++) {
+            qp[j] = query(q, j0 + j);
+            op[j] = result(q, j0 + j);
+            lim[j] = query_pos(q, j0 + j) - s0;
         }
-        #pragma omp simd reduction(+ : sum)
-        for (int s = 0; s < n; s++) {
-            e[s] = fexp(e[s] - top);
-            sum += e[s];
+        for (int s = 0; s < n; s++)
+            for (int j = 0; j < nj; j++)
+                sc[j * CH + s] = s <= lim[j] ? dot(qp[j], K + (size_t)s * D, D) * scale : -INFINITY;
+        for (int j = 0; j < nj; j++) {
+            float *out = op[j], *e = sc + j * CH, top = -INFINITY, sum = 0.0f;
+            for (int s = 0; s < n; s++) top = e[s] > top ? e[s] : top;
+            out[0] = top;
+            if (top == -INFINITY) {  /* the chunk starts past this query's position */
+                for (int s = 0; s < n; s++) e[s] = 0.0f;
+                continue;
+            }
+            #pragma omp simd reduction(+ : sum)
+            for (int s = 0; s < n; s++) {
+                e[s] = fexp(e[s] - top);
+                sum += e[s];
+            }
+            out[1] = sum;
+            for (int i = 0; i < D; i++) out[2 + i] = 0.0f;
         }
-        out[1] = sum;
-        for (int i = 0; i < D; i++) out[2 + i] = 0.0f;
+        for (int s = 0; s < n; s++)
+            for (int j = 0; j < nj; j++) {
+                const float p = sc[j * CH + s], *v = V + (size_t)s * D;
+                if (p == 0.0f) continue;  /* masked, or e^(score - m) under fp32's range */
+                float *o = op[j] + 2;
+                #pragma omp simd
+                for (int i = 0; i < D; i++) o[i] += p * v[i];
+            }
     }
-    for (int s = 0; s < n; s++)
-        for (int j = 0; j < q->queries; j++) {
-            const float p = sc[j * CH + s], *v = V + (size_t)s * D;
-            if (p == 0.0f) continue;  /* masked, or e^(score - m) under fp32's range */
-            float *o = result(q, j) + 2;
-            #pragma omp simd
-            for (int i = 0; i < D; i++) o[i] += p * v[i];
-        }
 }
 
 #define QB 16 /* queries per block where many share a chunk */
