@@ -54,6 +54,7 @@ int blockq_lanes(void) {
 static int prefetch_ahead = 0;
 
 void blockq_set_prefetch(int bytes) { prefetch_ahead = bytes < 0 ? 0 : bytes; }
+int blockq_prefetch(void) { return prefetch_ahead; }
 
 #ifndef SCALAR
 

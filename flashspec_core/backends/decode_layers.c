@@ -176,6 +176,12 @@ static inline float *result(const Item *q, int j) {
     return q->part + (((size_t)t * q->nq + h) * q->chunks + q->c) * (q->D + 2);
 }
 
+/* Ask the cache for the D floats at row + `ahead` bytes, a line at a time: where memory is far (a
+ * VM's), a stream fetched ahead keeps up with the arithmetic (blockq_prefetch). */
+static inline void stream_ahead(const float *row, int D, int ahead) {
+    for (int b = 0; b < D * (int)sizeof(float); b += 64) __builtin_prefetch((const char *)row + ahead + b);
+}
+
 /* A chunk's n keys K and values V (from slot s0) for a few queries, one at a time: dot products,
  * then softmax terms, then the weighted values; 16 queries at a time, each query's pointers and
  * position worked out once (per slot and query, their divisions cost more than the arithmetic).
@@ -193,9 +199,13 @@ static void chunk_each(const Item *q, const float *K, const float *V, int s0, in
             op[j] = result(q, j0 + j);
             lim[j] = query_pos(q, j0 + j) - s0;
         }
-        for (int s = 0; s < n; s++)
+        const int ahead = blockq_prefetch();
+        for (int s = 0; s < n; s++) {
+            stream_ahead(K + (size_t)s * D, D, ahead);  /* this slot's key a distance on */
+            stream_ahead(V + (size_t)s * D, D, 0);  /* and its value, read in the last pass */
             for (int j = 0; j < nj; j++)
                 sc[j * CH + s] = s <= lim[j] ? dot(qp[j], K + (size_t)s * D, D) * scale : -INFINITY;
+        }
         for (int j = 0; j < nj; j++) {
             float *out = op[j], *e = sc + j * CH, top = -INFINITY, sum = 0.0f;
             for (int s = 0; s < n; s++) top = e[s] > top ? e[s] : top;
@@ -241,12 +251,15 @@ static void chunk_block16(const Item *q, int j0, const float *K, const float *V,
         sum[j] = 0.0f;
     }
     int s = 0;
+    const int ahead = blockq_prefetch();
+    for (int i = 0; i < n; i++) stream_ahead(V + (size_t)i * D, D, 0);  /* the values, read in the last pass */
 #if defined(__AVX512F__)
     /* SL slots at a time: SL independent chains of FMAs (one chain of D bound a slot by the FMA's
      * latency), each slot's sum in the same order as alone */
     enum { SL = 8 };
     for (; s + SL <= n; s += SL) {
         const float *k = K + (size_t)s * D;
+        for (int i = 0; i < SL; i++) stream_ahead(k + (size_t)i * D, D, ahead);
         __m512 acc[SL];
         for (int i = 0; i < SL; i++) acc[i] = _mm512_setzero_ps();
         for (int d = 0; d < D; d++) {
