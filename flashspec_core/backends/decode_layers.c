@@ -182,6 +182,33 @@ static inline void stream_ahead(const float *row, int D, int ahead) {
     for (int b = 0; b < D * (int)sizeof(float); b += 64) __builtin_prefetch((const char *)row + ahead + b);
 }
 
+#if defined(__AVX512F__)
+/* out[j] + 2 + d0 .. + 63 += sum over the n slots of p[j][s] * V[s][0..63] for nq <= 4 queries
+ * (p: their softmax terms, CH apart), each product rounded, then added, slot by slot, skipping
+ * zero terms: chunk_each's order, with the sums in registers rather than memory. */
+static void weigh_values(const float *p, int CH, int nq, const float *V, int D, int n, float *const *out, int d0) {
+    __m512 acc[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) acc[j][i] = j < nq ? _mm512_loadu_ps(out[j] + 2 + d0 + 16 * i) : _mm512_setzero_ps();
+    for (int s = 0; s < n; s++) {
+        const float *v = V + (size_t)s * D;
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                     v3 = _mm512_loadu_ps(v + 48);
+        for (int j = 0; j < nq; j++) {
+            const float w = p[(size_t)j * CH + s];
+            if (w == 0.0f) continue;
+            const __m512 pw = _mm512_set1_ps(w);
+            acc[j][0] = _mm512_add_ps(acc[j][0], _mm512_mul_ps(pw, v0));
+            acc[j][1] = _mm512_add_ps(acc[j][1], _mm512_mul_ps(pw, v1));
+            acc[j][2] = _mm512_add_ps(acc[j][2], _mm512_mul_ps(pw, v2));
+            acc[j][3] = _mm512_add_ps(acc[j][3], _mm512_mul_ps(pw, v3));
+        }
+    }
+    for (int j = 0; j < nq; j++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(out[j] + 2 + d0 + 16 * i, acc[j][i]);
+}
+#endif
+
 /* A chunk's n keys K and values V (from slot s0) for a few queries, one at a time: dot products,
  * then softmax terms, then the weighted values; 16 queries at a time, each query's pointers and
  * position worked out once (per slot and query, their divisions cost more than the arithmetic).
@@ -222,6 +249,14 @@ static void chunk_each(const Item *q, const float *K, const float *V, int s0, in
             out[1] = sum;
             for (int i = 0; i < D; i++) out[2 + i] = 0.0f;
         }
+#if defined(__AVX512F__)
+        if (D % 64 == 0) {  /* 4 queries x 64 of D at a time, the sums in registers (same order) */
+            for (int j0 = 0; j0 < nj; j0 += 4)
+                for (int d0 = 0; d0 < D; d0 += 64)
+                    weigh_values(sc + (size_t)j0 * CH, CH, nj - j0 < 4 ? nj - j0 : 4, V + d0, D, n, op + j0, d0);
+            continue;
+        }
+#endif
         for (int s = 0; s < n; s++)
             for (int j = 0; j < nj; j++) {
                 const float p = sc[j * CH + s], *v = V + (size_t)s * D;
