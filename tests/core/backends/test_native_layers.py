@@ -43,7 +43,7 @@ def blocked_llama(kinds=("q4_1", "q8_0"), family: str = "llama", hidden: int = 3
     """tiny_family(family) with every projection of every layer computing from random blocks: q, k,
     v, gate and up of kinds[0], o and down of kinds[-1] (as GGUF files mix them), or kinds(name)
     per projection; the LM head stays fp32. hidden=64: head dim 16 (2 query heads per kv head),
-    where 4+ tokens a pass take decode_layers.c's 16-queries-at-a-time attention; 128: an
+    where 4+ tokens a pass take decode_attend.c's 16-queries-at-a-time attention; 128: an
     intermediate size of 256, wide enough for K-quants in down."""
     model = tiny_family(family, VOCAB)
     if hidden != 32:
@@ -128,7 +128,7 @@ def _native_walk(model, rows: int, threads: int, chunk: int, steps: int) -> Stat
                          ids=lambda v: getattr(v, "__name__", None))
 def test_native_logits_match_a_fresh_transformers_forward(rows, threads, chunk, hidden, kinds):
     """chunk: cache slots per attention work item; small ones split every context into chunks
-    whose partial softmaxes are merged (decode_layers.c's `attend`). hidden 64: head dim 16, so
+    whose partial softmaxes are merged (decode_attend.c's `attend`). hidden 64: head dim 16, so
     passes of 4+ tokens take the 16-queries-at-a-time attention. q4_k_m: the mix of types (within a
     layer's q, k and v too) of a Q4_K_M file; f16, bf16, f32: tensors a file stores unquantized."""
     model = blocked_llama(hidden=hidden, **({"kinds": kinds} if kinds else {}))
