@@ -13,14 +13,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define F(p) ((const float *)(intptr_t)(p))
+#include "decode_layers.h"
 
-static inline float dot(const float *a, const float *b, int n) {
-    float s = 0.0f;
-    #pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
+#define F(p) ((const float *)(intptr_t)(p))
 
 /* v [D] += b [D]: one head's share of its projection's bias. */
 static void add_bias(float *v, const float *b, int D) {

@@ -1,5 +1,5 @@
-/* What decode_layers.c's layer stack shares with its attention (decode_attend.c): the team
- * barrier, fp32 e^x and dot products, and the ragged segments of a call. */
+/* What decode_layers.c's layer stack shares with its attention (decode_attend.c) and its head steps
+ * (decode_heads.c): the team barrier, fp32 e^x and dot products, the ragged segments of a call. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stddef.h>
