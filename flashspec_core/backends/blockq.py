@@ -233,6 +233,24 @@ def _compiler() -> str | None:
     return shutil.which(cc.split()[0])
 
 
+FLAGS_ENV = "FLASHSPEC_KERNEL_FLAGS"  # compiler flags instead of -march=native: "-mavx2 -mfma -mf16c", ...
+
+
+def build_flags() -> tuple[str, ...]:
+    """The instruction set the kernels are built for: this CPU's (`-march=native`), or what
+    $FLASHSPEC_KERNEL_FLAGS names (the AVX2 or plain-C kernels another machine would run, timed on
+    this one). Only `-m...` options are taken; anything else is an error naming the variable."""
+    text = os.environ.get(FLAGS_ENV, "").strip()
+    if not text:
+        return ("-march=native",)
+    flags = tuple(text.split())
+    bad = [f for f in flags if not f.startswith("-m")]
+    if bad:
+        raise ValueError(f"${FLAGS_ENV}={text!r}: {bad} is not an instruction-set option; give -m options "
+                         "only, e.g. FLASHSPEC_KERNEL_FLAGS='-mavx2 -mfma -mf16c -mno-avx512f'")
+    return flags
+
+
 def build(target: Path, flags: tuple[str, ...] = ("-march=native",)) -> None:
     """Compile the kernels into `target` (written to a temporary file and renamed: never half-built).
     `flags` pick the instruction set: this machine's by default; tests build the AVX2 and plain-C
@@ -272,11 +290,12 @@ def load(path: Path) -> ctypes.CDLL:
 
 
 def library_path() -> Path:
-    """Where this machine's build lives in the cache: keyed by the sources' bytes and the CPU, so an
-    edited kernel or another CPU gets a build of its own, never a stale one."""
+    """Where this machine's build lives in the cache: keyed by the sources' bytes, the CPU and the
+    build flags, so an edited kernel, another CPU or another ISA gets a build of its own, never a
+    stale one."""
     from flashspec_core.backends.calibration import cpu_flags, cpu_model
 
-    key = hashlib.sha256(f"{source_key()}|{cpu_model()}|{cpu_flags()}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{source_key()}|{cpu_model()}|{cpu_flags()}|{build_flags()}".encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"blockq-{key}.so"
 
 
@@ -293,7 +312,7 @@ def library() -> ctypes.CDLL | None:
     path = library_path()
     try:
         if not path.exists():
-            build(path)
+            build(path, build_flags())
         lib = load(path)
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err

@@ -173,11 +173,12 @@ RUNNERS_VERSION = "6"
 
 def fingerprint(model_id: str, backend: str) -> str:
     """Key of a calibration: CPU model and flags, cores, torch version and threads, model, backend,
-    the block kernel's version."""
-    from flashspec_core.backends.blockq import source_key
+    the block kernel's version and the instruction set it is built for."""
+    from flashspec_core.backends.blockq import build_flags, source_key
 
     parts = [cpu_model(), ",".join(cpu_flags()), str(os.cpu_count()), torch.__version__,
-             str(torch.get_num_threads()), model_id, backend, RUNNERS_VERSION, source_key()]
+             str(torch.get_num_threads()), model_id, backend, RUNNERS_VERSION, source_key(),
+             " ".join(build_flags())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

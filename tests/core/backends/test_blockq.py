@@ -286,6 +286,24 @@ def test_an_edited_kernel_source_gets_a_build_of_its_own(tmp_path, monkeypatch):
     assert blockq.library_path() != before
 
 
+def test_another_instruction_set_is_built_and_calibrated_apart(monkeypatch):
+    """$FLASHSPEC_KERNEL_FLAGS builds what another machine runs (the AVX2 kernels on an AVX-512 CPU):
+    its build and its calibration are keyed apart from this CPU's own, and a flag that is not an
+    instruction-set option is refused by name, not passed to the compiler."""
+    from flashspec_core.backends import calibration
+
+    native_path, native_key = blockq.library_path(), calibration.fingerprint("m", "hf")
+    monkeypatch.setenv(blockq.FLAGS_ENV, "-mavx2 -mfma -mf16c -mno-avx512f")
+    assert blockq.build_flags() == ("-mavx2", "-mfma", "-mf16c", "-mno-avx512f")
+    assert blockq.library_path() != native_path
+    assert calibration.fingerprint("m", "hf") != native_key
+    monkeypatch.setenv(blockq.FLAGS_ENV, "-mavx2 -o /tmp/elsewhere.so")
+    with pytest.raises(ValueError, match="FLASHSPEC_KERNEL_FLAGS.*-o"):
+        blockq.build_flags()
+    monkeypatch.setenv(blockq.FLAGS_ENV, " ")
+    assert blockq.build_flags() == ("-march=native",) and blockq.library_path() == native_path
+
+
 @pytest.mark.parametrize("kind", blockq.KINDS)
 def test_many_tokens_at_once_give_what_a_few_at_a_time_give_bit_for_bit(kind):
     """Past a tile's columns each row is dequantised once into a panel and every token runs against
