@@ -18,7 +18,9 @@
  * 0.58 (q4_k), 0.83 (q6_k) and 1.125 (q8_0) bytes a weight against fp32's 4. A tile of R rows x C columns (tokens) keeps
  * every accumulator in a register, so a verify pass of M tokens dequantises each block
  * ceil(M / C) times, not M times. Tiles of one row read W as one stream per thread and leave
- * registers for 8 columns; tiles of 4 rows reuse each load of x 4 times but read 8 streams at once.
+ * registers for 8 columns; tiles of 4 rows reuse each load of x 4 times but read 8 streams at once,
+ * and pass a few more columns than they hold (a 5- to 8-token verify, rows side by side) to tiles of
+ * 2 rows that hold them all, so no weight is dequantised twice.
  * Which is faster is the machine's (blockq_set_rows; the calibration times both): every row's sums
  * run in the same order either way, so the results are identical bit for bit. Built per machine
  * with -march=native (blockq.py), so the AVX-512 or AVX2 path is the one this CPU runs; a plain C
@@ -234,9 +236,11 @@ INLINE void float_tile(const int R, const int C, const int A, const int FMT, con
 /* columns per tile: of 4 rows (4 x C accumulators and 4 dequantised pairs in registers), of 1 row */
 #if VW == 16
 #define C4 4
+#define C2 8
 #define C1 8
 #else
-#define C4 2  /* AVX2 has 16 registers */
+#define C4 2  /* AVX2 has 16 registers (2 x 5 and 2 x 6 tiles measured no faster than the panel) */
+#define C2 4
 #define C1 4
 #endif
 
@@ -251,10 +255,16 @@ INLINE void float_tile(const int R, const int C, const int A, const int FMT, con
     case 7: TILE(1, C1 >= 7 ? 7 : 1, 1, __VA_ARGS__); break; default: TILE(1, C1, 1, __VA_ARGS__); } } while (0)
 /* One function per layout: each compiles on its own, as small as a kernel of one layout (inlined
  * into one function, the six layouts' tiles made every one of them slower). */
+/* tiles of 2 rows take the columns a tile of 4 rows cannot hold (C4 < cols <= C2), all at once */
+#define DISPATCH2(TILE, cols, ...) do { switch (cols) { \
+    case 3: TILE(2, 3, 1, __VA_ARGS__); break; case 4: TILE(2, 4, 1, __VA_ARGS__); break; \
+    case 5: TILE(2, C2 >= 5 ? 5 : 1, 1, __VA_ARGS__); break; case 6: TILE(2, C2 >= 6 ? 6 : 1, 1, __VA_ARGS__); break; \
+    case 7: TILE(2, C2 >= 7 ? 7 : 1, 1, __VA_ARGS__); break; default: TILE(2, C2, 1, __VA_ARGS__); } } while (0)
 #define LAYOUT_ROWS(NAME, TILE) \
     static __attribute__((noinline)) void NAME(int R, int cols, int alone, const uint8_t *q, const float *s, int nb, \
                                                const float *x, int K, float *y, int ldy) { \
         if (R == 4) DISPATCH4(TILE, cols, alone, q, s, nb, x, K, y, ldy); \
+        else if (R == 2) DISPATCH2(TILE, cols, q, s, nb, x, K, y, ldy); \
         else DISPATCH1(TILE, cols, alone, q, s, nb, x, K, y, ldy); }
 LAYOUT_ROWS(q4_1_rows, Q4_1_TILE)
 LAYOUT_ROWS(q4_0_rows, Q4_0_TILE)
@@ -371,8 +381,8 @@ void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const
                             : (size_t)nb * (nib ? NIB_SCALES(off) : kind == Q8_S16 ? 2 : 1);
 #ifndef SCALAR
     /* many columns: each row dequantised once into a panel (blockq_panel.h), not once per tile; up
-     * to two tiles of 4 rows' columns the tiles' second dequantisation costs less than the panel's
-     * stores and loads (measured on 1B-shaped layers) */
+     * to two tiles of 4 rows' columns (C2 >= 2 * C4: one tile of 2 rows') the tiles cost less than
+     * the panel's stores and loads (measured on 1B-shaped layers) */
     if (M > 2 * C4) {
         float *panel = panel_of(panel_floats(K, M));
         #pragma omp for schedule(static) nowait
@@ -407,6 +417,11 @@ void block_rows(int kind, const float *x, int M, int K, const uint8_t *qs, const
                 for (int j = 0; j < M; j++)
                     yr[(size_t)j * ldy + r] = row_dot(kind, q + r * row_bytes, s + r * row_scales, nb, x + (size_t)j * K);
 #else
+            if (R == 4 && M > C4 && M <= C2) {  /* 2 rows x every column, twice: one dequantisation */
+                for (int r = 0; r < 4; r += 2)
+                    rows_of(kind)(2, M, 0, q + r * row_bytes, s + r * row_scales, nb, x, K, yr + r, ldy);
+                continue;
+            }
             const int C = R == 4 ? C4 : C1;
             for (int j0 = 0; j0 < M;) {
                 const int step = M - j0 >= C ? C : M - j0;

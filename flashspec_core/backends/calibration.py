@@ -156,10 +156,19 @@ def cpu_flags() -> list[str]:
     return []
 
 
+# What narrows the instruction set below the CPU's own (the block kernels' build, torch's kernels,
+# MKL, oneDNN, llama.cpp's CPU variant): a table timed under them says so.
+_ISA_ENV = ("FLASHSPEC_KERNEL_FLAGS", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+            "FLASHSPEC_LLAMA_CPU_VARIANT")
+
+
 def machine_line() -> str:
-    """One line naming the CPU, its ISA flags and the thread count, for every benchmark table."""
+    """One line naming the CPU, its ISA flags and the thread count, for every benchmark table, and
+    any instruction-set override in the environment (what another machine would run)."""
+    narrowed = [f"{name}={os.environ[name]}" for name in _ISA_ENV if os.environ.get(name, "").strip()]
     return (f"CPU: {cpu_model()} ({os.cpu_count()} logical cores; {' '.join(cpu_flags()) or 'no flags read'}); "
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+            + (f"; instruction set narrowed: {' '.join(narrowed)}" if narrowed else ""))
 
 
 # Bumped when a runner's kernels change what they cost (2: llama.cpp's one-token passes moved

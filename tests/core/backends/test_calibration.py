@@ -228,3 +228,15 @@ def test_each_decode_widths_cost_per_cached_token_is_measured(flashspec_cache_di
 def test_machine_line_names_the_cpu_and_threads():
     line = machine_line()
     assert line.startswith("CPU: ") and f"{torch.get_num_threads()} threads" in line
+
+
+def test_machine_line_says_when_the_instruction_set_is_narrowed(monkeypatch):
+    """A table timed with the AVX2 kernels forced on an AVX-512 CPU must not read as this CPU's own."""
+    for name in ("FLASHSPEC_KERNEL_FLAGS", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+                 "FLASHSPEC_LLAMA_CPU_VARIANT"):
+        monkeypatch.delenv(name, raising=False)
+    assert "narrowed" not in machine_line()
+    monkeypatch.setenv("FLASHSPEC_KERNEL_FLAGS", "-mavx2 -mfma")
+    monkeypatch.setenv("FLASHSPEC_LLAMA_CPU_VARIANT", "haswell")
+    line = machine_line()
+    assert "narrowed: FLASHSPEC_KERNEL_FLAGS=-mavx2 -mfma FLASHSPEC_LLAMA_CPU_VARIANT=haswell" in line
