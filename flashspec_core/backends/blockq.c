@@ -364,6 +364,7 @@ static float row_dot(int kind, const uint8_t *q, const float *s, int nb, const f
 static int tile_rows = 1;
 
 void blockq_set_rows(int rows) { tile_rows = rows == 4 ? 4 : 1; }
+int blockq_rows(void) { return tile_rows; }
 
 /* Rows in tiles of `tile_rows` (a tail of single rows), split over the threads of the enclosing
  * parallel region (an orphaned `omp for`, so the layer stack of decode_layers.c runs all its

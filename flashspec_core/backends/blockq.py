@@ -279,6 +279,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.blockq_lanes.restype = i32
     lib.blockq_set_rows.argtypes = [i32]
     lib.blockq_set_rows.restype = None
+    lib.blockq_rows.restype = i32
     lib.blockq_set_prefetch.argtypes = [i32]
     lib.blockq_set_prefetch.restype = None
     lib.decode_layers.argtypes = [ptr] * 4 + [i32] + [ptr] * 3 + [i32] + [ptr] * 5 + [i32]
@@ -332,24 +333,35 @@ PREFETCH_BYTES = (0, 1024, 4096, 8192)  # distances `fastest_prefetch` tries
 
 def fastest_prefetch(lib: ctypes.CDLL, rounds: int = 5) -> int:
     """The prefetch distance (PREFETCH_BYTES) at which one token's product streams a 64 MiB Q4_K
-    weight (more than a cache holds) fastest on this machine: the best of `rounds` interleaved
-    passes each (~0.2 s in all). Why measured: how far ahead pays depends on the memory's latency
-    (little on bare metal, several KiB on a VM's), and a distance that helps one machine can cost
-    another."""
+    weight (more than a cache holds) fastest on this machine, in tiles of one row and of four
+    alike: the distance whose times, each over that tiling's best, sum least, from the best of
+    `rounds` interleaved passes each (~0.4 s in all). Why measured: how far ahead pays depends on
+    the memory's latency (little on bare metal, several KiB on a VM's), and a distance that helps
+    one machine can cost another. Why both tilings: the calibration picks the tiling afterwards,
+    and a distance one tiling likes may cost the other half its speed (a 4-row tile reads 8
+    streams at once)."""
     out, inp = 32768, 4096
     nb = inp // BLOCK
     qs = torch.full((out, nb * 16), 17, dtype=torch.uint8)  # [out, bytes]: written, so every page is real
     scales = torch.full((out, nb * 3 // 4), 0.5)  # [out, 3 nb / 4]
     x, y = torch.ones(1, inp), torch.empty(1, out)  # [1, in], [1, out]
-    best: dict[int, float] = {}
-    for _ in range(rounds):
-        for ahead in PREFETCH_BYTES:
-            lib.blockq_set_prefetch(ahead)
-            start = time.perf_counter()
-            lib.block_mm(LAYOUTS.index("q4_k"), x.data_ptr(), 1, inp, qs.data_ptr(), scales.data_ptr(),
-                         y.data_ptr(), out, torch.get_num_threads())
-            best[ahead] = min(best.get(ahead, float("inf")), time.perf_counter() - start)
-    return min(best, key=best.__getitem__)
+    best: dict[tuple[int, int], float] = {}
+    tiling = lib.blockq_rows()
+    try:
+        for _ in range(rounds):
+            for rows in TILE_ROWS:
+                lib.blockq_set_rows(rows)
+                for ahead in PREFETCH_BYTES:
+                    lib.blockq_set_prefetch(ahead)
+                    start = time.perf_counter()
+                    lib.block_mm(LAYOUTS.index("q4_k"), x.data_ptr(), 1, inp, qs.data_ptr(), scales.data_ptr(),
+                                 y.data_ptr(), out, torch.get_num_threads())
+                    key = (rows, ahead)
+                    best[key] = min(best.get(key, float("inf")), time.perf_counter() - start)
+    finally:
+        lib.blockq_set_rows(tiling)
+    fastest = {rows: min(best[rows, a] for a in PREFETCH_BYTES) for rows in TILE_ROWS}
+    return min(PREFETCH_BYTES, key=lambda a: sum(best[rows, a] / fastest[rows] for rows in TILE_ROWS))
 
 
 def available() -> bool:

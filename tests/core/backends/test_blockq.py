@@ -124,7 +124,12 @@ def test_the_prefetch_distance_is_measured_and_changes_no_product():
     """The library picks its prefetch distance by timing the machine; any distance it may pick
     reads the same weights in the same order (a prefetch is a hint, never a load of the product)."""
     lib = blockq.library()
-    chosen = blockq.fastest_prefetch(lib, rounds=1)
+    blockq.set_tile_rows(4)
+    try:
+        chosen = blockq.fastest_prefetch(lib, rounds=1)
+        assert lib.blockq_rows() == 4  # timing both tilings leaves the process's own in place
+    finally:
+        blockq.set_tile_rows(1)
     assert chosen in blockq.PREFETCH_BYTES
     blocks = random_blocks("q6_k", 67, 512, seed=3)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
@@ -137,6 +142,25 @@ def test_the_prefetch_distance_is_measured_and_changes_no_product():
         assert torch.allclose(products[0], x @ blocks.dequantize().T, rtol=1e-5, atol=1e-5)
     finally:
         lib.blockq_set_prefetch(chosen)
+
+
+def test_the_prefetch_distance_suits_both_tilings(monkeypatch):
+    """A distance one tiling likes may cost the other half its speed, and the calibration picks the
+    tiling after the distance is set: the pick must not be one tiling's best at the other's cost."""
+    # (rows, distance) -> seconds: 1024 is the 1-row tiles' best by a hair and the 4-row tiles' worst
+    times = {(1, 0): 1.5, (1, 1024): 1.0, (1, 4096): 1.02, (1, 8192): 1.1,
+             (4, 0): 1.4, (4, 1024): 1.6, (4, 4096): 1.0, (4, 8192): 1.01}
+    state = {"rows": 1, "ahead": 0, "now": 0.0}
+
+    class FakeLib:
+        def blockq_rows(self): return state["rows"]
+        def blockq_set_rows(self, rows): state["rows"] = rows
+        def blockq_set_prefetch(self, ahead): state["ahead"] = ahead
+        def block_mm(self, *args): state["now"] += times[state["rows"], state["ahead"]]
+
+    monkeypatch.setattr(blockq.time, "perf_counter", lambda: state["now"])
+    assert blockq.fastest_prefetch(FakeLib(), rounds=2) == 4096
+    assert state["rows"] == 1
 
 
 def test_the_blocks_read_from_the_file_are_gguf_py_s_dequantisation():
