@@ -32,7 +32,8 @@ from flashspec_core.models import cache_root
 # with its attention, decode_attend.c, and its per-architecture head steps, decode_heads.c)
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("blockq.c", "decode_layers.c", "decode_attend.c", "decode_heads.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("blockq.h", "blockq_isa.h", "blockq_panel.h", "decode_layers.h"))
+HEADERS = tuple(Path(__file__).with_name(n)
+                for n in ("blockq.h", "blockq_isa.h", "blockq_tiles.h", "blockq_panel.h", "decode_layers.h"))
 BLOCK = 32  # weights per block of the kernel's layouts along the input dimension
 # The layouts blockq.c reads, in blockq.h's order, and the GGUF types each holds (repacked by
 # `from_gguf_rows`): 4-bit nibbles with (d, m) or with an offset, the same with a fifth bit, int8

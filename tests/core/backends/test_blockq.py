@@ -310,6 +310,14 @@ def test_an_edited_kernel_source_gets_a_build_of_its_own(tmp_path, monkeypatch):
     assert blockq.library_path() != before
 
 
+def test_every_kernel_header_keys_the_build():
+    """A header the C sources include but the build key leaves out would serve a stale library after
+    an edit: every header beside the sources is named in HEADERS, every source in SOURCES."""
+    folder = blockq.SOURCES[0].parent
+    assert set(folder.glob("*.h")) == set(blockq.HEADERS)
+    assert set(folder.glob("*.c")) == set(blockq.SOURCES)
+
+
 def test_another_instruction_set_is_built_and_calibrated_apart(monkeypatch):
     """$FLASHSPEC_KERNEL_FLAGS builds what another machine runs (the AVX2 kernels on an AVX-512 CPU):
     its build and its calibration are keyed apart from this CPU's own, and a flag that is not an
