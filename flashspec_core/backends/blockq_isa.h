@@ -33,7 +33,30 @@ typedef __m512 vf;
 #define VSTORE _mm512_storeu_ps
 #define VFMA _mm512_fmadd_ps
 #define VADD _mm512_add_ps
-#define VSUM _mm512_reduce_add_ps
+/* A vector's sum by halves: lane i with i + 8, then i + 4, i + 2, i + 1 (written out, not left to
+ * the compiler's reduction, so VSUM4's four sums at once pair the same lanes: equal bit for bit). */
+static inline float VSUM(__m512 v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* VSUM of a0..a3 into y[0..3], the halving steps done on the four at once (each shuffle and add
+ * serves two or four sums; 14 vector ops where four VSUMs take 28). */
+static inline void VSUM4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float *y) {
+    const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(a2, a3, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* 128-bit lane r: row r's lanes i + (i + 4) */
+    __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
+    w = _mm512_add_ps(w, _mm512_permute_ps(w, _MM_SHUFFLE(1, 0, 3, 2)));
+    w = _mm512_add_ps(w, _mm512_permute_ps(w, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm_storeu_ps(y, _mm512_castps512_ps128(_mm512_permutexvar_ps(first, w)));
+}
 /* 16 bytes of nibbles -> weights 0..15 (low nibbles) and 16..31 (high) as d*q + m: the 16 values
  * d*i + m are one FMA over 0..15, and each nibble picks its value by a permute (which reads only
  * an index's low 4 bits, so the low nibbles need no mask): 5 vector ops where converting every
@@ -94,6 +117,16 @@ static inline float VSUM(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+/* VSUM of a0..a3 into y[0..3], the same pairs of lanes, the halving steps done on the four at once */
+static inline void VSUM4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float *y) {
+    const __m256 t01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
+    const __m256 t23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20), _mm256_permute2f128_ps(a2, a3, 0x31));
+    /* 128-bit lane 0: rows 0 and 2's lanes i + (i + 2); lane 1: rows 1 and 3's */
+    __m256 w = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
+    w = _mm256_add_ps(_mm256_shuffle_ps(w, w, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(w, w, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm_storeu_ps(y, _mm_unpacklo_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1)));
 }
 /* 8 bytes of nibbles (weights h.. of the block) -> 8 weights from the low nibbles and 8 from the
  * high ones, as (q - OFF)*d + m; FIVE: the fifth bit of weight i is bit i of qh */

@@ -118,11 +118,14 @@ INLINE void panel_tile(const int R, const int C, const int HALVES, const float *
                 for (int r = 0; r < R; r++) acc[r][c] = VFMA(wv[r], xv, acc[r][c]);
             }
         }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            if (last) y[(size_t)c * ldy + r] = VSUM(acc[r][c]);
-            else saved[r * PC + c] = acc[r][c];
-        }
+    for (int c = 0; c < C; c++) {
+        if (last && R == 4) VSUM4(acc[0][c], acc[1][c], acc[2][c], acc[3][c], y + (size_t)c * ldy);
+        else
+            for (int r = 0; r < R; r++) {
+                if (last) y[(size_t)c * ldy + r] = VSUM(acc[r][c]);
+                else saved[r * PC + c] = acc[r][c];
+            }
+    }
 }
 
 #define PANEL_COLS(R, H, cols, ...) do { switch (cols) { \

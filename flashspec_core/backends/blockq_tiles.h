@@ -12,8 +12,14 @@ INLINE void acc_zero(const int R, const int C, const int A, vf acc[4][8][2]) {
 }
 
 INLINE void acc_store(const int R, const int C, const int A, vf acc[4][8][2], float *y, int ldy) {
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[(size_t)c * ldy + r] = VSUM(A == 2 ? VADD(acc[r][c][0], acc[r][c][1]) : acc[r][c][0]);
+    if (A == 2)
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) acc[r][c][0] = VADD(acc[r][c][0], acc[r][c][1]);
+    for (int c = 0; c < C; c++) {
+        if (R == 4) VSUM4(acc[0][c][0], acc[1][c][0], acc[2][c][0], acc[3][c][0], y + (size_t)c * ldy);
+        else
+            for (int r = 0; r < R; r++) y[(size_t)c * ldy + r] = VSUM(acc[r][c][0]);
+    }
 }
 
 /* A half-block tile step: each row's dequantised low (weights h..) and high (16 + h..) halves
