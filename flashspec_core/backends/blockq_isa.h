@@ -24,6 +24,16 @@ static inline float f16_float(uint16_t h) {
     return v.f;
 }
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+/* 8 lanes' sum by halves: lane i with i + 4, then i + 2, i + 1 (VSUM's tail on both ISAs) */
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 #if defined(__AVX512F__)
 typedef __m512 vf;
 #define VW 16
@@ -36,11 +46,7 @@ typedef __m512 vf;
 /* A vector's sum by halves: lane i with i + 8, then i + 4, i + 2, i + 1 (written out, not left to
  * the compiler's reduction, so VSUM4's four sums at once pair the same lanes: equal bit for bit). */
 static inline float VSUM(__m512 v) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    return sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 /* VSUM of a0..a3 into y[0..3], the halving steps done on the four at once (each shuffle and add
  * serves two or four sums; 14 vector ops where four VSUMs take 28). */
@@ -112,12 +118,7 @@ typedef __m256 vf;
 #define VSTORE _mm256_storeu_ps
 #define VFMA _mm256_fmadd_ps
 #define VADD _mm256_add_ps
-static inline float VSUM(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#define VSUM sum8
 /* VSUM of a0..a3 into y[0..3], the same pairs of lanes, the halving steps done on the four at once */
 static inline void VSUM4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float *y) {
     const __m256 t01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));

@@ -119,12 +119,10 @@ INLINE void panel_tile(const int R, const int C, const int HALVES, const float *
             }
         }
     for (int c = 0; c < C; c++) {
-        if (last && R == 4) VSUM4(acc[0][c], acc[1][c], acc[2][c], acc[3][c], y + (size_t)c * ldy);
-        else
-            for (int r = 0; r < R; r++) {
-                if (last) y[(size_t)c * ldy + r] = VSUM(acc[r][c]);
-                else saved[r * PC + c] = acc[r][c];
-            }
+        if (!last)
+            for (int r = 0; r < R; r++) saved[r * PC + c] = acc[r][c];
+        else if (R == 4) VSUM4(acc[0][c], acc[1][c], acc[2][c], acc[3][c], y + (size_t)c * ldy);
+        else y[(size_t)c * ldy] = VSUM(acc[0][c]);  /* R == 1 */
     }
 }
 
