@@ -31,7 +31,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def prompts(target):
-    from core.test_greedy_default import PROMPTS
+    from default_prompts import PROMPTS
 
     vocab = vocab_size(target.model)
     return [encode_prompt(target.tokenizer, m, vocab) for m in PROMPTS.values()]

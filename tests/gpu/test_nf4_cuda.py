@@ -46,7 +46,7 @@ def nf4():
 
 @pytest.fixture(scope="module")
 def prompts(nf4):
-    from test_greedy_default import PROMPTS
+    from default_prompts import PROMPTS
 
     vocab = vocab_size(nf4.model)
     return [encode_prompt(nf4.tokenizer, m, vocab) for m in list(PROMPTS.values())[:5]]

@@ -112,7 +112,7 @@ def test_a_named_cpu_variant_is_the_one_loaded():
 
 @pytest.mark.parametrize("arm", ["none", "prompt_lookup@4", "suffix_cache@4", "distill_chat@2"])
 def test_greedy_equals_llama_cpps_own_greedy(default_target, runner, arm):
-    from test_greedy_default import PROMPTS
+    from default_prompts import PROMPTS
 
     name, _, gamma = arm.partition("@")
     drafts = [PromptLookupDraft(), SuffixCacheDraft(), *shipped_drafts(default_target)]
@@ -162,7 +162,7 @@ def test_the_baselines_own_prompt_lookup_runs_past_n_batch_tokens(default_target
     but sizes that buffer from `logits_all`; without asking for it a prompt past n_batch (512)
     tokens failed ("could not broadcast input array", 0.3.36). Its first token comes from the
     prompt's forward, as plain decoding's does."""
-    from test_greedy_default import PROMPTS
+    from default_prompts import PROMPTS
 
     messages = [dict(m, content=m["content"] * 5) if m["role"] == "user" else m for m in PROMPTS["rag"]]
     ids = encode_prompt(default_target.tokenizer, messages, vocab_size(default_target.model))
