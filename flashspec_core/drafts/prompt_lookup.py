@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import threading
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from flashspec_core.drafts.base import DraftSource
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.proposals import Generators, Proposal
+
+MIRRORS = 256  # rows' mirrors kept (the least recently used dropped): a few full batches' worth
 
 
 def _as_text(tokens: Sequence[int]) -> str | None:
@@ -90,8 +93,12 @@ class PromptLookupDraft(DraftSource):
     """N-gram copy from the request's own context (prompt and output so far).
 
     Proposes exactly what `lookup_continuation` returns for each row; it keeps one `_Mirror` per
-    row index of the latest calls so a growing row is not converted again every step. Rows that
-    are not lists are looked up from scratch.
+    context list (a row's own list, which the engine extends in place step by step), found by the
+    list's identity, so a growing row is not converted again every step wherever it stands in the
+    call: rows join, leave and change arms between steps. The mirror itself proves that the context
+    extends what it holds, so a list that reuses a dead one's identity is converted afresh, never
+    served a stale copy. The most recently used `MIRRORS` are kept. Rows that are not lists are
+    looked up from scratch.
     """
 
     deterministic = True
@@ -100,7 +107,7 @@ class PromptLookupDraft(DraftSource):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram; got min_ngram={min_ngram}, max_ngram={max_ngram}")
         self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, name
-        self._mirrors: list[_Mirror] = []
+        self._mirrors: OrderedDict[int, _Mirror] = OrderedDict()  # by id() of the context list, oldest first
         self._lock = threading.Lock()  # the mirrors are shared state if one draft serves two engines
 
     def propose(
@@ -111,18 +118,23 @@ class PromptLookupDraft(DraftSource):
         generator: Generators = None,
     ) -> Proposal:
         with self._lock:
-            while len(self._mirrors) < len(contexts):
-                self._mirrors.append(_Mirror())
             return Proposal([
-                m.lookup(c, gamma, self.max_ngram, self.min_ngram) if isinstance(c, list)
+                self._mirror(c).lookup(c, gamma, self.max_ngram, self.min_ngram) if isinstance(c, list)
                 else lookup_continuation(c, gamma, self.max_ngram, self.min_ngram)
-                for m, c in zip(self._mirrors, contexts)
+                for c in contexts
             ])
 
-    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Drop the mirrors of rows past this request's: the context carries everything else."""
-        with self._lock:
-            del self._mirrors[len(prompts):]
+    def _mirror(self, context: list[int]) -> _Mirror:
+        """Under the lock: the mirror of `context`'s list, the least recently used one dropped past MIRRORS."""
+        key = id(context)
+        mirror = self._mirrors.get(key)
+        if mirror is not None:
+            self._mirrors.move_to_end(key)
+            return mirror
+        mirror = self._mirrors[key] = _Mirror()
+        if len(self._mirrors) > MIRRORS:
+            self._mirrors.popitem(last=False)
+        return mirror
 
     def end(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
         """Nothing to remember across requests."""

@@ -108,6 +108,27 @@ def test_prompt_lookup_reusing_its_copy_of_a_growing_row_proposes_what_the_plain
                 assert draft.propose([context], gamma, T1).tokens[0] == expected
 
 
+def test_prompt_lookup_keeps_a_rows_copy_wherever_the_row_stands_in_the_call(monkeypatch):
+    """Between steps rows join, leave and change arms, so a row is at another index of the next
+    call: its copy is still extended by the new tokens only, not converted whole again."""
+    from flashspec_core.drafts import prompt_lookup
+
+    converted: list[int] = []  # lengths of the token lists converted to text
+    real = prompt_lookup._as_text
+    monkeypatch.setattr(prompt_lookup, "_as_text", lambda tokens: converted.append(len(tokens)) or real(tokens))
+    draft = PromptLookupDraft()
+    rows = [[i % 7 for i in range(300 + r)] for r in range(4)]
+    draft.propose(rows, 4, T1)
+    assert sorted(converted) == [300, 301, 302, 303]
+    for step, order in enumerate(([2, 0, 3], [3, 1], [1, 2, 0, 3])):  # reordered, some rows absent
+        for row in rows:
+            row.append(step)
+        expected = [lookup_continuation(rows[i], 4, 3, 1) for i in order]
+        converted.clear()
+        assert draft.propose([rows[i] for i in order], 4, T1).tokens == expected
+        assert max(converted) <= step + 1, f"a row was converted whole again: {converted}"
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 5), max_size=15), min_size=1, max_size=6), token_lists, st.integers(0, 8))
 def test_suffix_cache_copies_the_stored_continuation_of_the_most_recent_match(outputs, context, gamma):
