@@ -38,7 +38,7 @@ EBNF = 'root ::= "{k:" item ("," item)* "}"\nitem ::= "a" | "b" | "ab"'
 PROMPT = [13, 11, 13, 0, 3, 0, 13]
 LENGTH = 5  # tokens per row: "{k" ":" "a" "}" EOS fits, so rows finish both by EOS and by length
 N_ROWS = 4_000
-CALLS = 20  # calls of 200 rows, each decoded together (an arm chosen at random every step)
+CALLS = 20  # calls of 200 rows, each decoded together (each row's arm drawn at random every step)
 SAMPLINGS = {
     "T1": SamplingParams(temperature=1.0),
     "T0.7-topk3": SamplingParams(temperature=0.7, top_k=3),
