@@ -333,6 +333,9 @@ def looping_engine(arm: Arm) -> tuple[LoadedModel, SpecEngine, list[list[int]]]:
     return loaded, engine, [[8, 2, 8, 1, 8, 2, 8, 1, 8, 2], [3, 1, 4, 1, 5, 9, 2, 6]]
 
 
+TIE_GAP = 1e-4  # a greedy divergence where the reference's top-2 logit gap is below this is an fp tie
+
+
 def greedy_references(model, prompts, max_new: int) -> list[tuple[list[int], list[float]]]:
     """HF `generate(do_sample=False)` of `model` on each prompt (token ids), on the model's device:
     (tokens, the top-2 logit gap at each token), so a divergence can be told from an fp tie."""

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 from default_prompts import PROMPTS
-from helpers import idle_core_threads
+from helpers import TIE_GAP, idle_core_threads
 
 from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends.cpu_linear import BLOCKS
@@ -31,7 +31,6 @@ from flashspec_workloads.baselines import stock_default_model
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 96
-TIE_GAP = 1e-4
 
 @pytest.fixture(scope="module", autouse=True)
 def _threads():

@@ -14,7 +14,7 @@ import logging
 
 import pytest
 import torch
-from helpers import idle_core_threads, requantized_default
+from helpers import TIE_GAP, idle_core_threads, requantized_default
 
 from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends import blockq
@@ -33,7 +33,6 @@ pytestmark = [pytest.mark.slow,
 MAX_NEW = 32
 # llama.cpp file type -> GGUF types its projections must hold (at least)
 FILES = {"Q4_K_M": {"q5_0", "q8_0", "q4_k", "q6_k"}, "F16": {"f16"}}
-TIE_GAP = 1e-4
 PROMPTS = [
     [{"role": "user", "content": "List the planets of the solar system in order from the sun, one per line."}],
     [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number iteratively."}],

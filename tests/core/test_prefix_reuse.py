@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import pytest
 from default_prompts import DOC
-from helpers import greedy_references, idle_core_threads
+from helpers import TIE_GAP, greedy_references, idle_core_threads
 from plants import reuse_one_past, share_one_past
-from test_greedy_default import TIE_GAP  # an fp tie: as there
 
 from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.backends import llama_cpp

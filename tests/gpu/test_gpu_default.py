@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import greedy_references
+from helpers import TIE_GAP, greedy_references
 
 from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import PromptLookupDraft, SuffixCacheDraft
@@ -21,7 +21,6 @@ from flashspec_core.routing.fixed import FixedRouter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 MAX_NEW = 96
-TIE_GAP = 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import greedy_references
+from helpers import TIE_GAP, greedy_references
 
 from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.engine import SpecEngine
@@ -26,7 +26,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes"),
 ]
 MAX_NEW = 64
-TIE_GAP = 1e-4
 
 
 def _check(engine, prompts, refs, label):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import random_gguf_bytes
+from helpers import TIE_GAP, random_gguf_bytes
 
 from flashspec_core.backends import blockq
 from flashspec_core.backends.cpu_linear import PackedLinear
@@ -33,7 +33,6 @@ MIXED = {"attn_q": "q4_k", "attn_k": "f16", "attn_v": "q6_k", "attn_output": "q5
 F16 = dict.fromkeys(MIXED, "f16")
 BF16 = dict.fromkeys(MIXED, "bf16")
 MAX_NEW = 12
-TIE_GAP = 1e-4
 
 
 def write_random_gguf(path: Path, arch: str, types: dict[str, str]) -> Path:
