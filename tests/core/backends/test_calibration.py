@@ -20,8 +20,31 @@ from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 
 
+class FakeTime:
+    """Stands in for the `time` module calibration reads: a forward's "sleep" advances the clock by
+    exactly its length, so the kernel choices and the steadiness verdict below do not depend on how
+    busy the test machine is (a stretched real sleep once made a steady runner read as busy)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def strftime(self, fmt: str) -> str:
+        return time.strftime(fmt)
+
+
+@pytest.fixture
+def fake_time(monkeypatch):
+    monkeypatch.setattr(calibration, "time", FakeTime())
+
+
 class SleepyRunner:
-    """Kernel "slow_at_1" sleeps long at width 1, "slow_wide" at every other width."""
+    """Kernel "slow_at_1" takes long at width 1, "slow_wide" at every other width."""
 
     def __init__(self):
         self.kernel = None
@@ -39,19 +62,21 @@ class SleepyRunner:
     def forward_to(self, sequences, active=None, keep_logits=1):
         self.calls += 1
         narrow = keep_logits == 1
-        time.sleep(0.004 if (self.kernel == "slow_at_1") == narrow else 0.0005)
+        calibration.time.sleep(0.004 if (self.kernel == "slow_at_1") == narrow else 0.0005)
         return torch.zeros(len(sequences), keep_logits, 8)
 
 
-def test_the_faster_kernel_is_kept_per_width_and_cached(flashspec_cache_dir):
+def test_the_faster_kernel_is_kept_per_width_and_cached(flashspec_cache_dir, fake_time):
     runner = SleepyRunner()
     cal = calibrate(runner, "sleepy-1", "fake", [1, 3, 5], vocab=8)
+    assert cal.spread == 1.0
     assert cal.best[1] == "slow_wide" and cal.best[3] == cal.best[5] == "slow_at_1"
     assert cal.kernel_for(4) == "slow_at_1" and cal.kernel_for(1) == "slow_wide"
     assert cal.forward_seconds()[1] < 0.003
     calls = runner.calls
-    again = calibrate(SleepyRunner(), "sleepy-1", "fake", [1, 3, 5], vocab=8)
-    assert again.best == cal.best and runner.calls == calls, "a second load reads the cache"
+    fresh = SleepyRunner()
+    again = calibrate(fresh, "sleepy-1", "fake", [1, 3, 5], vocab=8)
+    assert again.best == cal.best and fresh.calls == 0 and runner.calls == calls, "a second load reads the cache"
     assert "CPU:" in cal.table() and "kept" in cal.table()
 
 
@@ -77,11 +102,11 @@ class BusyRunner(SleepyRunner):
 
     def forward_to(self, sequences, active=None, keep_logits=1):
         self.calls += 1
-        time.sleep(self.rng.choice((0.0005, 0.005)))
+        calibration.time.sleep(self.rng.choice((0.0005, 0.005)))
         return torch.zeros(len(sequences), keep_logits, 8)
 
 
-def test_a_measurement_taken_on_a_busy_machine_is_used_but_not_cached(flashspec_cache_dir):
+def test_a_measurement_taken_on_a_busy_machine_is_used_but_not_cached(flashspec_cache_dir, fake_time):
     runner = BusyRunner()
     cal = calibrate(runner, "busy-1", "fake", [1, 3], vocab=8, longer=0)
     assert cal.spread > calibration.STEADY and set(cal.best) == {1, 3, 128}
@@ -95,7 +120,7 @@ def test_a_measurement_taken_on_a_busy_machine_is_used_but_not_cached(flashspec_
     assert steady.spread <= calibration.STEADY and steady.key in json.loads(path.read_text())
 
 
-def test_a_damaged_cache_or_another_machine_measures_again(flashspec_cache_dir, monkeypatch):
+def test_a_damaged_cache_or_another_machine_measures_again(flashspec_cache_dir, fake_time, monkeypatch):
     calibrate(SleepyRunner(), "sleepy-2", "fake", [1, 3], vocab=8)
     path = flashspec_cache_dir / calibration.CALIBRATION_FILE
     path.write_text("{not json")
@@ -213,11 +238,11 @@ class ContextRunner(SleepyRunner):
 
     def forward_to(self, sequences, active=None, keep_logits=1):
         self.calls += 1
-        time.sleep(0.0005 + (4e-6 if keep_logits == 1 else 12e-6) * (len(sequences[0]) - keep_logits))
+        calibration.time.sleep(0.0005 + (4e-6 if keep_logits == 1 else 12e-6) * (len(sequences[0]) - keep_logits))
         return torch.zeros(len(sequences), keep_logits, 8)
 
 
-def test_each_decode_widths_cost_per_cached_token_is_measured(flashspec_cache_dir):
+def test_each_decode_widths_cost_per_cached_token_is_measured(flashspec_cache_dir, fake_time):
     cal = calibrate(ContextRunner(), "context-1", "fake", [1, 3], vocab=8, context=64, longer=512)
     assert cal.context == 64 and set(cal.slopes) == {1, 3}, "the prefill chunk is not timed twice"
     assert cal.slopes[1] == pytest.approx(4e-6, rel=0.3) and cal.slopes[3] == pytest.approx(12e-6, rel=0.3)
