@@ -43,7 +43,7 @@ class PinnedRouter(BanditRouter):
         super().__init__(*args, **kwargs)
         self.pinned = pinned
 
-    def select(self, domain: str) -> Arm:
+    def select(self, domain: str, unavailable: frozenset[str] = frozenset()) -> Arm:
         return self.pinned
 
 

@@ -37,6 +37,9 @@ class StepRecord:
     # The request's first step: its first token was scored by the prefill's own forward, so its
     # pass fed only the drafted tokens (none for plain decoding) instead of drafted + 1.
     prefilled: bool = False
+    # Drafts that could not propose for this step's row (those that need a grammar, for a row
+    # without one): the router neither offered their arms nor scores them on this request.
+    unavailable: frozenset[str] = frozenset()
 
     @property
     def seconds(self) -> float:

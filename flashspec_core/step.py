@@ -61,6 +61,8 @@ class Stepper:
         self.faults: list[tuple[Row, EngineFault]] = []
         self.fed_seconds = 0.0  # the share of this step's forward that fed other rows' prompt pieces
         self.budget = TokenBudget()  # where a step pads its rows to one width (graphs), its cut
+        # drafts never offered to a row without a grammar: they propose nothing there
+        self._need_grammar = frozenset(name for name, d in drafts.items() if d.needs_constraint)
 
     # ------------------------------------------------------------------------------ prefill
 
@@ -108,7 +110,7 @@ class Stepper:
             raise ValueError("feeding: a runner with graphs feeds prompt pieces apart (prefill)")
         warmed = runner.warmup_seconds
         t0 = time.perf_counter()
-        arms = [self.router.select(row.domain) for row in rows]
+        arms = [self.router.select(row.domain, self._unavailable(row)) for row in rows]
         drafted = self._propose(rows, arms)
         if len(rows) > 1 or feeding is not None:  # a lone row's γ is its router's choice
             domains, names = [row.domain for row in rows], [arm.draft for arm in arms]
@@ -144,7 +146,7 @@ class Stepper:
                 draft_seconds=max(d.seconds, 1e-9), verify_seconds=verify_share, context_len=context_len,
                 sequence=row.seq, rows=1, catchup_seconds=min(d.catchup, max(d.seconds, 1e-9)),
                 warmup_seconds=warmup_share if warmup_share < verify_share else 0.0, draft_lengths=self._lengths(row),
-                prefilled=first)
+                prefilled=first, unavailable=self._unavailable(row))
             records.append((record, row.constraint, row))
             self.budget.learn(row.domain, arm.draft, len(d.tokens), n)
             st = row.stats
@@ -252,6 +254,10 @@ class Stepper:
         pinned_ok = self.verify_backend == "auto" or (self.verify_backend == "triton" and not sampling.greedy)
         return (self.runner.use_graphs and pinned_ok and row.constraint is None
                 and sampling.repetition_penalty == 1.0 and not sampling.no_repeat_ngram_size)
+
+    def _unavailable(self, row: Row) -> frozenset[str]:
+        """The drafts that cannot propose for `row`: those that need a grammar, when it has none."""
+        return self._need_grammar if row.constraint is None else frozenset()
 
     def _lengths(self, row: Row) -> tuple[int, ...]:
         """The draft lengths `row`'s steps verify uncut, others being cut to the longest of them

@@ -315,7 +315,7 @@ class RandomRouter(Router):
         self._rng = random.Random(seed)
         self.chosen: list[Arm] = []
 
-    def select(self, domain: str) -> Arm:
+    def select(self, domain: str, unavailable: frozenset[str] = frozenset()) -> Arm:
         self.chosen.append(self._rng.choice(self.arms))
         return self.chosen[-1]
 

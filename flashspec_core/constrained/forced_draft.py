@@ -27,6 +27,7 @@ class GrammarForcedDraft(DraftSource):
     """
 
     deterministic = True
+    needs_constraint = True
 
     def __init__(self, name: str = "grammar", lookup_ngram: int = 3):
         if not isinstance(lookup_ngram, int) or lookup_ngram < 0:

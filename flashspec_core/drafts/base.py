@@ -31,6 +31,10 @@ class DraftSource(Protocol):
     # γ -> draft tokens accepted per step, measured off-line (a trained draft's card); empty when
     # unknown. The router's prior for an arm it has not run yet (routing/priors.py).
     accepted_lengths: Mapping[int, float] = MappingProxyType({})
+    # True when the draft proposes only under a request's grammar (the grammar-forced draft): for a
+    # row decoding without a Constraint its arms would be plain decoding under another name, so the
+    # step never offers them to such a row and the router never scores them on it.
+    needs_constraint: bool = False
 
     def propose(
         self,

@@ -23,8 +23,10 @@ class Router(Protocol):
 
     arms: Sequence[Arm]
 
-    def select(self, domain: str) -> Arm:
-        """The arm of the next step of a request in `domain`."""
+    def select(self, domain: str, unavailable: frozenset[str] = frozenset()) -> Arm:
+        """The arm of the next step of a request in `domain`, never one whose draft is named in
+        `unavailable` (drafts that cannot propose for this row: those that need a grammar, for a
+        row without one)."""
         ...
 
     def update(self, record: StepRecord) -> None:

@@ -47,6 +47,7 @@ class _Track:
     rows: int = 1
     seconds: float = 0.0
     lengths: tuple[int, ...] = ()  # the draft lengths the runner verifies uncut (StepRecord.draft_lengths)
+    unavailable: frozenset[str] = frozenset()  # drafts not scored here (StepRecord.unavailable)
     waiting: dict[int, tuple[list[int], float]] = field(default_factory=dict)  # arm -> (proposal, seconds)
 
 
@@ -59,10 +60,10 @@ class CopyScorer:
     def __init__(self, arms: Sequence[Arm], drafts: Mapping[str, DraftSource]) -> None:
         self.arms = tuple(arms)
         self._index = {a: i for i, a in enumerate(self.arms)}
-        # (draft, [(arm index, γ)]): per position, one call at its largest γ serves every γ.
-        self._drafts = [(d, [(i, a.gamma) for i, a in enumerate(self.arms) if a.draft == name])
+        # (name, draft, [(arm index, γ)]): per position, one call at its largest γ serves every γ.
+        self._drafts = [(name, d, [(i, a.gamma) for i, a in enumerate(self.arms) if a.draft == name])
                         for name, d in drafts.items()]
-        self._drafts = [(d, arms) for d, arms in self._drafts if arms]
+        self._drafts = [(name, d, arms) for name, d, arms in self._drafts if arms]
         self._track: _Track | None = None
 
     def step(self, record: StepRecord) -> list[CopyScore]:
@@ -76,7 +77,8 @@ class CopyScorer:
         if track is None:
             if not self._drafts or ctx <= 0 or len(seq) <= ctx:
                 return out
-            track = self._track = _Track(record.domain, seq, {i: ctx for _, arms in self._drafts for i, _ in arms})
+            cursor = {i: ctx for name, _, arms in self._drafts if name not in record.unavailable for i, _ in arms}
+            track = self._track = _Track(record.domain, seq, cursor, unavailable=record.unavailable)
         track.rows, track.seconds, track.lengths = record.rows, record.steady_seconds, record.draft_lengths
         ran = self._index.get(record.arm)
         if ran in track.cursor:  # its own step is timed for real: its path goes on from there
@@ -90,7 +92,9 @@ class CopyScorer:
         so the step left waiting is scored against what was verified, and no new one is proposed
         (the suffix cache has been shown the request's output by then)."""
         seq, end, out = track.sequence, len(track.sequence), []
-        for draft, arms in self._drafts:
+        for name, draft, arms in self._drafts:
+            if name in track.unavailable:
+                continue
             asked: dict[int, tuple[list[int], float]] = {}  # position -> (largest-γ proposal, seconds)
             for i, gamma in arms:
                 while track.cursor[i] < end and (i in track.waiting or not final):

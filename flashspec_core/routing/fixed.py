@@ -18,7 +18,8 @@ class FixedRouter(Router):
         self.arms: tuple[Arm, ...] = (arm,)
         self._tally: dict[str, list[float]] = {}
 
-    def select(self, domain: str) -> Arm:
+    def select(self, domain: str, unavailable: frozenset[str] = frozenset()) -> Arm:
+        """The pinned arm, whatever the row: a pinned draft that cannot propose there decodes plainly."""
         return self.arm
 
     def update(self, record: StepRecord) -> None:

@@ -228,12 +228,16 @@ class BanditRouter(Router):
             if i not in bandit.observed:
                 bandit.set_prior_mean(i, mean)
 
-    def select(self, domain: str) -> Arm:
-        """The arm for the next step of a request in `domain` (from past steps only)."""
+    def select(self, domain: str, unavailable: frozenset[str] = frozenset()) -> Arm:
+        """The arm for the next step of a request in `domain` (from past steps only), never one
+        whose draft is in `unavailable` (plain decoding always stays)."""
         if not isinstance(domain, str) or not domain:
             raise ValueError(f"domain must be a non-empty str (see resolve_domain), got {domain!r}")
         with self._lock:
-            return self.arms[self._domain(domain).bandit.select(self._retired)]
+            exclude = self._retired
+            if unavailable:
+                exclude |= frozenset(i for i, a in enumerate(self.arms) if a.draft in unavailable)
+            return self.arms[self._domain(domain).bandit.select(exclude)]
 
     def _free_seconds(self, domain: DomainState, i: int, proposed: int, context: int, draft_seconds: float,
                       fallback: float) -> float:

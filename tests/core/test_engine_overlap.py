@@ -33,7 +33,7 @@ class Recording(Router):
     def __init__(self) -> None:
         self.learned: list[StepRecord] = []
 
-    def select(self, domain: str) -> Arm:
+    def select(self, domain: str, unavailable: frozenset[str] = frozenset()) -> Arm:
         return ARM
 
     def update(self, record: StepRecord) -> None:
@@ -95,7 +95,7 @@ def test_without_graphs_the_router_learns_each_step_before_the_next(tiny_target)
     engine = engine_with(tiny_target, router)
     seen: list[int] = []
     real_select = router.select
-    router.select = lambda domain: (seen.append(len(router.learned)), real_select(domain))[1]
+    router.select = lambda domain, unavailable=frozenset(): (seen.append(len(router.learned)), real_select(domain))[1]
     result = engine.generate(PROMPT, max_new_tokens=20)
     assert seen == list(range(len(result.stats.records)))
     assert router.learned == result.stats.records
@@ -124,7 +124,7 @@ def test_sampled_steps_on_graphs_cut_proposals_to_warmed_widths(tiny_target):
     runner's warmed widths, so no width outside them is ever fed (no capture mid-request)."""
     router = Recording()
     router.arms = (Arm("prompt_lookup", 4),)
-    router.select = lambda domain: Arm("prompt_lookup", 4)
+    router.select = lambda domain, unavailable=frozenset(): Arm("prompt_lookup", 4)
     engine = engine_with(tiny_target, router)
     runner = engine.runner = GraphLike(engine.runner, router)
     runner.widths = (1, 3, 5)

@@ -22,6 +22,7 @@ from flashspec_core.constrained import (
     parse_tool_call,
     tool_call_schema,
 )
+from flashspec_core.drafts import PromptLookupDraft
 from flashspec_core.engine import SpecEngine
 from flashspec_core.processors.sampling import SamplingParams
 from flashspec_core.routing.fixed import FixedRouter
@@ -130,7 +131,7 @@ def test_router_scores_the_forced_draft_after_the_fact(tiny_target, grammar):
     draft = GrammarForcedDraft(lookup_ngram=0)
     router = BanditRouter([Arm(NO_DRAFT, 0), Arm("grammar", 4)], free_drafts={"grammar": draft}, seed=0)
     engine = SpecEngine(tiny_target, [draft], router=router, verify_backend="torch")
-    engine.router.select = lambda domain: Arm(NO_DRAFT, 0)  # plain steps: every proposal is after the fact
+    engine.router.select = lambda domain, unavailable=frozenset(): Arm(NO_DRAFT, 0)  # every proposal is after the fact
     calls = []
     propose = draft.propose
     draft.propose = lambda contexts, *args: calls.append((list(contexts[0]), propose(contexts, *args))) or calls[-1][1]
@@ -148,6 +149,25 @@ def test_router_scores_the_forced_draft_after_the_fact(tiny_target, grammar):
         replay.bind_constraint(fresh)
         assert proposal.tokens == replay.propose([context], 4, SamplingParams()).tokens
     assert router.summary()["json"]["grammar@4"]["scored"] == len(calls)
+
+
+def test_a_row_without_a_grammar_is_never_offered_or_scored_the_grammar_arms(tiny_target, grammar):
+    """Without a grammar the forced draft proposes nothing: its arms would be plain decoding under
+    another name, explored cold at the cost of the arms that could pay. Rows with a grammar still
+    get them, and are scored on them."""
+    forced, lookup = GrammarForcedDraft(), PromptLookupDraft()
+    arms = [Arm(NO_DRAFT, 0), Arm("grammar", 2), Arm("grammar", 6), Arm("prompt_lookup", 4)]
+    router = BanditRouter(arms, free_drafts={"grammar": forced, "prompt_lookup": lookup}, seed=0)
+    engine = SpecEngine(tiny_target, [forced, lookup], router=router, verify_backend="torch")
+    prompts = [[(7 * i + 3 * j) % 15 for j in range(3 + i % 4)] for i in range(16)]
+    free = [r for p in prompts for r in engine.generate(p, max_new_tokens=24, domain="chat").stats.records]
+    assert len(free) > 40 and {r.arm.draft for r in free} <= {NO_DRAFT, "prompt_lookup"}
+    assert all(r.unavailable == {"grammar"} for r in free)
+    chat = router.summary()["chat"]
+    assert chat["grammar@2"]["scored"] == chat["grammar@6"]["scored"] == 0 < chat["prompt_lookup@4"]["scored"]
+    constrained = engine.generate(PROMPT, max_new_tokens=12, json_schema=grammar, domain="chat").stats.records
+    assert all(r.unavailable == frozenset() for r in constrained)
+    assert router.summary()["chat"]["grammar@6"]["scored"] > 0
 
 
 def test_tool_call_schema_forces_the_name_first():

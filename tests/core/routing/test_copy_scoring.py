@@ -27,7 +27,7 @@ class ScriptDraft:
         return Proposal([self.script[n:n + gamma] if self.right(n) else [-1] * gamma])
 
 
-def plain_request(scorer, script, prompt_len, new_tokens, arm=NONE):
+def plain_request(scorer, script, prompt_len, new_tokens, arm=NONE, unavailable=frozenset()):
     """Plain decoding of `new_tokens` tokens of `script` after a prompt: one step per token, on
     the live list, as SpecEngine._decode extends it. Returns every CopyScore."""
     seq, out = list(script[:prompt_len]), []
@@ -35,7 +35,7 @@ def plain_request(scorer, script, prompt_len, new_tokens, arm=NONE):
         ctx = len(seq)
         seq.append(script[ctx])
         out += scorer.step(StepRecord(domain="rag", arm=arm, drafted=0, accepted=0, emitted=1, draft_seconds=0.0,
-                                      verify_seconds=0.01, context_len=ctx, sequence=seq))
+                                      verify_seconds=0.01, context_len=ctx, sequence=seq, unavailable=unavailable))
     return out
 
 
@@ -48,6 +48,21 @@ def test_a_long_copy_is_one_step_of_the_arm_not_one_per_position():
     scores = plain_request(CopyScorer([NONE, Arm("ngram", 4)], {"ngram": draft}), script, 10, 20)
     assert [(s.emitted, s.proposed) for s in scores] == [(5, 4)] * 4
     assert draft.calls == [10, 15, 20, 25]  # its own steps' contexts, each asked once
+
+
+def test_a_draft_the_row_could_not_use_is_not_scored_on_its_request():
+    """A request without a grammar: the grammar-forced draft is never offered to it, so its
+    after-the-fact scores there (plain steps under its name) would only dilute what it earns on the
+    requests it serves. The other drafts are scored as before; the next request scores it again."""
+    script = list(range(100, 200))
+    ngram, grammar = ScriptDraft(script), ScriptDraft(script)
+    grammar.name = "grammar"
+    arms = [NONE, Arm("ngram", 4), Arm("grammar", 4)]
+    scorer = CopyScorer(arms, {"ngram": ngram, "grammar": grammar})
+    scores = plain_request(scorer, script, 10, 20, unavailable=frozenset({"grammar"}))
+    assert {s.arm for s in scores} == {1} and grammar.calls == []
+    scores = plain_request(scorer, script, 30, 20)  # a request with a grammar
+    assert {s.arm for s in scores} == {1, 2} and grammar.calls
 
 
 def test_a_miss_costs_the_arm_a_one_token_step_and_the_path_goes_on_from_there():

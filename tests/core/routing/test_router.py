@@ -69,6 +69,22 @@ def test_plain_decoding_is_always_an_arm_and_wins_when_drafting_does_not_pay():
     assert picks[-100:].count(NONE) > 85
 
 
+@pytest.mark.parametrize("algorithm", ["thompson", "ucb1"])
+def test_an_arm_whose_draft_cannot_propose_for_the_row_is_never_offered(algorithm):
+    """Cold, the bandit tries every arm; for a row that names the grammar-forced draft unavailable
+    (no grammar) it tries the others only, and the same domain still offers it to a row that can."""
+    grammar = Arm("grammar", 4)
+    router = BanditRouter([NONE, NGRAM, grammar], algorithm=algorithm, seed=0)
+    picks = []
+    for _ in range(60):
+        arm = router.select("tool", frozenset({"grammar"}))
+        picks.append(arm)
+        router.update(record("tool", arm, *WORLD["tool"][NONE if arm == grammar else arm]))
+    assert grammar not in picks and NGRAM in picks
+    assert any(router.select("tool") == grammar for _ in range(60)), "untried: a row with a grammar gets it"
+    assert router.select("tool", frozenset({"grammar", "ngram"})) == NONE, "plain decoding always stays"
+
+
 def test_a_new_domain_starts_from_the_down_weighted_shared_prior():
     router = BanditRouter([NGRAM, MODEL], "ucb1", prior_weight=2.0, seed=0)
     drive(router, "tool", 200, random.Random(2))

@@ -32,9 +32,9 @@ class RecordingRouter(Router):
         self.arms = inner.arms
         self.domains: list[str] = []
 
-    def select(self, domain: str):
+    def select(self, domain: str, unavailable: frozenset[str] = frozenset()):
         self.domains.append(domain)
-        return self.inner.select(domain)
+        return self.inner.select(domain, unavailable)
 
     def update(self, record) -> None:
         self.inner.update(record)
