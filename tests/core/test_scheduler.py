@@ -156,10 +156,13 @@ def test_concurrent_threads_and_coroutines_share_the_engine(tiny_target):
 
 def test_cancelling_a_request_ends_its_rows_at_the_next_step_and_the_rest_go_on(tiny_target):
     engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)))
-    long = engine.submit([PROMPTS[0]], max_new_tokens=200, stream=True)
+    long = engine.submit([PROMPTS[2]], max_new_tokens=200, stream=True)  # no EOS in its first 200 tokens
     other = engine.submit([PROMPTS[1]], max_new_tokens=40)
     next(iter(long))
+    gate = Gate(engine)  # the cancel lands while the scheduler is inside a step, however slow this thread
+    assert gate.entered.wait(10)
     long.cancel()
+    gate.open.set()
     with pytest.raises(RequestCancelled):
         long.wait()
     assert other.wait()[0].token_ids == hf(tiny_target, PROMPTS[1], 40)

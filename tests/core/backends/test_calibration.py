@@ -141,18 +141,17 @@ def test_a_damaged_cache_or_another_machine_measures_again(flashspec_cache_dir, 
 
 
 def slower(real_call, pause: float):
-    """real_call, then a sleep of `pause` or three times what it took (a wide forward's
-    arithmetic can outweigh any fixed pause on a busy machine): at least four times slower."""
+    """real_call, then `pause` more seconds on the fake clock (the `fake_time` fixture): the real
+    kernels run, and only the pauses count, so the slowed kernel loses however busy the machine."""
     def call(*args, **kwargs):
-        start = time.perf_counter()
         out = real_call(*args, **kwargs)
-        time.sleep(max(pause, 3 * (time.perf_counter() - start)))
+        calibration.time.sleep(pause)
         return out
     return call
 
 
 @pytest.mark.parametrize("runner_cls", [CachedModel, StaticCachedModel])
-def test_an_artificially_slow_packed_kernel_loses_to_stock(flashspec_cache_dir, monkeypatch, runner_cls):
+def test_an_artificially_slow_packed_kernel_loses_to_stock(flashspec_cache_dir, monkeypatch, runner_cls, fake_time):
     loaded = tiny_loaded(16, seed=0)
     runner = runner_cls(loaded.model, pad_token_id=15)
     if runner.kernels() == ("stock",):
@@ -171,7 +170,7 @@ def test_an_artificially_slow_packed_kernel_loses_to_stock(flashspec_cache_dir, 
 
 @pytest.mark.parametrize("slow", ["fp32", BLOCKS, NATIVE])
 def test_the_gguf_kernels_are_kept_only_where_they_are_measured_faster(flashspec_cache_dir, monkeypatch,
-                                                                       default_target, slow):
+                                                                       default_target, slow, fake_time):
     """slow: "fp32" slows the stock and packed kernels; BLOCKS the block kernel and the native stack
     (which runs on the same blocks); NATIVE the native stack alone (in either tile setting)."""
     from flashspec_core.backends import blockq
@@ -189,11 +188,11 @@ def test_the_gguf_kernels_are_kept_only_where_they_are_measured_faster(flashspec
 
     def slowed(self, x):
         if self.choice.name != BLOCKS and slow != BLOCKS:
-            time.sleep(0.0005)  # 211 layers: ~0.1 s a forward
+            calibration.time.sleep(0.0005)  # 211 layers: ~0.1 s a forward
         return real(self, x)
 
     def slowed_blocks(*args, **kwargs):  # every product from blocks, stacked ones too
-        if slow == BLOCKS:  # 121 products a forward (q|k|v, o, gate|up, down, the head): >= 0.12 s
+        if slow == BLOCKS:  # 121 products a forward (q|k|v, o, gate|up, down, the head): 0.12 s
             return slower(real_blocks, 0.001)(*args, **kwargs)
         return real_blocks(*args, **kwargs)
 

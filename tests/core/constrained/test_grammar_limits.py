@@ -54,7 +54,7 @@ def test_a_compile_past_its_time_limit_is_a_value_error_and_its_process_is_kille
     start = time.perf_counter()
     with pytest.raises(ValueError, match=r"json_schema: compiling the schema took longer than 1 s; simplify"):
         compile_(ENDLESS, timeout_s=1)
-    assert time.perf_counter() - start < 1.5  # the caller waited the limit, not the compile
+    assert time.perf_counter() - start < 3.0  # the caller waited the limit (1 s), not the compile (minutes)
     killed = before - set(workers.pids())
     assert len(killed) == 1 and not any(alive(pid) for pid in killed)  # nothing goes on compiling it
     start = time.perf_counter()

@@ -4,10 +4,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-import time
+import types
 
 import pytest
 
+from flashspec_integrations.serve import admission as admission_module
 from flashspec_integrations.serve.admission import Admission, DrainRate
 from flashspec_integrations.serve.health import EngineActivity, EngineUnhealthy, HealthProbe
 from flashspec_integrations.serve.planning import Planner
@@ -86,11 +87,15 @@ def test_an_admission_retry_after_uses_the_engines_queue_and_its_completions():
     held.release()
 
 
-def test_a_ticket_counts_down_to_its_deadline():
+def test_a_ticket_counts_down_to_its_deadline(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(admission_module, "time", types.SimpleNamespace(monotonic=clock))
     admission = Admission(limit=1, timeout_s=0.05)
     ticket = admission.admit()
-    assert 0 < ticket.remaining() <= 0.05 and not ticket.expired()
-    time.sleep(0.06)
+    assert ticket.remaining() == pytest.approx(0.05) and not ticket.expired()
+    clock.now += 0.03
+    assert ticket.remaining() == pytest.approx(0.02) and not ticket.expired()
+    clock.now += 0.03
     assert ticket.remaining() == 0 and ticket.expired()
     error = admission.deadline_error()
     assert error.status == 504 and "--request-timeout" in error.message and error.code == "deadline_exceeded"
@@ -102,24 +107,28 @@ def test_a_ticket_counts_down_to_its_deadline():
 
 def test_a_slow_plan_is_a_400_and_a_plan_that_cannot_start_a_503():
     async def scenario() -> None:
-        planner = Planner(timeout_s=0.2, workers=1, retry_after=lambda: 17)
-        assert await planner.run(lambda: 7) == 7
-        ticks = 0
+        roomy = Planner(timeout_s=30, workers=1)
+        assert await roomy.run(lambda: 7) == 7
+        ticked = threading.Event()
 
         async def tick() -> None:
-            nonlocal ticks
-            while True:
+            for _ in range(5):
                 await asyncio.sleep(0.01)
-                ticks += 1
+            ticked.set()
 
         ticker = asyncio.create_task(tick())
-        await planner.run(lambda: time.sleep(0.15))  # CPU work of a plan: the event loop runs on
-        ticker.cancel()
-        assert ticks >= 5, ticks
+        # A plan's CPU work runs on its thread: the event loop ticks on meanwhile (this plan ends
+        # only when it has ticked 5 times; a plan run on the loop would wait out its 10 s).
+        assert await roomy.run(lambda: ticked.wait(10)) is True
+        await ticker
+        roomy.close()
+        # A limit of 1 s: long enough for a busy machine to start a plan on the idle thread.
+        planner = Planner(timeout_s=1.0, workers=1, retry_after=lambda: 17)
+        assert await planner.run(lambda: 7) == 7
         release = threading.Event()
         with pytest.raises(APIError) as slow:
-            await planner.run(lambda: release.wait(5))  # starts, then runs past the limit
-        assert slow.value.status == 400 and "longer than 0.2 s to prepare" in slow.value.message
+            await planner.run(lambda: release.wait(30))  # starts, then runs past the limit
+        assert slow.value.status == 400 and "longer than 1 s to prepare" in slow.value.message
         ran = []
         with pytest.raises(APIError) as queued:  # the one thread is still busy: never starts
             await planner.run(lambda: ran.append(1))
