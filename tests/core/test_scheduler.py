@@ -289,8 +289,11 @@ def test_without_graphs_a_prompt_is_fed_beside_the_running_steps_in_small_pieces
     running = engine.submit([PROMPTS[2]], max_new_tokens=200, stream=True)  # no EOS within 200
     chunks = iter(running)  # one iterator: a dropped one would take the chunks it had read with it
     first = next(chunks)  # prefilled alone (nothing decoded yet), then stepping
+    gate = Gate(engine)  # the newcomer arrives while the stream is a step or two in, however slow this thread
+    assert gate.entered.wait(10)
     long = (PROMPTS[4] + PROMPTS[0]) * 5  # 135 tokens
     late = engine.submit([long], max_new_tokens=5)
+    gate.open.set()
     assert late.wait()[0].token_ids == hf(tiny_target, long, 5)
     assert not running.done, "the stream should still be decoding"
     running.cancel()
@@ -308,9 +311,12 @@ def test_a_full_queue_refuses_at_once_and_a_closed_engine_refuses_everything(tin
     engine = engine_over(tiny_target, FixedRouter(Arm(NO_DRAFT, 0)), max_batch=1, max_queue=2)
     running = engine.submit([PROMPTS[2]], max_new_tokens=200, stream=True)  # no EOS within 200
     next(iter(running))  # admitted and decoding
+    gate = Gate(engine)  # its slot stays taken while the queue fills, however slow this thread
+    assert gate.entered.wait(10)
     waiting = [engine.submit([p], max_new_tokens=4) for p in PROMPTS[1:3]]
     with pytest.raises(EngineBusy, match="max_queue"):
         engine.submit([PROMPTS[3]], max_new_tokens=4)
+    gate.open.set()
     engine.close()
     for handle in [running, *waiting]:
         with pytest.raises(EngineClosed):
