@@ -165,7 +165,7 @@ def test_heavy_requests_leave_the_replicas_responsive(service, headers):
     statuses = [r.status_code for r in replies]
     assert statuses[0] == 400 and statuses[1] in (200, 400), [r.text[:300] for r in replies]
     assert "context window" in replies[0].json()["error"]["message"]
-    assert max(latencies) < 2.0, latencies
+    assert max(latencies) < 10.0, latencies  # a blocked replica took 115 s; a busy machine may take a few
     print(f"\nheavy: 80,000 newlines and a slow schema answered {statuses} in "
           f"{', '.join(f'{t:.1f}' for _, t in timings)} s; "
           f"{len(latencies)} health checks meanwhile, the slowest {max(latencies) * 1000:.0f} ms")
