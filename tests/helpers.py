@@ -16,7 +16,8 @@ import importlib.util
 import os
 import random
 import re
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -449,3 +450,22 @@ def from_the_question(argument: str, question: str) -> bool:
     written = re.findall(r"[a-z0-9]+", argument.lower())
     shared = [w for w in written if any(w == a or (len(a) > 2 and (w.startswith(a) or a.startswith(w))) for a in asked)]
     return len(shared) >= 2 and len(shared) >= 0.6 * len(written)
+
+
+def hold_prefills_until(monkeypatch: pytest.MonkeyPatch, engine: SpecEngine, ready: Callable[[], bool],
+                        timeout_s: float = 30.0) -> None:
+    """Hold the engine's scheduler at its next prompt forward until `ready()` (say, every request
+    of a test is in; later forwards go on unheld): requests that one thread submits one by one then
+    decode side by side however slowly that thread runs, instead of the first finishing its few
+    tokens before the last arrives."""
+    real, waited = engine._stepper.prefill, []
+
+    def held(*args, **kwargs):
+        deadline = time.monotonic() + timeout_s
+        while not waited and not ready():
+            assert time.monotonic() < deadline, "the requests the test waited for never all arrived"
+            time.sleep(0.001)
+        waited.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine._stepper, "prefill", held)

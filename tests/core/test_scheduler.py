@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import RandomRouter, tiny_llama
+from helpers import RandomRouter, hold_prefills_until, tiny_llama
 
 from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
@@ -67,8 +67,11 @@ def test_rows_joining_mid_flight_with_their_own_settings_and_arms_equal_hf_gener
 
     stream = engine.stream(PROMPTS[0], max_new_tokens=30)
     first = [t for _ in range(3) for t in next(stream).token_ids]
+    gate = Gate(engine)  # the others join while the stream is running, however slowly they are submitted
+    assert gate.entered.wait(10)
     handles = [engine.submit([p], max_new_tokens=s["max_new_tokens"], sampling=sampling(s))
                for p, s in zip(PROMPTS[1:], settings[1:])]
+    gate.open.set()
     rest = [t for chunk in stream for t in chunk.token_ids]
     outputs = [first + rest] + [h.wait()[0].token_ids for h in handles]
     assert outputs == expected
@@ -108,6 +111,7 @@ def test_rows_of_one_penalty_are_penalized_together_each_as_alone(tiny_target, d
     alone = engine_over(tiny_target, arm, draft_model).generate(PROMPTS[3], max_new_tokens=20,
                                                                 sampling=sampled).token_ids
     engine = engine_over(tiny_target, arm, draft_model)
+    hold_prefills_until(monkeypatch, engine, lambda: engine.running + engine.queued == 2 * len(PROMPTS) + 1)
     plain = []  # rows without a penalty between them: the penalized rows are not the batch's first
     handles = []
     for p in PROMPTS:

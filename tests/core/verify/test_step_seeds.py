@@ -4,11 +4,9 @@ the same tokens alone, beside rows of its own setting (at any index of the launc
 rows of others. On the CPU the kernel runs under TRITON_INTERPRET=1 (conftest.py)."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from helpers import tiny_loaded
+from helpers import hold_prefills_until, tiny_loaded
 
 from flashspec_core.arms import Arm
 from flashspec_core.drafts import PromptLookupDraft
@@ -46,23 +44,14 @@ def test_a_seeded_row_samples_alike_alone_and_at_any_index_of_a_shared_launch(mo
         return real(logits, *args, seed=seed, **kwargs)
 
     monkeypatch.setattr(rows, "verify", counting)
-    # The first request's prompt is held until all four are in, so they decode side by side however
-    # slowly this thread submits them (16 tokens each end in a few milliseconds).
-    submitted, real_prefill = threading.Event(), crowded._stepper.prefill
-
-    def held_prefill(*args, **kwargs):
-        assert submitted.wait(30), "the requests were never all submitted"
-        return real_prefill(*args, **kwargs)
-
-    monkeypatch.setattr(crowded._stepper, "prefill", held_prefill)
+    # Held until all four are in: 16 tokens each end in a few milliseconds.
+    hold_prefills_until(monkeypatch, crowded, lambda: crowded.running + crowded.queued == 4)
     # Same setting, other seeds, submitted first (lower slots: ahead of the row in the launch), and
     # a setting of its own beside them.
     handles = [crowded.submit([p], max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=40 + i))
                for i, p in enumerate([PROMPTS[0], PROMPTS[2]])]
     handles.append(crowded.submit([PROMPTS[0]], max_new_tokens=16, sampling=SamplingParams(temperature=0.6, seed=3)))
-    mine_handle = crowded.submit([PROMPTS[1]], max_new_tokens=16, sampling=mine)
-    submitted.set()
-    got = mine_handle.wait()[0].token_ids
+    got = crowded.submit([PROMPTS[1]], max_new_tokens=16, sampling=mine).wait()[0].token_ids
     others = [h.wait()[0].token_ids for h in handles]
     assert got == expected
     assert max(launches) >= 3, "the rows of one setting shared a launch"
