@@ -24,6 +24,7 @@ from flashspec_core.backends import make_runner, resolve_backend
 from flashspec_core.backends.base import TargetRunner
 from flashspec_core.backends.calibration import Calibration, calibrate_runner
 from flashspec_core.drafts import DraftSource, ModelDraft
+from flashspec_core.drafts.base import check_draft
 from flashspec_core.handle import RequestHandle
 from flashspec_core.memory_plan import MEMORY_FRACTION, MemoryPlan, context_limit, plan_engine
 from flashspec_core.models import LoadedModel, eos_ids, vocab_size
@@ -366,7 +367,7 @@ def _checked_gammas(target: LoadedModel, gammas: Sequence[int] | None) -> Sequen
 
 
 def _check_draft_names(drafts: Sequence[DraftSource]) -> None:
-    names = [d.name for d in drafts]
+    names = [check_draft(d).name for d in drafts]
     if len(set(names)) != len(names) or NO_DRAFT in names:
         raise ValueError(f"drafts must have distinct names other than {NO_DRAFT!r}; got {names}")
 

@@ -12,6 +12,7 @@ import torch
 
 from flashspec_core.constrained.forced_draft import GrammarForcedDraft
 from flashspec_core.drafts import DraftSource, ModelDraft, PromptLookupDraft, SuffixCacheDraft
+from flashspec_core.drafts.base import check_draft
 from flashspec_core.models import LoadedModel, check_vocab, load_model
 
 # Names accepted in `drafts=[...]`; anything else is taken as a model path or cached HF id.
@@ -58,9 +59,7 @@ def build_drafts(
     pool: list[DraftSource] = []
     for spec in specs:
         if not isinstance(spec, str):
-            if not isinstance(spec, DraftSource):
-                raise ValueError(f"drafts: {spec!r} is neither a draft name nor a DraftSource")
-            pool.append(spec)
+            pool.append(check_draft(spec, "drafts (a draft name or a DraftSource)"))
         elif spec == "prompt_lookup":
             pool.append(PromptLookupDraft())
         elif spec == "suffix_cache":

@@ -59,3 +59,12 @@ class DraftSource(Protocol):
         """The grammar state of the request now decoding (None: unconstrained), for a draft that
         proposes what the grammar forces (constrained/forced_draft.py). Ignored by default."""
         return None
+
+
+def check_draft(draft: object, where: str = "drafts") -> DraftSource:
+    """`draft` if it is a DraftSource, else a ValueError naming `where` and the fix."""
+    if not isinstance(draft, DraftSource):
+        raise ValueError(f"{where}: {draft!r} is not a DraftSource; a draft of your own subclasses "
+                         "flashspec_core.drafts.DraftSource, which supplies the members it may leave out "
+                         "(accepted_lengths, needs_constraint, begin, end, bind_constraint)")
+    return draft

@@ -254,6 +254,17 @@ def test_unknown_draft_name_lists_the_valid_ones(tiny_target):
     with pytest.raises(ValueError, match="drafts"):
         build_drafts([42], tiny_target, None)
 
+    class OnlyPropose:  # the members a draft must define, none of those DraftSource supplies
+        name, deterministic = "mine", True
+
+        def propose(self, contexts, gamma, sampling, generator=None):
+            return None
+
+    with pytest.raises(ValueError, match="drafts.*subclasses flashspec_core.drafts.DraftSource"):
+        build_drafts([OnlyPropose()], tiny_target, None)
+    with pytest.raises(ValueError, match="drafts.*subclasses flashspec_core.drafts.DraftSource"):
+        SpecEngine(tiny_target, [OnlyPropose()])
+
 
 def test_a_single_prompt_reuses_the_previous_requests_prefix(tiny_target, tiny_draft_model):
     """Agent steps resend their system prompt: the second request feeds only what is new, and its
