@@ -47,7 +47,6 @@ class _Track:
     rows: int = 1
     seconds: float = 0.0
     lengths: tuple[int, ...] = ()  # the draft lengths the runner verifies uncut (StepRecord.draft_lengths)
-    unavailable: frozenset[str] = frozenset()  # drafts not scored here (StepRecord.unavailable)
     waiting: dict[int, tuple[list[int], float]] = field(default_factory=dict)  # arm -> (proposal, seconds)
 
 
@@ -78,7 +77,7 @@ class CopyScorer:
             if not self._drafts or ctx <= 0 or len(seq) <= ctx:
                 return out
             cursor = {i: ctx for name, _, arms in self._drafts if name not in record.unavailable for i, _ in arms}
-            track = self._track = _Track(record.domain, seq, cursor, unavailable=record.unavailable)
+            track = self._track = _Track(record.domain, seq, cursor)
         track.rows, track.seconds, track.lengths = record.rows, record.steady_seconds, record.draft_lengths
         ran = self._index.get(record.arm)
         if ran in track.cursor:  # its own step is timed for real: its path goes on from there
@@ -92,8 +91,8 @@ class CopyScorer:
         so the step left waiting is scored against what was verified, and no new one is proposed
         (the suffix cache has been shown the request's output by then)."""
         seq, end, out = track.sequence, len(track.sequence), []
-        for name, draft, arms in self._drafts:
-            if name in track.unavailable:
+        for _, draft, arms in self._drafts:
+            if arms[0][0] not in track.cursor:  # not scored on this request (StepRecord.unavailable)
                 continue
             asked: dict[int, tuple[list[int], float]] = {}  # position -> (largest-γ proposal, seconds)
             for i, gamma in arms:

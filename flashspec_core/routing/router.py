@@ -113,6 +113,8 @@ class BanditRouter(Router):
         self._costs = ForwardCosts()  # shared by every DomainState (set_forward_costs)
         self._expected: dict[int, float] = {}  # arm -> prior mean reward (set_expected_goodput)
         self._retired: frozenset[int] = frozenset()  # arms not offered (set_expected_goodput)
+        self._arms_of = {a.draft: frozenset(i for i, b in enumerate(self.arms) if b.draft == a.draft)
+                         for a in self.arms}  # draft name -> its arms' indices (select's `unavailable`)
         self._lock = threading.Lock()
         self._writes = StoreWriter(store)
         if store is not None:
@@ -234,9 +236,7 @@ class BanditRouter(Router):
         if not isinstance(domain, str) or not domain:
             raise ValueError(f"domain must be a non-empty str (see resolve_domain), got {domain!r}")
         with self._lock:
-            exclude = self._retired
-            if unavailable:
-                exclude |= frozenset(i for i, a in enumerate(self.arms) if a.draft in unavailable)
+            exclude = self._retired.union(*(self._arms_of.get(name, ()) for name in unavailable))
             return self.arms[self._domain(domain).bandit.select(exclude)]
 
     def _free_seconds(self, domain: DomainState, i: int, proposed: int, context: int, draft_seconds: float,
