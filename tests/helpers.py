@@ -469,3 +469,12 @@ def hold_prefills_until(monkeypatch: pytest.MonkeyPatch, engine: SpecEngine, rea
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine._stepper, "prefill", held)
+
+
+def step_rows(monkeypatch: pytest.MonkeyPatch, engine: SpecEngine) -> list[int]:
+    """The rows of each decode step the engine runs from now on, recorded by its scheduler thread."""
+    rows_of: list[int] = []
+    real = engine._stepper.step
+    monkeypatch.setattr(engine._stepper, "step",
+                        lambda rows, slots, *feeding: (rows_of.append(len(rows)), real(rows, slots, *feeding))[1])
+    return rows_of

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import tiny_loaded
+from helpers import step_rows, tiny_loaded
 from transformers import LlamaConfig
 
 from flashspec_core import memory_plan
@@ -129,9 +129,7 @@ def test_a_small_free_memory_caps_the_rows_and_the_output_is_unchanged(tiny_targ
     (line,) = [r.getMessage() for r in caplog.records if r.name == memory_plan.__name__]
     assert line.startswith("max_batch 8 -> 3 rows") and "memory_fraction=0.9" in line
     prompts = [LONG_RUN, [3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [6, 6, 6, 6, 1, 2], [5, 3, 5]]
-    seen = []  # rows of every step, recorded by the scheduler's own thread (no polling race)
-    real_step = engine._stepper.step
-    engine._stepper.step = lambda rows, slots, *feeding: (seen.append(len(rows)), real_step(rows, slots, *feeding))[1]
+    seen = step_rows(monkeypatch, engine)  # recorded by the scheduler's own thread: no polling race
     results = engine.generate(prompts, max_new_tokens=40)
     assert max(seen) == 3
     assert [r.token_ids for r in results] == [hf(tiny_target, p, 40) for p in prompts]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import RandomRouter, hold_prefills_until, tiny_llama
+from helpers import RandomRouter, hold_prefills_until, step_rows, tiny_llama
 
 from flashspec_core.arms import NO_DRAFT, Arm
 from flashspec_core.drafts import ModelDraft, PromptLookupDraft, SuffixCacheDraft
@@ -50,7 +50,8 @@ def draft_model():
     return tiny_llama(16, seed=1)
 
 
-def test_rows_joining_mid_flight_with_their_own_settings_and_arms_equal_hf_generate(tiny_target, draft_model):
+def test_rows_joining_mid_flight_with_their_own_settings_and_arms_equal_hf_generate(tiny_target, draft_model,
+                                                                                   monkeypatch):
     """A stream starts alone; four requests with other budgets, stops and penalties join it after
     its first steps; the router picks every row's arm at random each step. Greedy, every row is
     HF's output for its prompt and settings."""
@@ -58,9 +59,7 @@ def test_rows_joining_mid_flight_with_their_own_settings_and_arms_equal_hf_gener
     settings = [dict(max_new_tokens=30), dict(max_new_tokens=12), dict(max_new_tokens=20, penalty=1.3),
                 dict(max_new_tokens=25), dict(max_new_tokens=18, penalty=1.1)]
     expected = [hf(tiny_target, p, s["max_new_tokens"], s.get("penalty", 1.0)) for p, s in zip(PROMPTS, settings)]
-    widths: list[int] = []
-    real = engine._stepper.step
-    engine._stepper.step = lambda rows, slots, *feeding: (widths.append(len(rows)), real(rows, slots, *feeding))[1]
+    widths = step_rows(monkeypatch, engine)
 
     def sampling(s):
         return SamplingParams(repetition_penalty=s.get("penalty", 1.0))

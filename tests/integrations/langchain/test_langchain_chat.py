@@ -10,7 +10,7 @@ import time
 import pydantic.v1
 import pytest
 from fakes import ScriptedEngine, tiny_engine
-from helpers import hold_prefills_until
+from helpers import hold_prefills_until, step_rows
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import RunnableLambda
 from langchain_core.tools import tool
@@ -274,10 +274,7 @@ def test_batch_runs_side_by_side_in_the_engine_and_matches_single_calls(monkeypa
     model = ChatFlashSpec(engine=engine, max_tokens=40)
     prompts = [f"question {i}" for i in range(4)]
     alone = [model.invoke(p) for p in prompts]
-    widths: list[int] = []
-    real = engine._stepper.step
-    monkeypatch.setattr(engine._stepper, "step",
-                        lambda rows, slots, *feeding: (widths.append(len(rows)), real(rows, slots, *feeding))[1])
+    widths = step_rows(monkeypatch, engine)
     hold_prefills_until(monkeypatch, engine, lambda: engine.running + engine.queued == len(prompts))
     together = model.batch(prompts)
     assert [m.content for m in together] == [m.content for m in alone]

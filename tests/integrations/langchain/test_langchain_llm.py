@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from fakes import ScriptedEngine, tiny_engine
+from helpers import step_rows
 from langchain_core.callbacks import BaseCallbackHandler
 
 from flashspec_integrations.langchain import FlashSpecLLM
@@ -44,10 +45,7 @@ def test_invoke_returns_text_and_stats(llm):
 def test_batch_decodes_together_and_matches_single_calls(llm, monkeypatch):
     alone = [llm.invoke(p) for p in PROMPTS]
     engine = llm.get_engine()
-    widths: list[int] = []
-    real = engine._stepper.step
-    monkeypatch.setattr(engine._stepper, "step",
-                        lambda rows, slots, *feeding: (widths.append(len(rows)), real(rows, slots, *feeding))[1])
+    widths = step_rows(monkeypatch, engine)
     result = llm.generate(PROMPTS)
     assert [g[0].text for g in result.generations] == alone
     assert max(widths) >= 2  # the prompts shared the engine's decode steps
