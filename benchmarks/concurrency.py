@@ -18,6 +18,9 @@ Per mode: aggregate output tokens/s, time to first token and inter-token gap (p5
 requests), and whether every request's output equals its sequential run (greedy: it must);
 `cut`: greedy proposals the token budget cut (to the step's width on CUDA graphs, per row on a CPU);
 `1-time s`: the mode's seconds of one-time work inside its timed run (graph captures, cache growth).
+With `--phases`, the largest concurrency runs once more on a fresh engine with `host_step.py`'s phase
+clock around the engine's step methods and the runner's forward, and prints ms per scheduler step by
+phase (`forward`: the runner's call, on a GPU the launch and whatever waits on the device inside it).
 
     python benchmarks/concurrency.py --requests 8 --concurrency 1,4,8 --out bench_out/concurrency
     python benchmarks/concurrency.py --requests 8 --concurrency 1,8 --short-prompts 1600 --max-new-tokens 128
@@ -158,6 +161,20 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def step_phases(engine: SpecEngine, work: list[Job], callers: int) -> dict:
+    """ms per scheduler step by phase over `callers` callers running `work` on `engine`."""
+    from host_step import HOST_PHASES, instrument  # a script beside this one
+
+    clock = instrument(engine, engine.runner)
+    steps0 = engine._scheduler.steps
+    results, seconds = run_concurrent(engine, work, callers)
+    steps = engine._scheduler.steps - steps0
+    clock.undo()
+    ms = {p: clock.seconds.get(p, 0.0) / steps * 1e3 for p in (*HOST_PHASES, "forward", "flush")}
+    return {"callers": callers, "steps": steps, "step_ms": seconds / steps * 1e3,
+            "tokens_per_step": sum(len(r.tokens) for r in results) / steps, "ms": ms}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=8)
@@ -172,6 +189,8 @@ def main() -> None:
     parser.add_argument("--steps-file", default=None, help="the workload as JSON (warm-up steps first)")
     parser.add_argument("--short-prompts", type=int, default=None, metavar="CHARS",
                         help="only requests whose messages hold at most CHARS characters (1600: ~400 tokens)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time the largest concurrency's steps by phase (host_step.py's clock)")
     parser.add_argument("--out", default="bench_out/concurrency")
     args = parser.parse_args()
     out = Path(args.out)
@@ -226,6 +245,8 @@ def main() -> None:
                  "same_as_sequential": None, "cuts": engine._stepper.budget.cuts,
                  "one_time_s": engine.runner.warmup_seconds - one_time})
 
+    phases = step_phases(fresh(), work, max(int(c) for c in args.concurrency.split(","))) if args.phases else None
+
     gpu = torch.cuda.is_available() and args.device != "cpu"
     device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if gpu else machine_line()
     dtype = str(engine._target.model.dtype).removeprefix("torch.")
@@ -241,8 +262,12 @@ def main() -> None:
               f"{r['ttft_p99_ms']:>8.0f}{r['itl_p50_ms']:>9.0f}{r['itl_p99_ms']:>8.0f}"
               f"{'' if r['cuts'] is None else r['cuts']:>7}{r['one_time_s']:>9.2f}  "
               f"{'' if r['same_as_sequential'] is None else str(r['same_as_sequential']) + '/' + str(len(work))}")
+    if phases:
+        print(f"{phases['callers']} callers, {phases['steps']} steps of {phases['tokens_per_step']:.1f} tokens, "
+              f"{phases['step_ms']:.2f} ms a step; ms a step by phase:")
+        print("  ".join(f"{k} {v:.2f}" for k, v in sorted(phases["ms"].items(), key=lambda kv: -kv[1])))
     (out / "results.json").write_text(json.dumps({"title": title, "machine": platform.node(), "rows": rows,
-                                                   "args": vars(args)}, indent=1))
+                                                   "phases": phases, "args": vars(args)}, indent=1))
     plot(rows, out / "concurrency.png", title)
 
 
