@@ -10,6 +10,7 @@ logit is never the argmax). Everything computes in float32 whatever the logits' 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,9 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # temperatures below 0.01 for the same reason; here they are refused, so nothing is changed silently.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
 MIN_PENALTY, MAX_PENALTY = 0.01, 100.0
-# How many of the most likely tokens a top-p nucleus is looked for among, in turn, before the
-# whole vocabulary is sorted (`_outside_nucleus`).
-NUCLEUS_CANDIDATES = (1024, 8192)
+# Probabilities down to which a top-p nucleus is looked for among a row's tokens, in turn, before
+# the whole vocabulary is sorted (`_outside_nucleus`).
+NUCLEUS_FLOORS = (1e-5, 1e-8)
 
 
 class SamplingParams(BaseModel):
@@ -87,33 +88,43 @@ def _outside_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """[..., V] bool: the tokens past the smallest prefix (most likely first) whose mass reaches
     `top_p`; the most likely token always stays. logits: [..., V] float32.
 
-    On the CPU each row's prefix is looked for among its most likely tokens first (`topk` of each
-    of `NUCLEUS_CANDIDATES` in turn): a nucleus is usually far smaller than the vocabulary, and
-    sorting the whole vocabulary costs a CPU more than the rest of a step's verification; only the
-    rows whose nucleus is larger still sort it all. The masses are the full softmax's either way,
-    so the kept set is the same (up to rounding at the top_p boundary, and which of tied tokens
-    comes first).
+    On the CPU each row's prefix is looked for first among its tokens of probability at least
+    each of `NUCLEUS_FLOORS` in turn (a compare against the row's log-sum-exp counts them; only
+    that many are ranked): a nucleus is usually far smaller than the vocabulary, and sorting the
+    whole vocabulary, or ranking a fixed thousand of it, costs a CPU more than the rest of a
+    step's verification; only the rows whose nucleus reaches below the last floor, or with more
+    than an eighth of the vocabulary above a floor, sort it all.
+    The masses are the full softmax's either way, so the kept set is the same (up to rounding at
+    the top_p boundary, and which of tied tokens comes first).
     """
     vocab = logits.shape[-1]
     rows = logits.reshape(-1, vocab)  # [N, V]
+    lse = rows.logsumexp(-1, keepdim=True)  # [N, 1]
     if rows.device.type != "cpu":  # an accelerator sorts fast, and rounds would make the host wait on it
-        return _outside_among(rows, top_p, vocab)[0].reshape(logits.shape)
+        return _outside_among(rows, lse, top_p, vocab)[0].reshape(logits.shape)
     drop = torch.ones_like(rows, dtype=torch.bool)
     left = torch.arange(rows.shape[0], device=rows.device)  # rows whose nucleus is not found yet
-    for k in [*(k for k in NUCLEUS_CANDIDATES if k < vocab), vocab]:
-        found, fits = _outside_among(rows[left], top_p, k)
-        drop[left[fits]] = found[fits]
-        left = left[~fits]
-        if not len(left):
+    for floor in NUCLEUS_FLOORS:
+        counts = (rows[left] >= lse[left] + math.log(floor)).sum(-1)  # [n] tokens above the floor
+        few = counts <= vocab // 8  # ranking more of a row costs about what sorting it does
+        if not few.any():
             break
+        rows_few = left[few]
+        found, fits = _outside_among(rows[rows_few], lse[rows_few], top_p, max(int(counts[few].max()), 1))
+        drop[rows_few[fits]] = found[fits]
+        left = torch.cat([left[~few], rows_few[~fits]])
+        if not len(left):
+            return drop.reshape(logits.shape)
+    drop[left] = _outside_among(rows[left], lse[left], top_p, vocab)[0]
     return drop.reshape(logits.shape)
 
 
-def _outside_among(rows: torch.Tensor, top_p: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_outside_nucleus` of rows [N, V] from their k most likely tokens: the mask [N, V], right
-    for the rows whose nucleus ends within those k (fits: [N] bool; every row when k = V)."""
+def _outside_among(rows: torch.Tensor, lse: torch.Tensor, top_p: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_outside_nucleus` of rows [N, V] (lse: [N, 1], their log-sum-exp) from their k most likely
+    tokens: the mask [N, V], right for the rows whose nucleus ends within those k (fits: [N]
+    bool; every row when k = V)."""
     values, order = torch.topk(rows, k, dim=-1)  # [N, k] most likely first
-    probs = (values - rows.logsumexp(-1, keepdim=True)).exp()  # [N, k] of the full softmax
+    probs = (values - lse).exp()  # [N, k] of the full softmax
     mass_before = probs.cumsum(-1) - probs
     drop_sorted = mass_before >= top_p
     drop_sorted[:, 0] = False
