@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import pydantic.v1
 import pytest
-from fakes import ScriptedEngine, tiny_engine
+from fakes import LoopWatchingEngine, ScriptedEngine, tiny_engine
 from helpers import hold_prefills_until, step_rows
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import RunnableLambda
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
-from flashspec_core.handle import RequestHandle
 from flashspec_integrations import settings
 from flashspec_integrations.engines import EngineSettings
 from flashspec_integrations.langchain import ChatFlashSpec
@@ -210,42 +208,6 @@ def test_timeout_raises_after_the_retries():
     with pytest.raises(TimeoutError, match="timeout"):
         ChatFlashSpec(engine=engine, timeout=0.01, max_retries=2).invoke("x")
     assert len(engine.calls) == 3
-
-
-class LoopWatchingEngine(ScriptedEngine):
-    """Produces each stream chunk, and finishes each request, only after the caller's event loop
-    has ticked (`ticked`, set by a ticker task): an adapter that blocked the loop while it waited
-    on the engine would leave these waits to time out, whatever the machine's load."""
-
-    WAIT_S = 10.0
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ticked = threading.Event()
-
-    def _wait_for_a_tick(self) -> bool:
-        self.ticked.clear()
-        return self.ticked.wait(self.WAIT_S)
-
-    def stream(self, *args, **kwargs):
-        for chunk in super().stream(*args, **kwargs):
-            assert self._wait_for_a_tick(), "the event loop stood still while a chunk was produced"
-            yield chunk
-
-    def submit(self, prompts, options=None, **kwargs):
-        answered = super().submit(prompts, options, **kwargs).wait()
-        handle = RequestHandle(len(prompts), kwargs.get("stream", False))
-
-        def finish_later() -> None:
-            for _ in range(3):
-                if not self._wait_for_a_tick():
-                    handle.fail(RuntimeError("the event loop stood still while the request ran"))
-                    return
-            for i, result in enumerate(answered):
-                handle.finish(i, result)
-
-        threading.Thread(target=finish_later, daemon=True).start()
-        return handle
 
 
 def test_async_paths_do_not_block_the_event_loop():
