@@ -242,7 +242,7 @@ def report(results, steps, warmups, breakdowns, out: Path, args, logs) -> None:
     print(f"\nGPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; bf16, batch 1, {mode}, "
           f"{len(steps)} steps, max_new_tokens={args.max_new_tokens}; tokens/s")
     print(f"{'configuration':<30}" + "".join(f"{d:>8}" for d in domains)
-          + f"{'overall':>9}{'vs ' + base_key.split()[1]:>10}{'same':>7}{'warm-up s':>10}")
+          + f"{'overall':>9} {'vs ' + base_key.split()[1]:>9}{'same':>7}{'warm-up s':>10}")
     overall_base = None
     for key, rows in results.items():
         per = defaultdict(lambda: [0, 0.0])
