@@ -163,16 +163,15 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def step_phases(engine: SpecEngine, work: list[Job], callers: int) -> dict:
     """ms per scheduler step by phase over `callers` callers running `work` on `engine`."""
-    from host_step import HOST_PHASES, instrument  # a script beside this one
+    from host_step import instrument  # a script beside this one
 
     clock = instrument(engine, engine.runner)
     steps0 = engine._scheduler.steps
     results, seconds = run_concurrent(engine, work, callers)
     steps = engine._scheduler.steps - steps0
     clock.undo()
-    ms = {p: clock.seconds.get(p, 0.0) / steps * 1e3 for p in (*HOST_PHASES, "forward", "flush")}
     return {"callers": callers, "steps": steps, "step_ms": seconds / steps * 1e3,
-            "tokens_per_step": sum(len(r.tokens) for r in results) / steps, "ms": ms}
+            "tokens_per_step": sum(len(r.tokens) for r in results) / steps, "ms": clock.ms_per_step(steps)}
 
 
 def main() -> None:

@@ -193,6 +193,10 @@ class PhaseClock:
         keep = had or isinstance(owner, type)
         self._undo.append(lambda: setattr(owner, name, inner) if keep else delattr(owner, name))
 
+    def ms_per_step(self, steps: int) -> dict[str, float]:
+        """ms per scheduler step of each phase (the host's, the forward and the router's flush)."""
+        return {p: self.seconds.get(p, 0.0) / steps * 1e3 for p in (*HOST_PHASES, "forward", "flush")}
+
     def undo(self) -> None:
         for undo in reversed(self._undo):
             undo()
@@ -296,7 +300,7 @@ def measure(rows: int, graphs: bool, repeats: int, per_row: int, seed: int) -> d
         steps = engine._scheduler.steps - steps0
         clock.undo()
         engine.close()
-        phases = {p: clock.seconds.get(p, 0.0) / steps * 1e3 for p in (*HOST_PHASES, "forward", "flush")}
+        phases = clock.ms_per_step(steps)
         result = {"rows": rows, "graphs": graphs, "steps": steps, "tokens": sum(map(len, outputs)),
                   "wall_s": wall, "host_ms": sum(phases[p] for p in HOST_PHASES), "phases_ms": phases}
         if r and (best is None or result["host_ms"] < best["host_ms"]):

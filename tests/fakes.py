@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 import time
@@ -186,6 +187,12 @@ class LoopWatchingEngine(ScriptedEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ticked = threading.Event()
+
+    async def tick(self) -> None:
+        """The ticker task a test runs beside its calls: marks every turn of its event loop."""
+        while True:
+            await asyncio.sleep(0.005)
+            self.ticked.set()
 
     def _wait_for_a_tick(self) -> bool:
         self.ticked.clear()

@@ -215,12 +215,7 @@ def test_async_paths_do_not_block_the_event_loop():
     model = ChatFlashSpec(engine=engine)
 
     async def main():
-        async def ticker():
-            while True:
-                await asyncio.sleep(0.005)
-                engine.ticked.set()
-
-        task = asyncio.create_task(ticker())
+        task = asyncio.create_task(engine.tick())
         parts = [c.content async for c in model.astream("x")]
         msg = await model.ainvoke("x")
         task.cancel()

@@ -104,12 +104,7 @@ def test_async_methods_do_not_block_the_event_loop(method):
     llm = FlashSpecLLM(engine=engine, max_new_tokens=200)
 
     async def run():
-        async def ticker():
-            while True:
-                await asyncio.sleep(0.005)
-                engine.ticked.set()
-
-        task = asyncio.create_task(ticker())
+        task = asyncio.create_task(engine.tick())
         if method == "acomplete":
             text = (await llm.acomplete("hello there")).text
         elif method == "achat":
